@@ -1,0 +1,136 @@
+"""The Falcon application: routes under both prefixes, one error shape, request logging.
+
+`create_app(config, store=...)` builds the app from its collaborators (tests pass their own);
+`get_app()` is what gunicorn loads: ``gunicorn 'bridge.app:get_app()'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import falcon
+
+from bridge.config import Config, load_config
+from bridge.resources import (
+    LegacyServiceInfo,
+    OpenAPI,
+    RequestError,
+    ServiceInfo,
+    Task,
+    Tasks,
+)
+from bridge.store import Store
+
+#: The spec's base path, and the one most clients use (Nextflow, py-tes, Funnel's CLI, Cromwell).
+PREFIXES = ("/ga4gh/tes/v1", "/v1")
+
+access_log = logging.getLogger("bridge.access")
+error_log = logging.getLogger("bridge.error")
+
+
+class DatabaseSession:
+    """A database connection for each request, returned (or pooled) when the answer is out."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.store.db.connect(reuse_if_open=True)
+
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool
+    ) -> None:
+        if not self.store.db.is_closed():
+            self.store.db.close()
+
+
+class AccessLog:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        req.context.started = time.perf_counter()
+
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool
+    ) -> None:
+        if not self.enabled:
+            return
+        access_log.info(
+            "%s %s %s",
+            req.method,
+            req.relative_uri,
+            resp.status_code,
+            extra={
+                "method": req.method,
+                "path": req.path,
+                "query": req.query_string,
+                "status": resp.status_code,
+                "duration_ms": round((time.perf_counter() - req.context.started) * 1000, 2),
+                "remote": req.remote_addr,
+            },
+        )
+
+
+def _error_body(status_code: int, message: str, errors: list[tuple[str, str]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": status_code, "message": message}
+    if errors:
+        body["errors"] = [
+            {"field": field, "message": text} if field else {"message": text}
+            for field, text in errors
+        ]
+    return body
+
+
+def _serialize_error(req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError) -> None:
+    """Every error answer has the same JSON shape: code, message and, for 400, the fields."""
+    errors = exc.errors if isinstance(exc, RequestError) else []
+    message = exc.description or exc.title or "error"
+    if exc.status_code == 405:
+        message = f"method {req.method} is not allowed on {req.path}"
+    elif exc.status_code == 404 and not isinstance(exc, RequestError):
+        message = f"no such endpoint: {req.path}"
+    resp.content_type = falcon.MEDIA_JSON
+    resp.media = _error_body(exc.status_code, message, errors)
+
+
+def _handle_unexpected(
+    req: falcon.Request, resp: falcon.Response, ex: Exception, params: Any
+) -> None:
+    if isinstance(ex, falcon.HTTPError):
+        raise ex
+    error_log.exception("unhandled error in %s %s", req.method, req.path)
+    raise falcon.HTTPInternalServerError(description="internal error; see the server log")
+
+
+def create_app(config: Config, *, store: Store) -> falcon.App:
+    app = falcon.App(
+        middleware=[AccessLog(config.server.access_log), DatabaseSession(store)],
+        cors_enable=False,
+    )
+    app.req_options.keep_blank_qs_values = True
+    app.req_options.auto_parse_qs_csv = False
+    app.set_error_serializer(_serialize_error)
+    app.add_error_handler(Exception, _handle_unexpected)
+
+    tasks = Tasks(config, store)
+    task = Task(store)
+    service_info = ServiceInfo(config, store)
+    openapi = OpenAPI(config)
+    # The literal `service-info` segment wins over `{task_id}` in Falcon's router.
+    app.add_route("/v1/tasks/service-info", LegacyServiceInfo(config, store))
+    for prefix in PREFIXES:
+        app.add_route(f"{prefix}/service-info", service_info)
+        app.add_route(f"{prefix}/tasks", tasks)
+        app.add_route(f"{prefix}/tasks/{{task_id}}", task)
+        app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
+        app.add_route(f"{prefix}/openapi.json", openapi)
+    return app
+
+
+def get_app() -> falcon.App:
+    """Entry point for gunicorn workers: configuration from the environment."""
+    config = load_config()
+    return create_app(config, store=Store.from_url(config.database_url))

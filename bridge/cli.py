@@ -1,0 +1,217 @@
+"""The `tes-bridge` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from bridge import __version__
+from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
+from bridge.logs import JsonFormatter, setup_logging
+
+log = logging.getLogger("bridge.cli")
+
+DESCRIPTION = """\
+tes-slurm-bridge: a GA4GH Task Execution Service (TES 1.1) server that runs tasks on Slurm
+as Apptainer/Singularity containers.
+
+Configuration: a TOML file (--config FILE or TES_BRIDGE_CONFIG; see
+deploy/tes-bridge.example.toml), overridden by TES_BRIDGE_DATABASE (a database URL),
+TES_BRIDGE_STATE_DIR and TES_BRIDGE_WORK_DIR.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tes-bridge",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tes-bridge {__version__}")
+    parser.add_argument(
+        "--config", metavar="FILE", help=f"TOML configuration file (default: ${ENV_CONFIG})"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the TES API under gunicorn, and the poller beside it",
+        description="Run the TES API (gunicorn workers) and, unless --no-poller, the poller "
+        "that submits tasks to Slurm and follows them. Logs are JSON lines on stderr.",
+    )
+    serve.add_argument(
+        "--bind", help="address:port to listen on (default: server.bind, 127.0.0.1:8000)"
+    )
+    serve.add_argument(
+        "--workers", type=int, help="gunicorn worker processes (default: server.workers)"
+    )
+    serve.add_argument(
+        "--no-poller",
+        action="store_true",
+        help="do not run the poller here (run `tes-bridge poller` as its own service)",
+    )
+
+    poller = commands.add_parser(
+        "poller",
+        help="run the poller alone: submit queued tasks, follow Slurm, carry out cancels",
+        description="Run the poller alone (for a separate service unit). Run exactly one "
+        "poller per store.",
+    )
+    poller.add_argument("--once", action="store_true", help="run one cycle and exit")
+
+    commands.add_parser(
+        "init-db",
+        help="create the database tables (serve and poller also do this on start)",
+    )
+    commands.add_parser("show-config", help="print the effective configuration as JSON")
+
+    job = commands.add_parser(
+        "job",
+        help="job-side commands run inside Slurm jobs (staging); not for interactive use",
+        add_help=False,
+    )
+    job.add_argument("job_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "job":
+        # The job side has its own parser and must not need the login node's configuration.
+        from bridge.job.cli import main as job_main
+
+        return job_main(args.job_args)
+
+    setup_logging(args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"tes-bridge: {exc}", file=sys.stderr)
+        return 2
+    if args.config:
+        # Gunicorn workers and the poller process read the same file.
+        os.environ[ENV_CONFIG] = os.path.abspath(args.config)
+
+    if args.command == "show-config":
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    if args.command == "init-db":
+        _init_store(config)
+        print(f"database ready: {_redact(config.database_url)}")
+        return 0
+    if args.command == "poller":
+        from bridge.poller import run_poller
+
+        _init_store(config)
+        return run_poller(config, once=args.once)
+    if args.command == "serve":
+        return serve(
+            config,
+            bind=args.bind,
+            workers=args.workers,
+            poller=not args.no_poller,
+            log_level=args.log_level,
+        )
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password, for messages."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        credentials, host = rest.rsplit("@", 1)
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}"
+    return url
+
+
+def _init_store(config: Config) -> None:
+    from bridge.store import Store
+
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store.from_url(config.database_url)
+    store.init_schema(__version__)
+    store.db.close()
+
+
+def _gunicorn_logconfig(level: str) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"level": level.upper(), "handlers": ["stderr"]},
+        "loggers": {
+            "gunicorn.error": {"level": level.upper(), "handlers": ["stderr"], "propagate": False},
+            "gunicorn.access": {"level": "WARNING", "handlers": [], "propagate": False},
+        },
+    }
+
+
+def serve(
+    config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
+) -> int:
+    from gunicorn.app.base import BaseApplication
+
+    from bridge.app import create_app
+    from bridge.store import Store
+
+    _init_store(config)
+    run_poller = poller and config.server.run_poller
+    poller_process: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_poller(arbiter: Any) -> None:
+        if run_poller:
+            argv = [sys.executable, "-m", "bridge", "--log-level", log_level, "poller"]
+            poller_process["p"] = subprocess.Popen(argv)
+            log.info("poller started", extra={"pid": poller_process["p"].pid})
+
+    def stop_poller(arbiter: Any) -> None:
+        process = poller_process.pop("p", None)
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    class Application(BaseApplication):  # type: ignore[misc]
+        def load_config(self) -> None:
+            options = {
+                "bind": bind or config.server.bind,
+                "workers": workers or config.server.workers,
+                "accesslog": None,
+                "logconfig_dict": _gunicorn_logconfig(log_level),
+                "when_ready": start_poller,
+                "on_exit": stop_poller,
+                "proc_name": "tes-bridge",
+                "timeout": 60,
+                "graceful_timeout": 20,
+            }
+            for key, value in options.items():
+                self.cfg.set(key, value)
+
+        def load(self) -> Any:
+            # Runs in each worker after the fork: every worker opens its own database connection.
+            return create_app(config, store=Store.from_url(config.database_url))
+
+    Application().run()
+    return 0

@@ -1,0 +1,219 @@
+"""One configuration object for every part of the bridge.
+
+Values come from, in increasing priority: the defaults below, a TOML file (``--config FILE`` or
+``TES_BRIDGE_CONFIG``), and a few environment variables (``TES_BRIDGE_DATABASE``,
+``TES_BRIDGE_STATE_DIR``, ``TES_BRIDGE_WORK_DIR``). ``deploy/tes-bridge.example.toml`` documents
+every key. Unknown keys are an error, so a typo in a site's config fails at start-up instead of
+being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_CONFIG = "TES_BRIDGE_CONFIG"
+ENV_DATABASE = "TES_BRIDGE_DATABASE"
+ENV_STATE_DIR = "TES_BRIDGE_STATE_DIR"
+ENV_WORK_DIR = "TES_BRIDGE_WORK_DIR"
+
+DEFAULT_STATE_DIR = Path("/var/lib/tes-bridge")
+
+#: The backend_parameters keys the Slurm backend understands (see bridge.render).
+SLURM_BACKEND_PARAMETERS = [
+    "partition",
+    "account",
+    "qos",
+    "time_limit",
+    "gres",
+    "gpus",
+    "constraint",
+    "reservation",
+]
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Section):
+    bind: str = "127.0.0.1:8000"
+    workers: int = Field(default=2, ge=1)
+    #: Run the poller inside `tes-bridge serve` (turn off when it runs as its own service).
+    run_poller: bool = True
+    access_log: bool = True
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_executors: int = Field(default=64, ge=1)
+    max_inputs: int = Field(default=4096, ge=0)
+    max_outputs: int = Field(default=4096, ge=0)
+    max_volumes: int = Field(default=256, ge=0)
+    max_tags: int = Field(default=256, ge=0)
+    #: Inline input `content`, per input. The TES document asks servers to accept 128 KiB.
+    max_content_bytes: int = Field(default=1024 * 1024, ge=128 * 1024)
+
+
+class ServiceInfoConfig(_Section):
+    id: str = "org.ga4gh.tes-slurm-bridge"
+    name: str = "tes-slurm-bridge"
+    description: str = "GA4GH Task Execution Service on Slurm with Apptainer containers"
+    organization_name: str = "tes-slurm-bridge"
+    organization_url: str = "https://example.org/tes-slurm-bridge"
+    documentation_url: str | None = None
+    contact_url: str | None = None
+    environment: str = "production"
+    created_at: str | None = None
+    updated_at: str | None = None
+    #: URL prefixes this deployment can stage from and to (service-info `storage`).
+    storage: list[str] = Field(default_factory=lambda: ["file://"])
+
+
+class BackendParametersConfig(_Section):
+    #: Keys accepted in a task's backend_parameters (compared case-insensitively).
+    supported: list[str] = Field(default_factory=lambda: list(SLURM_BACKEND_PARAMETERS))
+
+
+class SlurmConfig(_Section):
+    sbatch: str = "sbatch"
+    squeue: str = "squeue"
+    sacct: str = "sacct"
+    scancel: str = "scancel"
+    command_timeout: float = Field(default=30.0, gt=0)
+    poll_interval: float = Field(default=2.0, gt=0)
+    #: Partitions a task may name in `resources.zones` or backend_parameters.partition;
+    #: empty means any.
+    partitions: list[str] = Field(default_factory=list)
+    default_partition: str | None = None
+    preemptible_partition: str | None = None
+    preemptible_qos: str | None = None
+    default_time_limit: str | None = None
+    #: Extra `#SBATCH` lines, written as given (without the `#SBATCH` prefix).
+    extra_directives: list[str] = Field(default_factory=list)
+    #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).
+    prologue: str = ""
+    epilogue: str = ""
+    #: How many times a job lost to NODE_FAIL, PREEMPTED or BOOT_FAIL is submitted again.
+    retries: int = Field(default=2, ge=0)
+    submit_backoff_initial: float = Field(default=2.0, gt=0)
+    submit_backoff_max: float = Field(default=300.0, gt=0)
+
+
+class ContainerConfig(_Section):
+    #: `apptainer` or `singularity` (a name on PATH or an absolute path).
+    runtime: str = "apptainer"
+    #: Flags for every `exec`; `--userns` is needed where the runtime cannot use setuid.
+    exec_flags: list[str] = Field(default_factory=lambda: ["--cleanenv", "--contain"])
+    extra_flags: list[str] = Field(default_factory=list)
+    #: Registry used for unqualified names such as `alpine` or `ubuntu:22.04`.
+    default_registry: str = "docker.io"
+    #: Registries reached over plain HTTP (e.g. a local mirror `127.0.0.1:5000`).
+    insecure_registries: list[str] = Field(default_factory=list)
+    #: Shared SIF cache; defaults to `<state_dir>/images`.
+    cache_dir: Path | None = None
+    pull_timeout: float = Field(default=1800.0, gt=0)
+
+
+class StorageConfig(_Section):
+    #: Host directories that `file://` URLs and bare paths may read from and write to.
+    allowed_dirs: list[Path] = Field(default_factory=list)
+    #: How a shared-filesystem input enters the task directory: copy, hardlink or bind.
+    file_input_mode: str = "copy"
+
+    @field_validator("file_input_mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value not in {"copy", "hardlink", "bind"}:
+            raise ValueError("must be one of copy, hardlink, bind")
+        return value
+
+
+class JobConfig(_Section):
+    #: Where task directories live; must be on a filesystem the compute nodes share.
+    #: Defaults to `<state_dir>/work`.
+    work_dir: Path | None = None
+    #: A site's own template directory (searched before the packaged templates).
+    template_dir: Path | None = None
+    #: The Python that runs job-side commands on the compute node.
+    python: str = sys.executable
+    #: How much of each executor's stdout/stderr is kept in the task log (the tail).
+    log_tail_bytes: int = Field(default=10 * 1024, ge=0)
+    retention_days: float = Field(default=7.0, ge=0)
+    failed_retention_days: float = Field(default=30.0, ge=0)
+
+
+class Config(_Section):
+    state_dir: Path = DEFAULT_STATE_DIR
+    #: A peewee database URL (`sqlite:///path`, `postgresql://user:pw@host/db`);
+    #: defaults to a SQLite file in the state directory.
+    database: str | None = None
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    service_info: ServiceInfoConfig = Field(default_factory=ServiceInfoConfig)
+    backend_parameters: BackendParametersConfig = Field(default_factory=BackendParametersConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    job: JobConfig = Field(default_factory=JobConfig)
+
+    @property
+    def database_url(self) -> str:
+        return self.database or f"sqlite:///{self.state_dir / 'tes-bridge.db'}"
+
+    @property
+    def work_dir(self) -> Path:
+        return self.job.work_dir or self.state_dir / "work"
+
+    @property
+    def image_cache_dir(self) -> Path:
+        return self.container.cache_dir or self.state_dir / "images"
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Build the configuration from a TOML file, the environment and explicit overrides."""
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    path = path or env.get(ENV_CONFIG) or None
+    if path:
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    if env.get(ENV_DATABASE):
+        data["database"] = env[ENV_DATABASE]
+    if env.get(ENV_STATE_DIR):
+        data["state_dir"] = env[ENV_STATE_DIR]
+    if env.get(ENV_WORK_DIR):
+        data.setdefault("job", {})["work_dir"] = env[ENV_WORK_DIR]
+    for dotted, value in (overrides or {}).items():
+        section = data
+        *parents, key = dotted.split(".")
+        for parent in parents:
+            section = section.setdefault(parent, {})
+        section[key] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        source = f" in {path}" if path else ""
+        raise ConfigError(f"invalid configuration{source}: {problems}") from exc

@@ -1,0 +1,203 @@
+"""The API's own OpenAPI 3 document, served at `<prefix>/openapi.json`.
+
+Request schemas come from the same pydantic models that validate requests (bridge.tes), so the
+document cannot drift from what the server accepts; response schemas follow TES 1.1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge import __version__
+from bridge.config import Config
+from bridge.tes import State, TaskModel
+
+_REF = "#/components/schemas/"
+
+
+def _string(description: str = "") -> dict[str, Any]:
+    return {"type": "string", "description": description} if description else {"type": "string"}
+
+
+def _response_schemas() -> dict[str, Any]:
+    return {
+        "tesState": {"type": "string", "enum": [s.value for s in State]},
+        "tesExecutorLog": {
+            "type": "object",
+            "required": ["exit_code"],
+            "properties": {
+                "start_time": _string("RFC 3339"),
+                "end_time": _string("RFC 3339"),
+                "stdout": _string("The tail of the executor's stdout (FULL view)."),
+                "stderr": _string("The tail of the executor's stderr (FULL view)."),
+                "exit_code": {"type": "integer", "format": "int32"},
+            },
+        },
+        "tesOutputFileLog": {
+            "type": "object",
+            "required": ["url", "path", "size_bytes"],
+            "properties": {
+                "url": _string(),
+                "path": _string(),
+                "size_bytes": _string("int64 as a string"),
+            },
+        },
+        "tesTaskLog": {
+            "type": "object",
+            "required": ["logs", "outputs"],
+            "properties": {
+                "logs": {"type": "array", "items": {"$ref": _REF + "tesExecutorLog"}},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                "start_time": _string("RFC 3339"),
+                "end_time": _string("RFC 3339"),
+                "outputs": {"type": "array", "items": {"$ref": _REF + "tesOutputFileLog"}},
+                "system_logs": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "tesTask": {
+            "allOf": [
+                {"$ref": _REF + "tesTaskRequest"},
+                {
+                    "type": "object",
+                    "required": ["id", "state"],
+                    "properties": {
+                        "id": _string(),
+                        "state": {"$ref": _REF + "tesState"},
+                        "logs": {"type": "array", "items": {"$ref": _REF + "tesTaskLog"}},
+                        "creation_time": _string("RFC 3339"),
+                    },
+                },
+            ]
+        },
+        "tesCreateTaskResponse": {
+            "type": "object",
+            "required": ["id"],
+            "properties": {"id": _string()},
+        },
+        "tesListTasksResponse": {
+            "type": "object",
+            "required": ["tasks"],
+            "properties": {
+                "tasks": {"type": "array", "items": {"$ref": _REF + "tesTask"}},
+                "next_page_token": _string(),
+            },
+        },
+        "tesCancelTaskResponse": {"type": "object"},
+        "Error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "integer"},
+                "message": _string(),
+                "errors": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"field": _string(), "message": _string()},
+                    },
+                },
+            },
+        },
+    }
+
+
+def _json_response(schema: str, description: str = "OK") -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": _REF + schema}}},
+    }
+
+
+def openapi_document(config: Config) -> dict[str, Any]:
+    request = TaskModel.model_json_schema(ref_template=_REF + "{model}", mode="validation")
+    schemas = request.pop("$defs", {})
+    schemas["tesTaskRequest"] = request
+    schemas.update(_response_schemas())
+    errors = {
+        "400": _json_response("Error", "The request is malformed; `errors` names the fields."),
+        "404": _json_response("Error", "No such task."),
+    }
+    view = {
+        "name": "view",
+        "in": "query",
+        "schema": {"type": "string", "enum": ["MINIMAL", "BASIC", "FULL"], "default": "MINIMAL"},
+    }
+    task_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "openapi": "3.0.1",
+        "info": {
+            "title": config.service_info.name,
+            "description": "GA4GH Task Execution Service 1.1.0 on Slurm",
+            "version": __version__,
+        },
+        "servers": [{"url": "/ga4gh/tes/v1"}, {"url": "/v1"}],
+        "paths": {
+            "/service-info": {
+                "get": {
+                    "operationId": "GetServiceInfo",
+                    "responses": {"200": {"description": "GA4GH service-info with TES fields"}},
+                }
+            },
+            "/tasks": {
+                "get": {
+                    "operationId": "ListTasks",
+                    "parameters": [
+                        {"name": "name_prefix", "in": "query", "schema": {"type": "string"}},
+                        {"name": "state", "in": "query", "schema": {"$ref": _REF + "tesState"}},
+                        {
+                            "name": "tag_key",
+                            "in": "query",
+                            "schema": {"type": "array", "items": {"type": "string"}},
+                        },
+                        {
+                            "name": "tag_value",
+                            "in": "query",
+                            "schema": {"type": "array", "items": {"type": "string"}},
+                        },
+                        {
+                            "name": "page_size",
+                            "in": "query",
+                            "schema": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": 2047,
+                                "default": 256,
+                            },
+                        },
+                        {"name": "page_token", "in": "query", "schema": {"type": "string"}},
+                        view,
+                    ],
+                    "responses": {"200": _json_response("tesListTasksResponse"), **errors},
+                },
+                "post": {
+                    "operationId": "CreateTask",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": _REF + "tesTaskRequest"}}
+                        },
+                    },
+                    "responses": {
+                        "200": _json_response("tesCreateTaskResponse"),
+                        "400": errors["400"],
+                        "413": _json_response("Error", "The request body is too large."),
+                    },
+                },
+            },
+            "/tasks/{id}": {
+                "get": {
+                    "operationId": "GetTask",
+                    "parameters": [task_id, view],
+                    "responses": {"200": _json_response("tesTask"), **errors},
+                }
+            },
+            "/tasks/{id}:cancel": {
+                "post": {
+                    "operationId": "CancelTask",
+                    "parameters": [task_id],
+                    "responses": {"200": _json_response("tesCancelTaskResponse"), **errors},
+                }
+            },
+        },
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,244 @@
+"""Falcon responders: parse the request, call the store, shape the answer. Nothing else.
+
+The API never runs a Slurm command: a cancel is recorded in the store and the poller acts on it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import falcon
+
+from bridge import __version__
+from bridge.config import Config
+from bridge.openapi import openapi_document
+from bridge.store import InvalidPageToken, Store, TaskFilter
+from bridge.tes import (
+    Limits,
+    TaskValidationError,
+    View,
+    parse_state,
+    parse_view,
+    render_task,
+    validate_task,
+)
+
+DEFAULT_PAGE_SIZE = 256
+MAX_PAGE_SIZE = 2047
+
+
+class RequestError(falcon.HTTPError):
+    """A 4xx with our JSON shape; `errors` lists (field, message) pairs."""
+
+    def __init__(self, status: str, message: str, errors: list[tuple[str, str]] | None = None):
+        super().__init__(status, description=message)
+        self.errors = errors or []
+
+
+def _bad_request(exc: TaskValidationError) -> RequestError:
+    return RequestError(falcon.HTTP_400, str(exc), exc.errors)
+
+
+def _reject_nan(token: str) -> None:
+    raise ValueError(f"{token} is not valid JSON")
+
+
+def read_json_body(req: falcon.Request, max_bytes: int) -> Any:
+    """The body as JSON, whatever the Content-Type says (curl sends a form type by default)."""
+    if req.content_length is not None and req.content_length > max_bytes:
+        raise RequestError(
+            falcon.HTTP_413,
+            f"the request body is larger than this server accepts ({max_bytes} bytes)",
+        )
+    raw = req.bounded_stream.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise RequestError(
+            falcon.HTTP_413,
+            f"the request body is larger than this server accepts ({max_bytes} bytes)",
+        )
+    if not raw.strip():
+        raise RequestError(falcon.HTTP_400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_nan)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(falcon.HTTP_400, f"the request body is not valid JSON: {exc}") from None
+
+
+class Tasks:
+    """`/tasks`: create and list."""
+
+    def __init__(self, config: Config, store: Store):
+        self.config = config
+        self.store = store
+        limits = config.limits
+        self.limits = Limits(
+            max_executors=limits.max_executors,
+            max_inputs=limits.max_inputs,
+            max_outputs=limits.max_outputs,
+            max_volumes=limits.max_volumes,
+            max_tags=limits.max_tags,
+            max_content_bytes=limits.max_content_bytes,
+        )
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json_body(req, self.config.limits.max_body_bytes)
+        try:
+            task = validate_task(
+                body,
+                limits=self.limits,
+                supported_backend_parameters=self.config.backend_parameters.supported,
+            )
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
+        record = self.store.create_task(task.document, system_logs=task.warnings)
+        resp.media = {"id": record.id}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        try:
+            view = parse_view(req.get_param("view"))
+            state = req.get_param("state")
+            task_filter = TaskFilter(
+                name_prefix=req.get_param("name_prefix") or None,
+                state=parse_state(state).value if state else None,
+                tags=_tag_pairs(req),
+            )
+            page_size = _page_size(req.get_param("page_size"))
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
+        try:
+            records, next_token = self.store.list_tasks(
+                task_filter,
+                page_size=page_size,
+                page_token=req.get_param("page_token") or None,
+                full=view is not View.MINIMAL,
+            )
+        except InvalidPageToken as exc:
+            raise RequestError(
+                falcon.HTTP_400, f"page_token: {exc}", [("page_token", str(exc))]
+            ) from None
+        result: dict[str, Any] = {
+            "tasks": [
+                render_task(
+                    task_id=r.id,
+                    state=r.state,
+                    document=r.document,
+                    creation_time=r.creation_time,
+                    logs=r.logs,
+                    view=view,
+                )
+                for r in records
+            ]
+        }
+        if next_token:
+            result["next_page_token"] = next_token
+        resp.media = result
+
+
+def _tag_pairs(req: falcon.Request) -> list[tuple[str, str | None]]:
+    """tag_key/tag_value are paired by position; a missing or empty value matches any value."""
+    keys = req.get_param_as_list("tag_key") or []
+    values = req.get_param_as_list("tag_value") or []
+    if len(values) > len(keys):
+        raise TaskValidationError([("tag_value", "more tag_value than tag_key parameters")])
+    return [
+        (key, values[i] if i < len(values) and values[i] != "" else None)
+        for i, key in enumerate(keys)
+    ]
+
+
+def _page_size(value: str | None) -> int:
+    if value is None or value == "":
+        return DEFAULT_PAGE_SIZE
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if not 1 <= size <= MAX_PAGE_SIZE:
+        raise TaskValidationError([("page_size", f"must be an integer from 1 to {MAX_PAGE_SIZE}")])
+    return size
+
+
+class Task:
+    """`/tasks/{task_id}` and `/tasks/{task_id}:cancel`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
+        try:
+            view = parse_view(req.get_param("view"))
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
+        record = self.store.get_task(task_id, full=view is not View.MINIMAL)
+        if record is None:
+            raise _not_found(task_id)
+        resp.media = render_task(
+            task_id=record.id,
+            state=record.state,
+            document=record.document,
+            creation_time=record.creation_time,
+            logs=record.logs,
+            view=view,
+        )
+
+    def on_post_cancel(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
+        # The body is ignored (the compliance suite sends `{}`).
+        if self.store.cancel_task(task_id) is None:
+            raise _not_found(task_id)
+        resp.media = {}
+
+
+def _not_found(task_id: str) -> RequestError:
+    return RequestError(falcon.HTTP_404, f"task {task_id!r} not found")
+
+
+class ServiceInfo:
+    def __init__(self, config: Config, store: Store):
+        self.config = config
+        self.store = store
+
+    def document(self) -> dict[str, Any]:
+        info = self.config.service_info
+        result: dict[str, Any] = {
+            "id": info.id,
+            "name": info.name,
+            "type": {"group": "org.ga4gh", "artifact": "tes", "version": "1.1.0"},
+            "description": info.description,
+            "organization": {"name": info.organization_name, "url": info.organization_url},
+            "version": __version__,
+            "environment": info.environment,
+            "storage": list(info.storage),
+            "tesResources_backend_parameters": list(self.config.backend_parameters.supported),
+        }
+        optional = {
+            "documentationUrl": info.documentation_url,
+            "contactUrl": info.contact_url,
+            "createdAt": info.created_at or self.store.meta("created_at"),
+            "updatedAt": info.updated_at or self.store.meta("updated_at"),
+        }
+        result.update({k: v for k, v in optional.items() if v})
+        return result
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = self.document()
+
+
+class LegacyServiceInfo(ServiceInfo):
+    """`/v1/tasks/service-info` in the pre-1.0 shape: py-tes 0.4 fails on any other key."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        info = self.config.service_info
+        resp.media = {
+            "name": info.name,
+            "doc": info.description,
+            "storage": list(info.storage),
+        }
+
+
+class OpenAPI:
+    def __init__(self, config: Config):
+        self.document = openapi_document(config)
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = self.document

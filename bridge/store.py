@@ -1,0 +1,442 @@
+"""The task store: peewee models and every query the API and the poller make.
+
+SQLite (the embedded default, in WAL mode with a busy timeout so several API workers and the
+poller share one file) or PostgreSQL, chosen by a database URL. Tables are created on start and
+the schema version is recorded in ``bridge_meta`` so later versions can migrate.
+
+Listing is keyset-paginated over ``seq``, an integer that grows with creation order: a page
+token names the last ``seq`` seen and is signed with a per-store secret, so tasks created while
+a client pages never shift its pages, and a token the server did not issue is refused. Tags
+live in their own indexed table, so tag filters never scan task documents.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import peewee
+from playhouse.db_url import connect as connect_url
+
+from bridge.tes import TERMINAL_STATES, State, format_time
+
+SCHEMA_VERSION = 1
+
+database_proxy = peewee.DatabaseProxy()
+
+
+class _Model(peewee.Model):
+    class Meta:
+        database = database_proxy
+        legacy_table_names = False
+
+
+class TaskRow(_Model):
+    seq = peewee.AutoField()
+    id = peewee.CharField(max_length=64, unique=True)
+    state = peewee.CharField(max_length=16)
+    name = peewee.TextField(null=True, index=True)
+    owner = peewee.CharField(max_length=255, null=True)
+    creation_time = peewee.CharField(max_length=40)
+    #: The stored TES document (see bridge.tes.validate_task), as JSON.
+    document = peewee.TextField()
+    #: The task's `logs` array (one entry per Slurm attempt), as JSON.
+    logs = peewee.TextField(default="[]")
+    # Execution bookkeeping, owned by the poller.
+    job_id = peewee.CharField(max_length=64, null=True, index=True)
+    attempt = peewee.IntegerField(default=0)
+    #: Set just before sbatch runs; with no job_id it means "look for the job by name".
+    submit_started_at = peewee.FloatField(null=True)
+    #: Earliest time of the next submission try (back-off while Slurm is unreachable).
+    next_submit_at = peewee.FloatField(null=True)
+    #: Canceled by a client while a Slurm job may exist: the poller still has to scancel it.
+    cancel_pending = peewee.BooleanField(default=False)
+    updated_at = peewee.FloatField()
+
+    class Meta:
+        table_name = "tasks"
+        indexes = ((("state", "seq"), False), (("owner", "seq"), False))
+
+
+class TagRow(_Model):
+    task_seq = peewee.ForeignKeyField(
+        TaskRow, field=TaskRow.seq, column_name="task_seq", on_delete="CASCADE"
+    )
+    key = peewee.TextField()
+    value = peewee.TextField()
+
+    class Meta:
+        table_name = "task_tags"
+        primary_key = peewee.CompositeKey("task_seq", "key")
+        indexes = ((("key", "value", "task_seq"), False),)
+
+
+class MetaRow(_Model):
+    key = peewee.CharField(max_length=64, primary_key=True)
+    value = peewee.TextField()
+
+    class Meta:
+        table_name = "bridge_meta"
+
+
+MODELS = (TaskRow, TagRow, MetaRow)
+
+
+class InvalidPageToken(ValueError):
+    pass
+
+
+@dataclass
+class TaskRecord:
+    """A task as stored; `document`/`logs` are None when only id and state were read."""
+
+    seq: int
+    id: str
+    state: str
+    creation_time: str | None = None
+    document: dict[str, Any] | None = None
+    logs: list[dict[str, Any]] | None = None
+    owner: str | None = None
+    job_id: str | None = None
+    attempt: int = 0
+    submit_started_at: float | None = None
+    next_submit_at: float | None = None
+    cancel_pending: bool = False
+
+
+@dataclass
+class TaskFilter:
+    name_prefix: str | None = None
+    state: str | None = None
+    #: (key, value) pairs; value None matches any value of that key.
+    tags: list[tuple[str, str | None]] = field(default_factory=list)
+    owner: str | None = None
+
+
+def open_database(url: str) -> peewee.Database:
+    """A peewee database for a URL; SQLite gets WAL and a busy timeout, PostgreSQL a pool."""
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else parsed.path
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return peewee.SqliteDatabase(
+            path or ":memory:",
+            pragmas={
+                "journal_mode": "wal",
+                "busy_timeout": 10000,
+                "synchronous": "normal",
+                "foreign_keys": 1,
+                "cache_size": -32000,
+            },
+            timeout=10,
+        )
+    if parsed.scheme in ("postgres", "postgresql"):
+        # A small pool: each API worker is one process; connections are reused across requests.
+        pooled = url.replace(f"{parsed.scheme}://", "postgres+pool://", 1)
+        sep = "&" if "?" in pooled else "?"
+        return connect_url(f"{pooled}{sep}max_connections=8&stale_timeout=300")
+    return connect_url(url)
+
+
+def _now() -> float:
+    return time.time()
+
+
+def new_task_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Store:
+    def __init__(self, database: peewee.Database):
+        self.db = database
+        database_proxy.initialize(database)
+        self._secret: bytes | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> Store:
+        return cls(open_database(url))
+
+    @property
+    def is_sqlite(self) -> bool:
+        return isinstance(self.db, peewee.SqliteDatabase)
+
+    # ----------------------------------------------------------------------------- schema
+    def init_schema(self, version: str = "") -> None:
+        """Create missing tables and record the schema version (safe to run concurrently)."""
+        with self.db.connection_context(), self.db.atomic():
+            self.db.create_tables(MODELS, safe=True)
+            if not self.is_sqlite:
+                # For the name_prefix range, which compares with the "C" collation.
+                self.db.execute_sql(
+                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
+                )
+            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
+            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"the database has schema version {recorded.value}, newer than this "
+                    f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
+                )
+            now = format_time(datetime.now(UTC))
+            for key, value in (
+                ("schema_version", str(SCHEMA_VERSION)),
+                ("created_at", now),
+                ("page_token_secret", secrets.token_hex(32)),
+            ):
+                MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
+            if version:
+                previous = MetaRow.get_or_none(MetaRow.key == "version")
+                if previous is None or previous.value != version:
+                    for key, value in (("version", version), ("updated_at", now)):
+                        MetaRow.insert(key=key, value=value).on_conflict(
+                            conflict_target=[MetaRow.key], update={MetaRow.value: value}
+                        ).execute()
+
+    def meta(self, key: str) -> str | None:
+        row = MetaRow.get_or_none(MetaRow.key == key)
+        return None if row is None else row.value
+
+    # ----------------------------------------------------------------------------- create/read
+    def create_task(
+        self,
+        document: dict[str, Any],
+        *,
+        system_logs: Sequence[str] = (),
+        owner: str | None = None,
+    ) -> TaskRecord:
+        task_id = new_task_id()
+        created = format_time(datetime.now(UTC))
+        logs = (
+            [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
+        )
+        with self.db.atomic():
+            seq = TaskRow.insert(
+                id=task_id,
+                state=State.QUEUED.value,
+                name=document.get("name"),
+                owner=owner,
+                creation_time=created,
+                document=json.dumps(document, separators=(",", ":")),
+                logs=json.dumps(logs),
+                updated_at=_now(),
+            ).execute()
+            tags = document.get("tags") or {}
+            if tags:
+                TagRow.insert_many(
+                    [{"task_seq": seq, "key": k, "value": v} for k, v in tags.items()]
+                ).execute()
+        return TaskRecord(
+            seq=seq,
+            id=task_id,
+            state=State.QUEUED.value,
+            creation_time=created,
+            document=document,
+            logs=logs,
+            owner=owner,
+        )
+
+    def get_task(
+        self, task_id: str, *, owner: str | None = None, full: bool = True
+    ) -> TaskRecord | None:
+        query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
+        if owner is not None:
+            query = query.where(TaskRow.owner == owner)
+        row = query.first()
+        return None if row is None else _record(row, full)
+
+    def list_tasks(
+        self,
+        task_filter: TaskFilter,
+        *,
+        page_size: int,
+        page_token: str | None = None,
+        full: bool = True,
+    ) -> tuple[list[TaskRecord], str | None]:
+        """Newest first; returns the page and the token of the next page (None at the end)."""
+        query = TaskRow.select(*self._columns(full))
+        if page_token:
+            query = query.where(TaskRow.seq < self._decode_token(page_token))
+        if task_filter.owner is not None:
+            query = query.where(TaskRow.owner == task_filter.owner)
+        if task_filter.state:
+            query = query.where(TaskRow.state == task_filter.state)
+        if task_filter.name_prefix:
+            query = query.where(self._prefix_condition(task_filter.name_prefix))
+        for key, value in task_filter.tags:
+            tag = TagRow.select(TagRow.task_seq).where(TagRow.key == key)
+            if value is not None:
+                tag = tag.where(TagRow.value == value)
+            query = query.where(TaskRow.seq.in_(tag))
+        rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
+        more = len(rows) > page_size
+        rows = rows[:page_size]
+        token = self._encode_token(rows[-1].seq) if more and rows else None
+        return [_record(row, full) for row in rows], token
+
+    def _prefix_condition(self, prefix: str) -> peewee.Expression:
+        """Case-sensitive prefix match that can use an index on `name`.
+
+        A range `prefix <= name < successor(prefix)` plus an exact check. SQLite compares text
+        byte-wise (UTF-8 order is code point order); PostgreSQL compares with the "C" collation
+        so the range means the same whatever the database's locale.
+        """
+        exact = peewee.fn.substr(TaskRow.name, 1, len(prefix)) == prefix
+        upper = _prefix_successor(prefix)
+        if self.is_sqlite:
+            name: Any = TaskRow.name
+            low: Any = prefix
+            high: Any = upper
+        else:
+            collate_c = peewee.SQL('COLLATE "C"')
+            name = peewee.NodeList((TaskRow.name, collate_c))
+            low = peewee.NodeList((peewee.Value(prefix), collate_c))
+            high = upper and peewee.NodeList((peewee.Value(upper), collate_c))
+        condition = (name >= low) & exact
+        return condition & (name < high) if upper else condition
+
+    @staticmethod
+    def _columns(full: bool) -> list[peewee.Field]:
+        if full:
+            return list(TaskRow._meta.sorted_fields)
+        return [TaskRow.seq, TaskRow.id, TaskRow.state]
+
+    # ----------------------------------------------------------------------------- tokens
+    def _token_secret(self) -> bytes:
+        if self._secret is None:
+            value = self.meta("page_token_secret")
+            if value is None:
+                raise RuntimeError("the store is not initialised; run init_schema() first")
+            self._secret = bytes.fromhex(value)
+        return self._secret
+
+    def _encode_token(self, seq: int) -> str:
+        payload = str(seq).encode()
+        mac = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
+        return base64.urlsafe_b64encode(payload + b"." + mac).decode().rstrip("=")
+
+    def _decode_token(self, token: str) -> int:
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            payload, mac = raw.split(b".", 1)
+            expected = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
+            if hmac.compare_digest(mac, expected):
+                return int(payload)
+        except (ValueError, TypeError):
+            pass
+        raise InvalidPageToken("page_token was not issued by this server")
+
+    # ----------------------------------------------------------------------------- cancel
+    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
+        """Mark a task CANCELED at once (clients treat only final states as final).
+
+        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
+        terminal task keeps its state. Returns None for an unknown id.
+        """
+        with self.db.atomic():
+            query = TaskRow.select(
+                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
+            ).where(TaskRow.id == task_id)
+            if owner is not None:
+                query = query.where(TaskRow.owner == owner)
+            row = query.first()
+            if row is None:
+                return None
+            if row.state in TERMINAL_STATES:
+                return _record(row, False)
+            may_have_job = row.job_id is not None or row.submit_started_at is not None
+            TaskRow.update(
+                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
+            ).where(
+                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+            ).execute()
+        return self.get_task(task_id, full=False)
+
+    # ----------------------------------------------------------------------------- poller
+    def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
+        """QUEUED tasks with no job and no submission in flight, oldest first."""
+        rows = (
+            TaskRow.select()
+            .where(
+                (TaskRow.state == State.QUEUED.value)
+                & TaskRow.job_id.is_null()
+                & TaskRow.submit_started_at.is_null()
+                & (TaskRow.next_submit_at.is_null() | (TaskRow.next_submit_at <= now))
+            )
+            .order_by(TaskRow.seq)
+            .limit(limit)
+        )
+        return [_record(row, True) for row in rows]
+
+    def tasks_in_flight(self) -> list[TaskRecord]:
+        """Tasks that have (or may have) a Slurm job the poller must watch or cancel."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        rows = (
+            TaskRow.select()
+            .where(
+                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .order_by(TaskRow.seq)
+        )
+        return [_record(row, True) for row in rows]
+
+    def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
+        """Apply poller changes; a terminal task's state never changes.
+
+        `logs` may be given as a list (stored as JSON). Returns whether a row changed.
+        """
+        if "logs" in changes:
+            changes["logs"] = json.dumps(changes["logs"])
+        changes["updated_at"] = _now()
+        query = TaskRow.update(**changes).where(TaskRow.id == task_id)
+        if not allow_terminal:
+            query = query.where(TaskRow.state.not_in([s.value for s in TERMINAL_STATES]))
+        return query.execute() > 0
+
+    def finished_before(self, cutoff: float, states: Iterable[str]) -> list[TaskRecord]:
+        rows = TaskRow.select(*self._columns(False)).where(
+            TaskRow.state.in_(list(states)) & (TaskRow.updated_at < cutoff)
+        )
+        return [_record(row, False) for row in rows]
+
+
+def _prefix_successor(prefix: str) -> str | None:
+    """The smallest string greater than every string that starts with `prefix`."""
+    while prefix:
+        code = ord(prefix[-1]) + 1
+        if code == 0xD800:  # skip the surrogate block, which cannot be stored
+            code = 0xE000
+        if code <= 0x10FFFF:
+            return prefix[:-1] + chr(code)
+        prefix = prefix[:-1]
+    return None
+
+
+def _record(row: TaskRow, full: bool) -> TaskRecord:
+    if not full:
+        return TaskRecord(seq=row.seq, id=row.id, state=row.state)
+    return TaskRecord(
+        seq=row.seq,
+        id=row.id,
+        state=row.state,
+        creation_time=row.creation_time,
+        document=json.loads(row.document),
+        logs=json.loads(row.logs),
+        owner=row.owner,
+        job_id=row.job_id,
+        attempt=row.attempt,
+        submit_started_at=row.submit_started_at,
+        next_submit_at=row.next_submit_at,
+        cancel_pending=row.cancel_pending,
+    )

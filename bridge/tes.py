@@ -1,0 +1,496 @@
+"""TES 1.1 documents: validation of a posted task, states, views and wire spellings.
+
+This module knows nothing of Slurm, HTTP or the database. A posted task goes through
+:func:`validate_task`, which returns the *stored document*: the task as the client sent it
+(camelCase aliases folded to snake_case, explicit nulls and unknown fields dropped, a missing
+input/output ``type`` filled in as ``FILE``). Responses are built from that document by
+:func:`render_task` in one of the three views.
+
+Validation is done by pydantic models in strict mode (``"4"`` is not an integer, ``1`` is not a
+string); their errors are turned into one message per field path, e.g.
+``executors[0].command: must be a non-empty array of strings``.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+
+class State(StrEnum):
+    UNKNOWN = "UNKNOWN"
+    QUEUED = "QUEUED"
+    INITIALIZING = "INITIALIZING"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    COMPLETE = "COMPLETE"
+    EXECUTOR_ERROR = "EXECUTOR_ERROR"
+    SYSTEM_ERROR = "SYSTEM_ERROR"
+    CANCELED = "CANCELED"
+    PREEMPTED = "PREEMPTED"
+    CANCELING = "CANCELING"
+
+
+#: Nothing moves a task out of these states.
+TERMINAL_STATES = frozenset(
+    {State.COMPLETE, State.EXECUTOR_ERROR, State.SYSTEM_ERROR, State.CANCELED}
+)
+
+#: Earlier TES versions (and clients generated from them) spell it this way.
+STATE_ALIASES = {"INITILIZING": State.INITIALIZING}
+
+
+class View(StrEnum):
+    MINIMAL = "MINIMAL"
+    BASIC = "BASIC"
+    FULL = "FULL"
+
+
+class TaskValidationError(ValueError):
+    """A posted task (or a query) does not conform; ``errors`` lists ``(field, message)``."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        first_field, first_message = errors[0]
+        text = f"{first_field}: {first_message}" if first_field else first_message
+        if len(errors) > 1:
+            text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        super().__init__(text)
+
+
+# --------------------------------------------------------------------------------------------
+# Models of a posted task
+# --------------------------------------------------------------------------------------------
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_WILDCARD = re.compile(r"[*?\[]")
+_INT32_MAX = 2**31 - 1
+
+
+class FileType(StrEnum):
+    FILE = "FILE"
+    DIRECTORY = "DIRECTORY"
+
+
+def _check_container_path(value: str) -> str:
+    """A container path must be absolute and normalised, so it maps to exactly one host path."""
+    if not value.startswith("/") or value.startswith("//"):
+        raise ValueError("must be an absolute path")
+    if value == "/":
+        raise ValueError("must not be the container's root directory")
+    if posixpath.normpath(value) != value:
+        raise ValueError("must be a normalised absolute path (no '.', '..', '//' or trailing '/')")
+    return value
+
+
+ContainerPath = Annotated[StrictStr, AfterValidator(_check_container_path)]
+
+
+def _file_type(value: Any) -> Any:
+    # Strict mode wants an enum instance; JSON gives the name.
+    return FileType(value) if value in ("FILE", "DIRECTORY") else value
+
+
+def _integral(value: Any) -> Any:
+    # JSON encoders write 2.0 for a float that holds an integer; take it as 2.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+class _Document(BaseModel):
+    # Strict types, unknown fields ignored (TES clients send extra fields), no NaN/Infinity.
+    model_config = ConfigDict(
+        extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True
+    )
+
+
+class InputModel(_Document):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    url: StrictStr | None = None
+    path: ContainerPath
+    type: Annotated[FileType, BeforeValidator(_file_type)] = FileType.FILE
+    content: StrictStr | None = None
+    streamable: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _url_or_content(self) -> InputModel:
+        if self.content is None and not self.url:
+            raise ValueError("an input needs a `url` or a `content`")
+        if self.content is not None and self.type == FileType.DIRECTORY:
+            raise ValueError("an input with `content` must be of type FILE")
+        return self
+
+
+class OutputModel(_Document):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    url: Annotated[StrictStr, Field(min_length=1)]
+    path: ContainerPath
+    path_prefix: StrictStr | None = None
+    type: Annotated[FileType, BeforeValidator(_file_type)] = FileType.FILE
+
+    @model_validator(mode="after")
+    def _wildcards_need_prefix(self) -> OutputModel:
+        if _WILDCARD.search(self.path) and not self.path_prefix:
+            raise ValueError("an output whose `path` has wildcards needs a `path_prefix`")
+        return self
+
+
+class ExecutorModel(_Document):
+    image: Annotated[StrictStr, Field(min_length=1)]
+    command: Annotated[list[StrictStr], Field(min_length=1)]
+    workdir: ContainerPath | None = None
+    stdin: ContainerPath | None = None
+    stdout: ContainerPath | None = None
+    stderr: ContainerPath | None = None
+    env: dict[StrictStr, StrictStr] | None = None
+    ignore_error: StrictBool | None = None
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        if value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError("must be an image name without white space")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for name in value or {}:
+            if not _ENV_NAME.match(name):
+                raise ValueError(
+                    f"{name!r} is not a valid environment variable name "
+                    "(letters, digits and '_', not starting with a digit)"
+                )
+        return value
+
+
+def _non_negative_number(value: Any) -> Any:
+    # Strict mode would accept only floats for `float` fields; JSON clients send 4 or 4.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("must be a non-negative number")
+    return float(value)
+
+
+NonNegativeNumber = Annotated[float, BeforeValidator(_non_negative_number)]
+
+
+class ResourcesModel(_Document):
+    cpu_cores: Annotated[int, BeforeValidator(_integral), Field(ge=0, le=_INT32_MAX)] | None = (
+        Field(default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores"))
+    )
+    preemptible: StrictBool | None = None
+    ram_gb: NonNegativeNumber | None = Field(
+        default=None, validation_alias=AliasChoices("ram_gb", "ramGb")
+    )
+    disk_gb: NonNegativeNumber | None = Field(
+        default=None, validation_alias=AliasChoices("disk_gb", "diskGb")
+    )
+    zones: list[Annotated[StrictStr, Field(min_length=1)]] | None = None
+    backend_parameters: dict[StrictStr, StrictStr] | None = None
+    backend_parameters_strict: StrictBool | None = None
+
+
+class TaskModel(_Document):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    inputs: list[InputModel] | None = None
+    outputs: list[OutputModel] | None = None
+    resources: ResourcesModel | None = None
+    executors: Annotated[list[ExecutorModel], Field(min_length=1)]
+    volumes: list[ContainerPath] | None = None
+    tags: dict[StrictStr, StrictStr] | None = None
+
+
+# Messages for the fields whose generic pydantic wording would not help a client.
+_FIELD_MESSAGES = {
+    "executors": "must be a non-empty array of executors",
+    "command": "must be a non-empty array of strings",
+    "image": "must be a non-empty string",
+    "url": "must be a non-empty string",
+    "zones": "must be an array of non-empty strings",
+    "env": "must be an object whose values are strings",
+    "tags": "must be an object whose values are strings",
+    "backend_parameters": "must be an object whose values are strings",
+    "cpu_cores": "must be a non-negative integer",
+    "type": "must be FILE or DIRECTORY",
+}
+
+_GENERIC_MESSAGES = {
+    "missing": "is required",
+    "string_type": "must be a string",
+    "bool_type": "must be true or false",
+    "list_type": "must be an array",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "int_type": "must be an integer",
+    "enum": "must be one of FILE, DIRECTORY",
+    "too_short": "must not be empty",
+    "greater_than_equal": "must not be negative",
+}
+
+
+def format_field_path(loc: Iterable[str | int]) -> str:
+    """``("executors", 0, "command")`` -> ``executors[0].command``."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
+    loc = [p for p in error["loc"] if p not in ("function-after", "function-before")]
+    # A dedicated message applies to an error at the field itself or at one element of it,
+    # reported at the field (`executors[0].command`, not `executors[0].command[2]`).
+    if error["type"] not in ("missing", "value_error"):
+        for depth, part in enumerate(loc):
+            rest = loc[depth + 1 :]
+            if part in _FIELD_MESSAGES and len(rest) <= 1 and all(isinstance(p, int) for p in rest):
+                return format_field_path(loc[: depth + 1]), _FIELD_MESSAGES[part]
+    if error["type"] == "value_error":
+        message = str(error.get("ctx", {}).get("error", error["msg"]))
+    else:
+        message = _GENERIC_MESSAGES.get(error["type"], error["msg"])
+    return format_field_path(loc), message
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_executors: int = 64
+    max_inputs: int = 4096
+    max_outputs: int = 4096
+    max_volumes: int = 256
+    max_tags: int = 256
+    max_content_bytes: int = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ValidatedTask:
+    document: dict[str, Any]
+    #: Warnings for the task's system_logs (e.g. dropped backend parameters).
+    warnings: list[str]
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Explicit nulls mean "absent" (Cromwell sends them); nulls inside arrays stay errors."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _unstorable_strings(value: Any, loc: tuple[str | int, ...] = ()) -> Iterator[tuple[str, str]]:
+    """NUL characters and lone surrogates parse as JSON but cannot be stored or run."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            yield format_field_path(loc), "must not contain NUL characters"
+        else:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                yield format_field_path(loc), "must be valid UTF-8 (lone surrogate)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                yield from _unstorable_strings(key, (*loc, key))
+            yield from _unstorable_strings(item, (*loc, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _unstorable_strings(item, (*loc, index))
+
+
+def validate_task(
+    body: Any,
+    *,
+    limits: Limits = Limits(),
+    supported_backend_parameters: Iterable[str] = (),
+) -> ValidatedTask:
+    """Check a posted task and return the document to store, or raise TaskValidationError."""
+    if not isinstance(body, dict):
+        raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
+    body = _drop_nulls(body)
+    bad_strings = list(_unstorable_strings(body))
+    if bad_strings:
+        raise TaskValidationError(bad_strings)
+    try:
+        model = TaskModel.model_validate(body)
+    except ValidationError as exc:
+        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
+
+    problems = _check_limits(model, limits)
+    if problems:
+        raise TaskValidationError(problems)
+
+    document = model.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    # The server fills in a missing input/output type (TES: "required that the server fill in").
+    for kind in ("inputs", "outputs"):
+        for item in document.get(kind, []):
+            item.setdefault("type", FileType.FILE.value)
+    warnings = _filter_backend_parameters(document, supported_backend_parameters)
+    return ValidatedTask(document=document, warnings=warnings)
+
+
+def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
+    problems = []
+    for field, count, limit in (
+        ("executors", len(model.executors), limits.max_executors),
+        ("inputs", len(model.inputs or ()), limits.max_inputs),
+        ("outputs", len(model.outputs or ()), limits.max_outputs),
+        ("volumes", len(model.volumes or ()), limits.max_volumes),
+        ("tags", len(model.tags or ()), limits.max_tags),
+    ):
+        if count > limit:
+            problems.append((field, f"at most {limit} allowed on this server, got {count}"))
+    for index, item in enumerate(model.inputs or ()):
+        if item.content is not None and len(item.content.encode()) > limits.max_content_bytes:
+            problems.append(
+                (
+                    f"inputs[{index}].content",
+                    f"inline content is limited to {limits.max_content_bytes} bytes on this "
+                    "server; stage larger files by `url`",
+                )
+            )
+    return problems
+
+
+def _filter_backend_parameters(document: dict[str, Any], supported: Iterable[str]) -> list[str]:
+    """Keep the supported keys (case-insensitively); strict mode refuses the others."""
+    resources = document.get("resources")
+    if not resources or "backend_parameters" not in resources:
+        return []
+    allowed = {key.lower() for key in supported}
+    given: dict[str, str] = resources["backend_parameters"]
+    unsupported = sorted(key for key in given if key.lower() not in allowed)
+    if not unsupported:
+        return []
+    if resources.get("backend_parameters_strict"):
+        raise TaskValidationError(
+            [
+                (
+                    f"resources.backend_parameters.{key}",
+                    "is not supported by this server (backend_parameters_strict is true); "
+                    f"supported: {', '.join(sorted(allowed)) or 'none'}",
+                )
+                for key in unsupported
+            ]
+        )
+    kept = {k: v for k, v in given.items() if k.lower() in allowed}
+    if kept:
+        resources["backend_parameters"] = kept
+    else:
+        del resources["backend_parameters"]
+    return [
+        f"backend parameter {key!r} is not supported by this server and was ignored"
+        for key in unsupported
+    ]
+
+
+def parse_state(value: str) -> State:
+    """A state name from a query string; accepts the old INITILIZING spelling."""
+    if value in STATE_ALIASES:
+        return STATE_ALIASES[value]
+    try:
+        return State(value)
+    except ValueError:
+        raise TaskValidationError(
+            [("state", f"unknown state {value!r}; one of {', '.join(s.value for s in State)}")]
+        ) from None
+
+
+def parse_view(value: str | None) -> View:
+    if value is None or value == "":
+        return View.MINIMAL
+    try:
+        return View(value.upper())
+    except ValueError:
+        raise TaskValidationError([("view", "must be one of MINIMAL, BASIC, FULL")]) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def format_time(moment: datetime) -> str:
+    """RFC 3339 in UTC with a `Z`, e.g. ``2026-11-22T02:24:15.123456Z``."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def render_task(
+    *,
+    task_id: str,
+    state: str,
+    document: Mapping[str, Any] | None,
+    creation_time: str | None,
+    logs: list[dict[str, Any]] | None,
+    view: View,
+) -> dict[str, Any]:
+    """Build the wire form of a task in a view. No nulls and nothing outside the spec."""
+    if view is View.MINIMAL:
+        return {"id": task_id, "state": state}
+    assert document is not None
+    task: dict[str, Any] = {"id": task_id, "state": state}
+    for key, value in document.items():
+        if view is View.BASIC and key == "inputs":
+            value = [{k: v for k, v in item.items() if k != "content"} for item in value]
+        task[key] = value
+    if logs:
+        task["logs"] = [_render_task_log(entry, view) for entry in logs]
+    if creation_time:
+        task["creation_time"] = creation_time
+    return task
+
+
+def _render_task_log(entry: Mapping[str, Any], view: View) -> dict[str, Any]:
+    log: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key == "logs":
+            value = [
+                {
+                    k: v
+                    for k, v in executor_log.items()
+                    if view is View.FULL or k not in ("stdout", "stderr")
+                }
+                for executor_log in value
+            ]
+        elif key == "system_logs" and view is not View.FULL:
+            continue
+        log[key] = value
+    # TES requires both lists on every task log, even when empty.
+    log.setdefault("logs", [])
+    log.setdefault("outputs", [])
+    return log

@@ -1,0 +1,57 @@
+"""tes-slurm-bridge: a GA4GH TES 1.1 server that runs tasks on Slurm with Apptainer."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).parent
+
+
+class BuildWithTemplates(build_py):
+    """Install the top-level templates/ directory as package data at bridge/templates."""
+
+    def run(self) -> None:
+        super().run()
+        target = Path(self.build_lib) / "bridge" / "templates"
+        target.mkdir(parents=True, exist_ok=True)
+        for template in (HERE / "templates").glob("*"):
+            if template.is_file():
+                self.copy_file(str(template), str(target / template.name))
+
+
+setup(
+    name="tes-slurm-bridge",
+    version="0.1.0",
+    description="GA4GH Task Execution Service (TES 1.1) server for Slurm clusters",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["bridge", "bridge.*"]),
+    cmdclass={"build_py": BuildWithTemplates},
+    install_requires=[
+        "falcon>=4.0,<5",
+        "gunicorn>=22",
+        "peewee>=3.17",
+        "pydantic>=2.6,<3",
+        "Jinja2>=3.1",
+        "spython>=0.3.13",
+    ],
+    extras_require={
+        "postgresql": ["psycopg2-binary>=2.9"],
+        "test": [
+            "pytest>=8",
+            "py-tes>=1.1",
+            "requests>=2.31",
+            "psycopg2-binary>=2.9",
+            "ruff>=0.6",
+        ],
+    },
+    entry_points={"console_scripts": ["tes-bridge = bridge.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Bio-Informatics",
+        "Topic :: System :: Distributed Computing",
+    ],
+)

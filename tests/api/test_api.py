@@ -1,0 +1,680 @@
+"""The TES HTTP API through Falcon's test client, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from falcon import testing
+
+from bridge.app import create_app
+from bridge.config import load_config
+from bridge.tes import State
+
+PREFIXES = ["/ga4gh/tes/v1", "/v1"]
+ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+
+
+def create(client: testing.TestClient, body: Any, prefix: str = "/v1", **kw: Any) -> str:
+    result = client.simulate_post(f"{prefix}/tasks", json=body, **kw)
+    assert result.status_code == 200, result.text
+    assert set(result.json) == {"id"}
+    return result.json["id"]
+
+
+def get(client: testing.TestClient, task_id: str, view: str | None = None) -> dict[str, Any]:
+    params = {"view": view} if view else None
+    result = client.simulate_get(f"/ga4gh/tes/v1/tasks/{task_id}", params=params)
+    assert result.status_code == 200, result.text
+    return result.json
+
+
+def assert_no_nulls(value: Any) -> None:
+    assert value is not None
+    if isinstance(value, dict):
+        for item in value.values():
+            assert_no_nulls(item)
+    elif isinstance(value, list):
+        for item in value:
+            assert_no_nulls(item)
+
+
+# ------------------------------------------------------------------------------------- routes
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_every_endpoint_answers_under_both_prefixes(client, prefix):
+    task_id = create(client, ECHO, prefix)
+    assert client.simulate_get(f"{prefix}/tasks/{task_id}").json == {
+        "id": task_id,
+        "state": "QUEUED",
+    }
+    assert client.simulate_get(f"{prefix}/tasks").json["tasks"][0]["id"] == task_id
+    assert client.simulate_post(f"{prefix}/tasks/{task_id}:cancel").json == {}
+    assert client.simulate_get(f"{prefix}/service-info").json["type"]["artifact"] == "tes"
+    document = client.simulate_get(f"{prefix}/openapi.json").json
+    assert "/tasks/{id}:cancel" in document["paths"]
+    assert "tesTaskRequest" in document["components"]["schemas"]
+
+
+def test_legacy_service_info_has_exactly_the_old_shape(client):
+    result = client.simulate_get("/v1/tasks/service-info")
+    assert result.status_code == 200
+    assert set(result.json) == {"name", "doc", "storage"}
+
+
+def test_service_info_has_the_ga4gh_fields(client):
+    info = client.simulate_get("/ga4gh/tes/v1/service-info").json
+    assert info["type"] == {"group": "org.ga4gh", "artifact": "tes", "version": "1.1.0"}
+    for key in ("id", "name", "description", "version", "environment", "createdAt", "updatedAt"):
+        assert isinstance(info[key], str) and info[key], key
+    assert set(info["organization"]) == {"name", "url"}
+    assert info["organization"]["url"].startswith("https://")
+    assert info["storage"] == ["file://"]
+    assert "partition" in info["tesResources_backend_parameters"]
+    assert "contactUrl" not in info
+    assert_no_nulls(info)
+
+
+def test_service_info_comes_from_config(tmp_path, store):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(
+        '[service_info]\nname = "HPC TES"\ncontact_url = "mailto:hpc@example.org"\n'
+        'documentation_url = "https://docs.example.org"\nstorage = ["file://", "s3://"]\n'
+        '[backend_parameters]\nsupported = ["account"]\n'
+    )
+    config = load_config(config_file, environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)})
+    info = testing.TestClient(create_app(config, store=store)).simulate_get("/v1/service-info").json
+    assert info["name"] == "HPC TES"
+    assert info["contactUrl"] == "mailto:hpc@example.org"
+    assert info["documentationUrl"] == "https://docs.example.org"
+    assert info["storage"] == ["file://", "s3://"]
+    assert info["tesResources_backend_parameters"] == ["account"]
+
+
+def test_wrong_method_is_405_with_the_error_shape(client):
+    result = client.simulate_delete("/v1/tasks")
+    assert result.status_code == 405
+    assert result.json["code"] == 405 and "DELETE" in result.json["message"]
+    assert client.simulate_put("/ga4gh/tes/v1/tasks/abc").status_code == 405
+
+
+def test_unknown_path_is_404_json(client):
+    result = client.simulate_get("/v1/nothing-here")
+    assert result.status_code == 404
+    assert result.json["code"] == 404
+
+
+# ------------------------------------------------------------------------------------- create
+
+
+def test_create_answers_200_with_only_the_id(client):
+    result = client.simulate_post("/v1/tasks", json=ECHO)
+    assert result.status_code == 200
+    assert result.headers["content-type"].startswith("application/json")
+    assert list(result.json) == ["id"]
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/x-www-form-urlencoded", "text/plain", None, "application/json; charset=utf-8"],
+)
+def test_a_json_body_is_accepted_whatever_the_content_type(client, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    result = client.simulate_post("/v1/tasks", body=json.dumps(ECHO), headers=headers)
+    assert result.status_code == 200, result.text
+
+
+def test_task_is_returned_as_sent_plus_output_fields(client):
+    body = {
+        "name": "align",
+        "description": "bwa mem",
+        "inputs": [
+            {"url": "file:///data/ref.fa", "path": "/in/ref.fa"},
+            {"content": "hello", "path": "/in/hello.txt", "type": "FILE", "streamable": True},
+        ],
+        "outputs": [{"url": "file:///data/out", "path": "/out", "type": "DIRECTORY"}],
+        "resources": {"cpu_cores": 4, "ram_gb": 1.5, "disk_gb": 10, "preemptible": False},
+        "executors": [
+            {
+                "image": "alpine",
+                "command": ["sh", "-c", "echo $X"],
+                "workdir": "/in",
+                "env": {"X": "1"},
+                "stdout": "/out/stdout.txt",
+            }
+        ],
+        "volumes": ["/scratch"],
+        "tags": {"project": "p1", "empty": ""},
+    }
+    task_id = create(client, body)
+    task = get(client, task_id, "FULL")
+    assert task["id"] == task_id
+    assert task["state"] == "QUEUED"
+    assert task["creation_time"].endswith("Z")
+    expected = json.loads(json.dumps(body))
+    expected["inputs"][0]["type"] = "FILE"  # a missing type is returned as FILE
+    for key, value in expected.items():
+        assert task[key] == value, key
+    assert "logs" not in task  # nothing has run yet
+    assert_no_nulls(task)
+
+
+def test_defaults_are_not_added_to_the_returned_task(client):
+    task = get(client, create(client, ECHO), "FULL")
+    executor = task["executors"][0]
+    assert executor == {"image": "alpine", "command": ["echo", "hello"]}
+    for absent in ("resources", "inputs", "outputs", "volumes", "tags", "name"):
+        assert absent not in task
+
+
+def test_explicit_nulls_are_treated_as_absent(client):
+    body = {
+        "name": None,
+        "inputs": None,
+        "resources": {"cpu_cores": None, "ram_gb": 2, "zones": None},
+        "executors": [
+            {
+                "image": "alpine",
+                "command": ["true"],
+                "env": None,
+                "workdir": None,
+                "ignore_error": None,
+            }
+        ],
+        "tags": None,
+    }
+    task = get(client, create(client, body), "FULL")
+    assert task["resources"] == {"ram_gb": 2.0}
+    assert task["executors"] == [{"image": "alpine", "command": ["true"]}]
+    assert_no_nulls(task)
+
+
+def test_camel_case_aliases_are_accepted_and_returned_snake_case(client):
+    body = {"resources": {"cpuCores": 2, "ramGb": 4, "diskGb": 1.5}, **ECHO}
+    task = get(client, create(client, body), "FULL")
+    assert task["resources"] == {"cpu_cores": 2, "ram_gb": 4.0, "disk_gb": 1.5}
+
+
+def test_unknown_fields_are_ignored_and_not_returned(client):
+    body = {
+        "surprise": 1,
+        "id": "client-chosen",
+        "state": "COMPLETE",
+        "executors": [{"image": "alpine", "command": ["true"], "gpu": "yes"}],
+    }
+    task_id = create(client, body)
+    assert task_id != "client-chosen"
+    task = get(client, task_id, "FULL")
+    assert "surprise" not in task and task["state"] == "QUEUED"
+    assert task["executors"] == [{"image": "alpine", "command": ["true"]}]
+
+
+def test_content_of_128_kib_is_accepted(client):
+    content = "x" * (128 * 1024)
+    body = {"inputs": [{"path": "/in/big.txt", "content": content}], **ECHO}
+    task = get(client, create(client, body), "FULL")
+    assert task["inputs"][0]["content"] == content
+
+
+def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[str, Any]:
+    result = client.simulate_post(
+        "/ga4gh/tes/v1/tasks", body=body if isinstance(body, str | bytes) else json.dumps(body)
+    )
+    assert result.status_code == status, result.text
+    assert result.json["code"] == status
+    assert isinstance(result.json["message"], str)
+    return result.json
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "message"),
+    [
+        ({}, "executors", "is required"),
+        ({"executors": []}, "executors", "must be a non-empty array of executors"),
+        ({"executors": {}}, "executors", "must be a non-empty array of executors"),
+        ({"executors": [{"command": ["x"]}]}, "executors[0].image", "is required"),
+        ({"executors": [{"image": "", "command": ["x"]}]}, "executors[0].image", "non-empty"),
+        ({"executors": [{"image": "a"}]}, "executors[0].command", "is required"),
+        (
+            {"executors": [{"image": "a", "command": "echo hi"}]},
+            "executors[0].command",
+            "must be a non-empty array of strings",
+        ),
+        (
+            {"executors": [{"image": "a", "command": []}]},
+            "executors[0].command",
+            "must be a non-empty array of strings",
+        ),
+        (
+            {"executors": [{"image": "a", "command": ["echo", 1]}]},
+            "executors[0].command",
+            "must be a non-empty array of strings",
+        ),
+        (
+            {"executors": [{"image": "a", "command": ["x"], "workdir": "relative"}]},
+            "executors[0].workdir",
+            "absolute",
+        ),
+        (
+            {"executors": [{"image": "a", "command": ["x"], "env": {"1A": "x"}}]},
+            "executors[0].env",
+            "not a valid environment variable name",
+        ),
+        (
+            {"executors": [{"image": "a", "command": ["x"], "ignore_error": "yes"}]},
+            "executors[0].ignore_error",
+            "true or false",
+        ),
+        ({"inputs": [{"url": "file:///a"}], **ECHO}, "inputs[0].path", "is required"),
+        ({"inputs": [{"path": "/a"}], **ECHO}, "inputs[0]", "`url` or a `content`"),
+        ({"inputs": [{"path": "a", "url": "x"}], **ECHO}, "inputs[0].path", "absolute"),
+        ({"inputs": [{"path": "/a/../etc", "url": "x"}], **ECHO}, "inputs[0].path", "normalised"),
+        ({"inputs": [{"path": "/a/", "url": "x"}], **ECHO}, "inputs[0].path", "normalised"),
+        ({"inputs": [{"path": "/", "url": "x"}], **ECHO}, "inputs[0].path", "root"),
+        (
+            {"inputs": [{"path": "/a", "url": "x", "type": "LINK"}], **ECHO},
+            "inputs[0].type",
+            "FILE or DIRECTORY",
+        ),
+        ({"outputs": [{"path": "/a"}], **ECHO}, "outputs[0].url", "is required"),
+        ({"outputs": [{"url": "file:///a"}], **ECHO}, "outputs[0].path", "is required"),
+        (
+            {"outputs": [{"url": "file:///a", "path": "/o/*.txt"}], **ECHO},
+            "outputs[0]",
+            "path_prefix",
+        ),
+        ({"resources": {"cpu_cores": -1}, **ECHO}, "resources.cpu_cores", "non-negative"),
+        ({"resources": {"cpu_cores": 1.5}, **ECHO}, "resources.cpu_cores", "non-negative"),
+        ({"resources": {"ram_gb": -0.5}, **ECHO}, "resources.ram_gb", "non-negative"),
+        ({"resources": {"disk_gb": "10"}, **ECHO}, "resources.disk_gb", "number"),
+        ({"resources": {"zones": "a"}, **ECHO}, "resources.zones", "array"),
+        ({"volumes": ["/ok", "rel"], **ECHO}, "volumes[1]", "absolute"),
+        ({"tags": {"a": 1}, **ECHO}, "tags.a", "string"),
+        ({"name": 5, **ECHO}, "name", "string"),
+        (
+            {"executors": [{"image": "a", "command": ["a\u0000b"]}]},
+            "executors[0].command[0]",
+            "NUL",
+        ),
+    ],
+)
+def test_schema_violations_are_400_naming_the_field(client, body, field, message):
+    error = error_of(client, body)
+    fields = {e.get("field"): e["message"] for e in error["errors"]}
+    assert field in fields, error
+    assert message in fields[field]
+    assert error["message"].startswith(f"{field}: ")
+
+
+def test_all_problems_are_listed(client):
+    error = error_of(client, {"executors": [{"image": "", "command": []}], "volumes": ["x"]})
+    assert {e["field"] for e in error["errors"]} == {
+        "executors[0].image",
+        "executors[0].command",
+        "volumes[0]",
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        "{",
+        "[1, 2]",
+        '"a string"',
+        "null",
+        "42",
+        '{"executors": NaN}',
+        '{"resources": {"ram_gb": Infinity}, "executors": []}',
+        "[" * 100_000 + "]" * 100_000,
+        b"\xff\xfe\x00garbage",
+        '{"executors": [{"image": "a", "command": ["\\ud800"]}]}',
+        '{"resources": {"ram_gb": 1e999}, "executors": [{"image": "a", "command": ["x"]}]}',
+        '{"resources": {"cpu_cores": 99999999999999999999999}, '
+        '"executors": [{"image": "a", "command": ["x"]}]}',
+    ],
+)
+def test_malformed_bodies_are_400_never_5xx(client, body):
+    error_of(client, body)
+
+
+def test_too_large_body_is_413(tmp_path, store):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"limits.max_body_bytes": 2048},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    body = {"inputs": [{"path": "/a", "content": "x" * 4096}], **ECHO}
+    result = client.simulate_post("/v1/tasks", json=body)
+    assert result.status_code == 413
+    assert result.json["code"] == 413
+
+
+def test_limits_on_counts_and_content(tmp_path, store):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"limits.max_executors": 2, "limits.max_content_bytes": 128 * 1024},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    error = error_of(client, {"executors": ECHO["executors"] * 3})
+    assert error["errors"][0]["field"] == "executors"
+    big = {"inputs": [{"path": "/a", "content": "x" * (128 * 1024 + 1)}], **ECHO}
+    assert error_of(client, big)["errors"][0]["field"] == "inputs[0].content"
+
+
+# ----------------------------------------------------------------------- backend_parameters
+
+
+def test_unsupported_backend_parameter_in_strict_mode_is_400(client):
+    body = {
+        "resources": {"backend_parameters": {"VmSize": "big"}, "backend_parameters_strict": True},
+        **ECHO,
+    }
+    error = error_of(client, body)
+    assert error["errors"][0]["field"] == "resources.backend_parameters.VmSize"
+
+
+def test_unsupported_backend_parameters_are_dropped_with_a_warning(client):
+    body = {
+        "resources": {"backend_parameters": {"Partition": "short", "VmSize": "big"}},
+        **ECHO,
+    }
+    task = get(client, create(client, body), "FULL")
+    assert task["resources"]["backend_parameters"] == {"Partition": "short"}
+    assert any("VmSize" in line for line in task["logs"][0]["system_logs"])
+    basic = get(client, task["id"], "BASIC")
+    assert "system_logs" not in basic["logs"][0]
+    assert basic["logs"][0]["logs"] == [] and basic["logs"][0]["outputs"] == []
+
+
+def test_supported_backend_parameters_in_strict_mode_are_kept(client):
+    body = {
+        "resources": {
+            "backend_parameters": {"ACCOUNT": "lab", "qos": "normal"},
+            "backend_parameters_strict": True,
+        },
+        **ECHO,
+    }
+    task = get(client, create(client, body), "FULL")
+    assert task["resources"]["backend_parameters"] == {"ACCOUNT": "lab", "qos": "normal"}
+    assert "logs" not in task
+
+
+# ------------------------------------------------------------------------------------- get
+
+
+def test_get_views(client, store):
+    body = {"inputs": [{"path": "/in/a", "content": "secret"}], **ECHO}
+    task_id = create(client, body)
+    logs = [
+        {
+            "logs": [{"exit_code": 0, "stdout": "hello\n", "stderr": "", "start_time": "t"}],
+            "outputs": [],
+            "system_logs": ["ran on node1"],
+        }
+    ]
+    store.update_task(task_id, logs=logs)
+    assert get(client, task_id) == {"id": task_id, "state": "QUEUED"}
+    assert get(client, task_id, "MINIMAL") == {"id": task_id, "state": "QUEUED"}
+    basic = get(client, task_id, "BASIC")
+    assert basic["executors"] == ECHO["executors"]
+    assert "content" not in basic["inputs"][0]
+    assert basic["logs"] == [{"logs": [{"exit_code": 0, "start_time": "t"}], "outputs": []}]
+    full = get(client, task_id, "FULL")
+    assert full["inputs"][0]["content"] == "secret"
+    assert full["logs"] == logs
+
+
+def test_bad_view_is_400(client):
+    task_id = create(client, ECHO)
+    result = client.simulate_get(f"/v1/tasks/{task_id}", params={"view": "EVERYTHING"})
+    assert result.status_code == 400
+    assert result.json["errors"][0]["field"] == "view"
+    assert client.simulate_get("/v1/tasks", params={"view": "x"}).status_code == 400
+
+
+def test_unknown_task_is_404(client):
+    for path in ("/v1/tasks/does-not-exist", "/ga4gh/tes/v1/tasks/a%20b"):
+        result = client.simulate_get(path)
+        assert result.status_code == 404
+        assert result.json["code"] == 404
+
+
+def test_accepts_json_content_type_and_body_on_get(client):
+    task_id = create(client, ECHO)
+    result = client.simulate_get(
+        f"/v1/tasks/{task_id}", headers={"Content-Type": "application/json"}, body="{}"
+    )
+    assert result.status_code == 200
+
+
+# ------------------------------------------------------------------------------------- list
+
+
+def test_list_is_newest_first_and_minimal_by_default(client):
+    ids = [create(client, {"name": f"t{i}", **ECHO}) for i in range(3)]
+    tasks = client.simulate_get("/v1/tasks").json["tasks"]
+    assert [t["id"] for t in tasks] == ids[::-1]
+    assert all(set(t) == {"id", "state"} for t in tasks)
+    basic = client.simulate_get("/v1/tasks", params={"view": "BASIC"}).json["tasks"]
+    assert basic[0]["name"] == "t2" and basic[0]["executors"]
+
+
+def test_list_views_hide_the_same_fields_as_get(client, store):
+    task_id = create(client, {"inputs": [{"path": "/a", "content": "c"}], **ECHO})
+    store.update_task(task_id, logs=[{"logs": [], "outputs": [], "system_logs": ["x"]}])
+    basic = client.simulate_get("/v1/tasks", params={"view": "BASIC"}).json["tasks"][0]
+    assert basic == get(client, task_id, "BASIC")
+    full = client.simulate_get("/v1/tasks", params={"view": "FULL"}).json["tasks"][0]
+    assert full == get(client, task_id, "FULL")
+
+
+def test_name_prefix_is_a_case_sensitive_prefix(client):
+    for name in ("align-1", "align-2", "Align-3", "realign", "al"):
+        create(client, {"name": name, **ECHO})
+    create(client, ECHO)  # no name
+
+    def names(prefix: str) -> list[str]:
+        tasks = client.simulate_get(
+            "/v1/tasks", params={"name_prefix": prefix, "view": "BASIC"}
+        ).json["tasks"]
+        return sorted(t["name"] for t in tasks)
+
+    assert names("align") == ["align-1", "align-2"]
+    assert names("Align") == ["Align-3"]
+    assert names("al") == ["al", "align-1", "align-2"]
+    assert names("ign") == []
+    assert names("align-%") == []
+    assert names("align-_") == []
+
+
+def test_name_prefix_with_unicode_and_like_metacharacters(client):
+    for name in ("ünï-1", "a%b", "a_b", "a\U0010ffffz"):
+        create(client, {"name": name, **ECHO})
+    tasks = client.simulate_get("/v1/tasks", params={"name_prefix": "a%", "view": "BASIC"})
+    assert [t["name"] for t in tasks.json["tasks"]] == ["a%b"]
+    tasks = client.simulate_get("/v1/tasks", params={"name_prefix": "ü", "view": "BASIC"})
+    assert [t["name"] for t in tasks.json["tasks"]] == ["ünï-1"]
+    tasks = client.simulate_get("/v1/tasks", params={"name_prefix": "a\U0010ffff", "view": "BASIC"})
+    assert [t["name"] for t in tasks.json["tasks"]] == ["a\U0010ffffz"]
+
+
+def test_state_filter_and_the_old_spelling(client, store):
+    queued = create(client, ECHO)
+    canceled = create(client, ECHO)
+    initializing = create(client, ECHO)
+    client.simulate_post(f"/v1/tasks/{canceled}:cancel")
+    store.update_task(initializing, state=State.INITIALIZING.value)
+
+    def ids(state: str) -> list[str]:
+        return [
+            t["id"] for t in client.simulate_get("/v1/tasks", params={"state": state}).json["tasks"]
+        ]
+
+    assert ids("QUEUED") == [queued]
+    assert ids("CANCELED") == [canceled]
+    assert ids("INITIALIZING") == [initializing]
+    assert ids("INITILIZING") == [initializing]
+    assert ids("COMPLETE") == []
+    result = client.simulate_get("/v1/tasks", params={"state": "DONE"})
+    assert result.status_code == 400 and result.json["errors"][0]["field"] == "state"
+
+
+def test_tag_filters_follow_the_spec_table(client):
+    # The table in the TES document: filter -> tags -> match?
+    cases = [
+        ({"foo": "bar"}, {"foo": "bar"}, True),
+        ({"foo": "bar"}, {"foo": "bat"}, False),
+        ({"foo": ""}, {"foo": ""}, True),
+        ({"foo": "bar", "baz": "bat"}, {"foo": "bar", "baz": "bat"}, True),
+        ({"foo": "bar"}, {"foo": "bar", "baz": "bat"}, True),
+        ({"foo": "bar", "baz": "bat"}, {"foo": "bar"}, False),
+        ({"foo": ""}, {"foo": "bar"}, True),
+        ({"foo": ""}, {}, False),
+    ]
+    for index, (tag_filter, tags, expected) in enumerate(cases):
+        task_id = create(client, {"tags": {**tags, "case": str(index)}, **ECHO})
+        query = "&".join(
+            [f"tag_key={k}" for k in tag_filter]
+            + [f"tag_value={v}" for v in tag_filter.values()]
+            + [f"tag_key=case&tag_value={index}"]
+        )
+        # All keys first, then all values: pairs by position (case is the last pair).
+        keys = [*tag_filter, "case"]
+        values = [*tag_filter.values(), str(index)]
+        query = "&".join([f"tag_key={k}" for k in keys] + [f"tag_value={v}" for v in values])
+        found = [
+            t["id"] for t in client.simulate_get("/v1/tasks", query_string=query).json["tasks"]
+        ]
+        assert (found == [task_id]) is expected, (tag_filter, tags)
+
+
+def test_tag_key_without_value_matches_any_value(client):
+    a = create(client, {"tags": {"k": "1", "other": "x"}, **ECHO})
+    b = create(client, {"tags": {"k": ""}, **ECHO})
+    create(client, {"tags": {"z": "1"}, **ECHO})
+    found = client.simulate_get("/v1/tasks", query_string="tag_key=k").json["tasks"]
+    assert {t["id"] for t in found} == {a, b}
+    found = client.simulate_get(
+        "/v1/tasks", query_string="tag_key=other&tag_key=k&tag_value=x"
+    ).json["tasks"]
+    assert [t["id"] for t in found] == [a]
+
+
+def test_empty_tag_values_are_stored_and_returned(client):
+    task = get(client, create(client, {"tags": {"a": ""}, **ECHO}), "BASIC")
+    assert task["tags"] == {"a": ""}
+
+
+@pytest.mark.parametrize("size", ["0", "2048", "-1", "abc", "1.5"])
+def test_bad_page_size_is_400(client, size):
+    result = client.simulate_get("/v1/tasks", params={"page_size": size})
+    assert result.status_code == 400
+    assert result.json["errors"][0]["field"] == "page_size"
+
+
+def test_page_size_default_is_256_and_2047_is_allowed(client, store):
+    for _ in range(260):
+        store.create_task(ECHO)
+    first = client.simulate_get("/v1/tasks").json
+    assert len(first["tasks"]) == 256 and "next_page_token" in first
+    assert len(client.simulate_get("/v1/tasks", params={"page_size": "2047"}).json["tasks"]) == 260
+
+
+def test_pages_are_stable_while_tasks_are_created(client, store):
+    ids = [store.create_task({"name": f"n{i}", **ECHO}).id for i in range(25)]
+    seen: list[str] = []
+    token = None
+    while True:
+        params = {"page_size": "10", **({"page_token": token} if token else {})}
+        page = client.simulate_get("/v1/tasks", params=params).json
+        seen += [t["id"] for t in page["tasks"]]
+        store.create_task({"name": "late", **ECHO})  # new tasks must not shift the pages
+        token = page.get("next_page_token")
+        if not token:
+            break
+    assert seen == ids[::-1]
+
+
+def test_last_page_has_no_token(client):
+    create(client, ECHO)
+    page = client.simulate_get("/v1/tasks", params={"page_size": "1"}).json
+    assert "next_page_token" not in page
+    assert client.simulate_get("/v1/tasks", params={"name_prefix": "zz"}).json == {"tasks": []}
+
+
+@pytest.mark.parametrize("token", ["garbage", "MQ", "1", "MTAwLmFhYWFhYWFhYWFhYQ", "%%%", "é"])
+def test_page_token_not_issued_by_the_server_is_400(client, token):
+    create(client, ECHO)
+    result = client.simulate_get("/v1/tasks", params={"page_token": token})
+    assert result.status_code == 400
+    assert result.json["errors"][0]["field"] == "page_token"
+
+
+def test_filters_combine_with_paging(client):
+    for i in range(6):
+        create(client, {"name": f"job-{i}", "tags": {"even": str(i % 2 == 0)}, **ECHO})
+        create(client, {"name": f"other-{i}", "tags": {"even": str(i % 2 == 0)}, **ECHO})
+    seen, token = [], None
+    while True:
+        params = {
+            "name_prefix": "job-",
+            "tag_key": "even",
+            "tag_value": "True",
+            "page_size": "2",
+            "view": "BASIC",
+            **({"page_token": token} if token else {}),
+        }
+        page = client.simulate_get("/v1/tasks", params=params).json
+        seen += [t["name"] for t in page["tasks"]]
+        token = page.get("next_page_token")
+        if not token:
+            break
+    assert seen == ["job-4", "job-2", "job-0"]
+
+
+# ------------------------------------------------------------------------------------- cancel
+
+
+def test_cancel_of_queued_task_makes_it_canceled(client):
+    task_id = create(client, ECHO)
+    result = client.simulate_post(f"/ga4gh/tes/v1/tasks/{task_id}:cancel", json={})
+    assert result.status_code == 200 and result.json == {}
+    assert get(client, task_id)["state"] == "CANCELED"
+
+
+def test_cancel_is_idempotent_and_keeps_terminal_states(client, store):
+    done = create(client, ECHO)
+    store.update_task(done, state=State.COMPLETE.value)
+    for _ in range(2):
+        assert client.simulate_post(f"/v1/tasks/{done}:cancel").status_code == 200
+    assert get(client, done)["state"] == "COMPLETE"
+    queued = create(client, ECHO)
+    for _ in range(2):
+        assert client.simulate_post(f"/v1/tasks/{queued}:cancel").json == {}
+    assert get(client, queued)["state"] == "CANCELED"
+
+
+def test_cancel_of_unknown_task_is_404(client):
+    result = client.simulate_post("/v1/tasks/nope:cancel")
+    assert result.status_code == 404 and result.json["code"] == 404
+
+
+def test_cancel_of_a_submitted_task_leaves_work_for_the_poller(client, store):
+    task_id = create(client, ECHO)
+    store.update_task(task_id, job_id="123", state=State.RUNNING.value)
+    client.simulate_post(f"/v1/tasks/{task_id}:cancel")
+    record = store.get_task(task_id)
+    assert record.state == "CANCELED" and record.cancel_pending
+    queued = create(client, ECHO)
+    client.simulate_post(f"/v1/tasks/{queued}:cancel")
+    assert not store.get_task(queued).cancel_pending
+
+
+def test_terminal_state_never_changes(client, store):
+    task_id = create(client, ECHO)
+    client.simulate_post(f"/v1/tasks/{task_id}:cancel")
+    assert not store.update_task(task_id, state=State.RUNNING.value)
+    assert get(client, task_id)["state"] == "CANCELED"
