@@ -47,6 +47,7 @@ setup(
             "psycopg2-binary>=2.9",
             "ruff>=0.6",
         ],
+        "bench": ["jsonschema>=4"],
     },
     entry_points={"console_scripts": ["tes-bridge = bridge.cli:main"]},
     classifiers=[

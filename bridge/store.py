@@ -62,6 +62,8 @@ class TaskRow(_Model):
     next_submit_at = peewee.FloatField(null=True)
     #: Canceled by a client while a Slurm job may exist: the poller still has to scancel it.
     cancel_pending = peewee.BooleanField(default=False)
+    #: The task directory was removed after the retention time.
+    cleaned = peewee.BooleanField(default=False)
     updated_at = peewee.FloatField()
 
     class Meta:
@@ -404,11 +406,23 @@ class Store:
             query = query.where(TaskRow.state.not_in([s.value for s in TERMINAL_STATES]))
         return query.execute() > 0
 
-    def finished_before(self, cutoff: float, states: Iterable[str]) -> list[TaskRecord]:
-        rows = TaskRow.select(*self._columns(False)).where(
-            TaskRow.state.in_(list(states)) & (TaskRow.updated_at < cutoff)
+    def finished_before(
+        self, cutoff: float, states: Iterable[str], *, limit: int = 1000
+    ) -> list[TaskRecord]:
+        """Tasks in `states` last changed before `cutoff` whose directory is still there."""
+        rows = (
+            TaskRow.select(*self._columns(False))
+            .where(
+                TaskRow.state.in_(list(states))
+                & (TaskRow.updated_at < cutoff)
+                & (TaskRow.cleaned == False)  # noqa: E712 (peewee expression)
+            )
+            .limit(limit)
         )
         return [_record(row, False) for row in rows]
+
+    def mark_cleaned(self, task_id: str) -> None:
+        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
 def _prefix_successor(prefix: str) -> str | None:

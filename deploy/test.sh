@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on a Debian 12 machine and run the whole suite.
+#
+#   deploy/test.sh [PYTEST ARGS...]     (as root)
+#
+# It installs the system packages (PostgreSQL for the store tests; curl), brings up the local
+# Slurm cluster with Apptainer and an image registry (deploy/local-cluster.sh up), creates a
+# virtual environment in .venv with the package and its test dependencies, checks the code with
+# ruff, and runs pytest. Nothing is skipped: tests that need the cluster or PostgreSQL fail
+# when those are missing.
+set -Eeuo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+[[ $(id -u) -eq 0 ]] || { echo "deploy/test.sh: run as root (it installs packages and starts Slurm)" >&2; exit 1; }
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "system packages"
+export DEBIAN_FRONTEND=noninteractive
+apt_get=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
+if ! dpkg -s postgresql curl python3-venv >/dev/null 2>&1; then
+  "${apt_get[@]}" update
+  # policy-rc.d keeps the package from starting a system-wide PostgreSQL: the tests start
+  # their own private server on a free port.
+  own_policy=0
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    own_policy=1
+  fi
+  "${apt_get[@]}" install --no-install-recommends postgresql curl python3-venv
+  ((own_policy)) && rm -f /usr/sbin/policy-rc.d
+fi
+
+step "local Slurm cluster, Apptainer and registry"
+deploy/local-cluster.sh up
+
+step "Python environment (.venv)"
+python=${PYTHON:-python3}
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+
+step "ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
+step "pytest"
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,75 @@
+"""Configuration: defaults, the TOML file, environment overrides, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Config, ConfigError, load_config
+
+EXAMPLE = Path(__file__).parents[2] / "deploy" / "tes-bridge.example.toml"
+
+
+def test_example_config_documents_exactly_the_defaults():
+    assert load_config(EXAMPLE, environ={}).model_dump() == Config().model_dump()
+
+
+def test_every_key_is_in_the_example_config():
+    text = EXAMPLE.read_text()
+    for section in Config.model_fields:
+        value = getattr(Config(), section)
+        keys = type(value).model_fields if hasattr(type(value), "model_fields") else [section]
+        for key in keys:
+            assert f"\n{key} =" in text or f"\n# {key} =" in text, f"{section}.{key}"
+
+
+def test_environment_overrides_the_file(tmp_path):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('state_dir = "/from/file"\ndatabase = "sqlite:////from/file.db"\n')
+    config = load_config(
+        config_file,
+        environ={
+            "TES_BRIDGE_STATE_DIR": "/from/env",
+            "TES_BRIDGE_DATABASE": "postgresql://u@h/db",
+            "TES_BRIDGE_WORK_DIR": "/shared/work",
+        },
+    )
+    assert config.state_dir == Path("/from/env")
+    assert config.database_url == "postgresql://u@h/db"
+    assert config.work_dir == Path("/shared/work")
+
+
+def test_config_file_from_environment(tmp_path):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text("[server]\nworkers = 7\n")
+    assert load_config(environ={"TES_BRIDGE_CONFIG": str(config_file)}).server.workers == 7
+
+
+def test_defaults_derive_paths_from_the_state_dir():
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": "/srv/tes"})
+    assert config.database_url == "sqlite:////srv/tes/tes-bridge.db"
+    assert config.work_dir == Path("/srv/tes/work")
+    assert config.image_cache_dir == Path("/srv/tes/images")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[server]\nworkerz = 2\n", "server.workerz"),
+        ("[server]\nworkers = 0\n", "server.workers"),
+        ("[storage]\nfile_input_mode = 'teleport'\n", "storage.file_input_mode"),
+        ("[limits]\nmax_content_bytes = 1000\n", "limits.max_content_bytes"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, text, expected):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(text)
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        load_config(config_file, environ={})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.toml", environ={})
