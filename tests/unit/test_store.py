@@ -1,0 +1,126 @@
+"""The store on SQLite and on a real PostgreSQL server (the `store` fixture runs both)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bridge.store import SCHEMA_VERSION, MetaRow, Store, TaskFilter, _prefix_successor
+from bridge.tes import State
+
+ECHO = {"executors": [{"image": "alpine", "command": ["true"]}]}
+
+
+def test_schema_version_and_times_are_recorded(store: Store):
+    assert store.meta("schema_version") == str(SCHEMA_VERSION)
+    assert store.meta("created_at").endswith("Z")
+    assert store.meta("version") == "test"
+
+
+def test_init_schema_is_idempotent_and_keeps_data(store: Store):
+    task = store.create_task(ECHO)
+    created = store.meta("created_at")
+    secret = store.meta("page_token_secret")
+    store.init_schema("test")
+    store.init_schema("0.2.0")
+    assert store.get_task(task.id) is not None
+    assert store.meta("created_at") == created
+    assert store.meta("page_token_secret") == secret
+    assert store.meta("version") == "0.2.0"
+
+
+def test_a_newer_schema_is_refused(store: Store):
+    MetaRow.update(value=str(SCHEMA_VERSION + 1)).where(MetaRow.key == "schema_version").execute()
+    with pytest.raises(RuntimeError, match="newer than this tes-bridge"):
+        store.init_schema("test")
+
+
+def test_tokens_from_another_store_are_refused(store: Store, tmp_path):
+    for _ in range(3):
+        store.create_task(ECHO)
+    _, token = store.list_tasks(TaskFilter(), page_size=1)
+    other = Store.from_url(f"sqlite:///{tmp_path / 'other.db'}")
+    other.init_schema("test")
+    for _ in range(3):
+        other.create_task(ECHO)
+    with pytest.raises(ValueError, match="not issued"):
+        other.list_tasks(TaskFilter(), page_size=1, page_token=token)
+
+
+def test_minimal_listing_reads_no_documents(store: Store):
+    store.create_task({"name": "x", **ECHO})
+    (record,), _ = store.list_tasks(TaskFilter(), page_size=10, full=False)
+    assert record.document is None and record.state == "QUEUED"
+
+
+def test_update_never_changes_a_terminal_state(store: Store):
+    for final in (State.COMPLETE, State.EXECUTOR_ERROR, State.SYSTEM_ERROR, State.CANCELED):
+        task = store.create_task(ECHO)
+        assert store.update_task(task.id, state=final.value)
+        assert not store.update_task(task.id, state=State.RUNNING.value)
+        assert store.get_task(task.id).state == final.value
+        # Bookkeeping may still change (the poller clears a finished cancel).
+        assert store.update_task(task.id, allow_terminal=True, cancel_pending=False)
+        assert store.get_task(task.id).state == final.value
+
+
+def test_tasks_to_submit_respects_back_off_and_order(store: Store):
+    first = store.create_task(ECHO)
+    second = store.create_task(ECHO)
+    later = store.create_task(ECHO)
+    store.update_task(later.id, next_submit_at=1000.0)
+    store.update_task(second.id, submit_started_at=5.0)
+    assert [t.id for t in store.tasks_to_submit(now=999.0)] == [first.id]
+    assert [t.id for t in store.tasks_to_submit(now=1000.0)] == [first.id, later.id]
+
+
+def test_tasks_in_flight(store: Store):
+    queued = store.create_task(ECHO)
+    running = store.create_task(ECHO)
+    submitting = store.create_task(ECHO)
+    finished = store.create_task(ECHO)
+    canceled = store.create_task(ECHO)
+    store.update_task(running.id, job_id="1", state="RUNNING")
+    store.update_task(submitting.id, submit_started_at=1.0)
+    store.update_task(finished.id, job_id="2", state="COMPLETE")
+    store.update_task(canceled.id, job_id="3", state="RUNNING")
+    store.cancel_task(canceled.id)
+    ids = {t.id for t in store.tasks_in_flight()}
+    assert ids == {running.id, submitting.id, canceled.id}
+    assert queued.id not in ids
+
+
+def test_finished_tasks_for_cleanup(store: Store):
+    done = store.create_task(ECHO)
+    store.update_task(done.id, state="COMPLETE")
+    assert [t.id for t in store.finished_before(1e12, ["COMPLETE"])] == [done.id]
+    assert store.finished_before(0, ["COMPLETE"]) == []
+    store.mark_cleaned(done.id)
+    assert store.finished_before(1e12, ["COMPLETE"]) == []
+
+
+def test_concurrent_creates_from_threads(store: Store):
+    url_db = store.db
+
+    def worker() -> None:
+        with url_db.connection_context():
+            for _ in range(20):
+                store.create_task({"tags": {"t": "x"}, **ECHO})
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tasks, _ = store.list_tasks(TaskFilter(tags=[("t", "x")]), page_size=2047)
+    assert len(tasks) == 80
+    assert len({t.seq for t in tasks}) == 80
+
+
+@pytest.mark.parametrize(
+    ("prefix", "successor"),
+    [("abc", "abd"), ("a\U0010ffff", "b"), ("\U0010ffff", None), ("a\ud7ff", "a\ue000")],
+)
+def test_prefix_successor(prefix, successor):
+    assert _prefix_successor(prefix) == successor
