@@ -112,6 +112,8 @@ class SlurmConfig(_Section):
 class ContainerConfig(_Section):
     #: `apptainer` or `singularity` (a name on PATH or an absolute path).
     runtime: str = "apptainer"
+    #: Runtime flags before `exec`; `--quiet` keeps the runtime's INFO lines out of task stderr.
+    global_flags: list[str] = Field(default_factory=lambda: ["--quiet"])
     #: Flags for every `exec`; `--userns` is needed where the runtime cannot use setuid.
     exec_flags: list[str] = Field(default_factory=lambda: ["--cleanenv", "--contain"])
     extra_flags: list[str] = Field(default_factory=list)
@@ -122,6 +124,10 @@ class ContainerConfig(_Section):
     #: Shared SIF cache; defaults to `<state_dir>/images`.
     cache_dir: Path | None = None
     pull_timeout: float = Field(default=1800.0, gt=0)
+    #: Image pulls running at the same time, in the background of the poller.
+    pull_workers: int = Field(default=2, ge=1)
+    #: A failed pull is not tried again for this long; tasks using the image fail at once.
+    pull_failure_ttl: float = Field(default=300.0, ge=0)
 
 
 class StorageConfig(_Section):

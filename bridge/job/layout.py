@@ -1,0 +1,101 @@
+"""The task directory contract shared by the renderer, the job side and the poller.
+
+::
+
+    <work_dir>/<task_id>/          mode 0700
+        task.json                  the task document (TES wire format)
+        job-config.json            settings the job side needs (see bridge.job.settings)
+        job.sh                     the rendered sbatch script
+        slurm-<job id>.out         Slurm's own output of the script
+        root/                      container path /a/b lives at root/a/b
+        records/<job id>/          what one run of the job did (see bridge.job.records)
+        tmp/                       scratch space for the runtime and staging
+"""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+TASK_JSON = "task.json"
+JOB_CONFIG_JSON = "job-config.json"
+SCRIPT = "job.sh"
+SLURM_OUTPUT = "slurm-%j.out"
+
+
+class LayoutError(ValueError):
+    """A container path cannot be mapped into the task directory."""
+
+
+def check_container_path(container_path: str) -> str:
+    """Return `container_path` if it is absolute and normalised (no `.`, `..`, `//`, NUL)."""
+    if not isinstance(container_path, str) or not container_path.startswith("/"):
+        raise LayoutError(f"container path {container_path!r} is not absolute")
+    if "\0" in container_path:
+        raise LayoutError(f"container path {container_path!r} contains a NUL byte")
+    # posixpath.normpath keeps a leading "//"; anything it changes was not normalised.
+    if container_path.startswith("//") or posixpath.normpath(container_path) != container_path:
+        raise LayoutError(f"container path {container_path!r} is not normalised")
+    return container_path
+
+
+def relative_parts(container_path: str) -> tuple[str, ...]:
+    """The components of a checked container path below `/` (empty for `/` itself)."""
+    check_container_path(container_path)
+    return tuple(part for part in container_path.split("/") if part)
+
+
+class TaskLayout:
+    """Every path of one task directory; `TaskLayout(config.work_dir / task_id)`."""
+
+    def __init__(self, task_dir: Path) -> None:
+        self.task_dir = Path(task_dir)
+
+    def __repr__(self) -> str:
+        return f"TaskLayout({str(self.task_dir)!r})"
+
+    @property
+    def task_json(self) -> Path:
+        return self.task_dir / TASK_JSON
+
+    @property
+    def job_config(self) -> Path:
+        return self.task_dir / JOB_CONFIG_JSON
+
+    @property
+    def script(self) -> Path:
+        return self.task_dir / SCRIPT
+
+    @property
+    def slurm_output(self) -> Path:
+        """The `--output` pattern; Slurm replaces `%j` with the job id."""
+        return self.task_dir / SLURM_OUTPUT
+
+    def slurm_output_for(self, job_id: str) -> Path:
+        return self.task_dir / SLURM_OUTPUT.replace("%j", job_id)
+
+    @property
+    def root(self) -> Path:
+        return self.task_dir / "root"
+
+    @property
+    def records(self) -> Path:
+        return self.task_dir / "records"
+
+    def records_dir(self, job_id: str) -> Path:
+        if not job_id or "/" in job_id or job_id in {".", ".."} or "\0" in job_id:
+            raise LayoutError(f"invalid job id {job_id!r}")
+        return self.records / job_id
+
+    @property
+    def tmp(self) -> Path:
+        return self.task_dir / "tmp"
+
+    def host_path(self, container_path: str) -> Path:
+        """Where `container_path` lives on the host: `/data/x` -> `<task_dir>/root/data/x`.
+
+        Purely lexical: the path must be absolute and normalised, so it cannot climb out of
+        `root/`. Symbolic links planted by executors are the business of bridge.job.safepath,
+        which every reader and writer of `root/` after the executors ran goes through.
+        """
+        return self.root.joinpath(*relative_parts(container_path))

@@ -1,0 +1,51 @@
+"""`job-config.json`: the part of the configuration the job side needs on the compute node.
+
+Compute nodes may not have the login node's configuration file, so the renderer copies the few
+settings the job needs into the task directory, next to the task document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SETTINGS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    task_id: str
+    #: The container runtime binary, checked before staging.
+    runtime: str = "apptainer"
+    #: Host directories file:// URLs and bare paths may read from and write to.
+    allowed_dirs: list[str] = field(default_factory=list)
+    #: copy, hardlink or bind (see bridge.job.staging.file).
+    file_input_mode: str = "copy"
+    log_tail_bytes: int = 10 * 1024
+    #: SIF files the executors use; a missing one fails staging with a clear message.
+    images: list[str] = field(default_factory=list)
+    #: Container directories to create under root/ before the executors run (bind sources).
+    mkdirs: list[str] = field(default_factory=list)
+    #: Indexes of inputs bound straight from the shared filesystem (file_input_mode "bind");
+    #: stage-in only checks them and creates their mount points.
+    bound_inputs: list[int] = field(default_factory=list)
+    #: With file_input_mode "hardlink": inputs that stay read-only in the container and may
+    #: therefore share their inode with the source; every other input is copied.
+    linkable_inputs: list[int] = field(default_factory=list)
+    version: int = SETTINGS_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, ensure_ascii=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSettings:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != SETTINGS_VERSION:
+            raise ValueError("job-config.json has an unknown format version")
+        known = {name for name in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def read_settings(path: Path) -> JobSettings:
+    return JobSettings.from_json(path.read_text(encoding="utf-8"))

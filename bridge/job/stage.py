@@ -1,0 +1,388 @@
+"""`stage-in` and `stage-out`: the two Python phases of the job script.
+
+Exit codes (the job script turns them into the outcome):
+  stage-in   0 everything staged; 1 something failed (reasons in system_logs)
+  stage-out  0 everything uploaded; 2 only missing outputs; 1 an upload failed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bridge.job import safepath
+from bridge.job.layout import LayoutError, TaskLayout, relative_parts
+from bridge.job.records import RecordsWriter
+from bridge.job.settings import JobSettings, read_settings
+from bridge.job.staging import StagingContext, StagingError, backend_for, file
+from bridge.job.staging.content import write_content
+
+STAGE_OK = 0
+STAGE_FAILED = 1
+STAGE_MISSING_OUTPUTS = 2
+
+_MAGIC = frozenset("*?[")
+
+
+def has_wildcards(path: str) -> bool:
+    return any(ch in _MAGIC for ch in path)
+
+
+def _load(layout: TaskLayout, log: RecordsWriter) -> tuple[dict[str, Any], JobSettings] | None:
+    try:
+        task = json.loads(layout.task_json.read_text(encoding="utf-8"))
+        settings = read_settings(layout.job_config)
+    except (OSError, ValueError, TypeError) as exc:
+        log.system_log(f"cannot read the task directory {layout.task_dir}: {exc}")
+        return None
+    if not isinstance(task, dict):
+        log.system_log(f"{layout.task_json} does not hold a task document")
+        return None
+    return task, settings
+
+
+def _context(layout: TaskLayout, settings: JobSettings, log: RecordsWriter) -> StagingContext:
+    return StagingContext(
+        allowed_dirs=[Path(d) for d in settings.allowed_dirs],
+        file_input_mode=settings.file_input_mode,
+        tmp_dir=layout.tmp,
+        log=log.system_log,
+    )
+
+
+# --------------------------------------------------------------------------- stage-in
+
+
+def _preflight(settings: JobSettings, log: RecordsWriter) -> bool:
+    ok = True
+    if shutil.which(settings.runtime) is None:
+        log.system_log(
+            f"container runtime {settings.runtime!r} not found on this node "
+            f"({os.uname().nodename}); set container.runtime in the configuration or "
+            "install it on the compute nodes"
+        )
+        ok = False
+    for image in settings.images:
+        if not os.access(image, os.R_OK):
+            log.system_log(f"container image {image} is not readable on this node")
+            ok = False
+    return ok
+
+
+def _reset_root(layout: TaskLayout) -> None:
+    # A retried job starts from a clean tree: links left by a previous run's executors must
+    # not be there when staging writes into it (rmtree never follows links).
+    if os.path.lexists(layout.root):
+        shutil.rmtree(layout.root)
+    layout.root.mkdir(mode=0o755)
+    layout.tmp.mkdir(mode=0o700, exist_ok=True)
+
+
+def stage_in(task_dir: Path, records_dir: Path) -> int:
+    layout = TaskLayout(task_dir)
+    log = RecordsWriter(records_dir)
+    loaded = _load(layout, log)
+    if loaded is None:
+        return STAGE_FAILED
+    task, settings = loaded
+    if not _preflight(settings, log):
+        return STAGE_FAILED
+    try:
+        _reset_root(layout)
+        for directory in settings.mkdirs:
+            layout.host_path(directory).mkdir(mode=0o755, parents=True, exist_ok=True)
+    except (OSError, LayoutError) as exc:
+        log.system_log(f"cannot prepare the task directory {layout.root}: {exc}")
+        return STAGE_FAILED
+
+    ctx = _context(layout, settings, log)
+    failed = 0
+    for index, item in enumerate(task.get("inputs") or []):
+        url = item.get("url") if isinstance(item, dict) else None
+        path = item.get("path") if isinstance(item, dict) else None
+        try:
+            if not isinstance(item, dict) or not isinstance(path, str):
+                raise StagingError("malformed input")
+            mode = settings.file_input_mode
+            if mode == "hardlink" and index not in settings.linkable_inputs:
+                mode = "copy"
+            item_ctx = dataclasses.replace(ctx, file_input_mode=mode)
+            _stage_input(layout, item_ctx, item, bound=index in settings.bound_inputs)
+        except (StagingError, LayoutError, OSError) as exc:
+            failed += 1
+            source = f"{url} " if url else ("content " if "content" in (item or {}) else "")
+            log.system_log(f"input {index} {source}-> {path}: {_reason(exc)}")
+    return STAGE_FAILED if failed else STAGE_OK
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    return str(exc)
+
+
+def _stage_input(
+    layout: TaskLayout, ctx: StagingContext, item: dict[str, Any], bound: bool
+) -> None:
+    kind = item.get("type") or "FILE"
+    dest = layout.host_path(item["path"])
+    dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if os.path.lexists(dest) and not (kind == "DIRECTORY" and dest.is_dir()):
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        else:
+            dest.unlink()  # a later input at the same path replaces an earlier one
+    content = item.get("content")
+    url = item.get("url")
+    if isinstance(content, str) and (content or not url):
+        write_content(content, dest, kind)
+    elif not isinstance(url, str) or not url:
+        raise StagingError("input has neither url nor content")
+    elif bound:
+        # Bound read-only straight from the shared filesystem by the runtime: check that it
+        # is there and give the bind a mount point.
+        source = file.allowed_path(url, ctx)
+        if kind == "DIRECTORY" and not source.is_dir():
+            raise StagingError(f"{source} is not a directory (input type is DIRECTORY)")
+        if kind != "DIRECTORY" and not source.is_file():
+            raise StagingError(f"{source} is not a regular file (input type is FILE)")
+        if not os.access(source, os.R_OK):
+            raise StagingError(f"{source} is not readable")
+        if kind == "DIRECTORY":
+            dest.mkdir(mode=0o755, exist_ok=True)
+        else:
+            dest.touch(mode=0o644)
+    else:
+        backend_for(url).download(url, dest, kind, ctx)
+
+
+# --------------------------------------------------------------------------- stage-out
+
+
+class _Outcome:
+    def __init__(self) -> None:
+        self.missing = 0
+        self.failed = 0
+
+
+def stage_out(task_dir: Path, records_dir: Path) -> int:
+    layout = TaskLayout(task_dir)
+    log = RecordsWriter(records_dir)
+    loaded = _load(layout, log)
+    if loaded is None:
+        return STAGE_FAILED
+    task, settings = loaded
+    ctx = _context(layout, settings, log)
+    result = _Outcome()
+    for index, item in enumerate(task.get("outputs") or []):
+        if not isinstance(item, dict):
+            continue
+        path, url = item.get("path"), item.get("url")
+        kind = item.get("type") or "FILE"
+        label = f"output {index} {path} -> {url}"
+        try:
+            if not isinstance(path, str) or not isinstance(url, str):
+                raise StagingError("malformed output")
+            backend = backend_for(url)
+            if has_wildcards(path):
+                _stage_out_wildcard(layout, ctx, log, backend, item, label, result)
+            else:
+                _stage_out_one(layout, ctx, log, backend, path, url, kind, label, result)
+        except (StagingError, LayoutError, OSError) as exc:
+            result.failed += 1
+            log.system_log(f"{label}: {_reason(exc)}")
+    if result.failed:
+        return STAGE_FAILED
+    return STAGE_MISSING_OUTPUTS if result.missing else STAGE_OK
+
+
+def _stage_out_one(
+    layout: TaskLayout,
+    ctx: StagingContext,
+    log: RecordsWriter,
+    backend: Any,
+    path: str,
+    url: str,
+    kind: str,
+    label: str,
+    result: _Outcome,
+) -> None:
+    parts = relative_parts(path)
+    found = safepath.lstat_kind(layout.root, parts)
+    if found is None:
+        result.missing += 1
+        log.system_log(f"{label}: not found after the executors ran")
+    elif found == "link":
+        result.missing += 1
+        log.system_log(f"{label}: is a symbolic link; not uploaded")
+    elif kind == "DIRECTORY":
+        if found != "dir":
+            result.missing += 1
+            log.system_log(f"{label}: is not a directory (output type is DIRECTORY)")
+        else:
+            _upload_tree(layout, ctx, log, backend, parts, url, label, result)
+    elif found != "file":
+        result.missing += 1
+        log.system_log(f"{label}: is not a regular file (output type is FILE)")
+    else:
+        with safepath.dir_fd(layout.root, parts[:-1]) as parent:
+            _upload_entry(ctx, log, backend, parent, parts[-1], path, url, label, result)
+
+
+def _upload_entry(
+    ctx: StagingContext,
+    log: RecordsWriter,
+    backend: Any,
+    parent_fd: int,
+    name: str,
+    path: str,
+    url: str,
+    label: str,
+    result: _Outcome,
+) -> None:
+    try:
+        fd = safepath.open_regular(parent_fd, name)
+    except safepath.UnsafePathError as exc:
+        log.system_log(f"{label}: {path} {exc.strerror}; not uploaded")
+        return
+    try:
+        size = os.fstat(fd).st_size
+        backend.upload_file(fd, size, url, ctx)
+    except (StagingError, OSError) as exc:
+        result.failed += 1
+        log.system_log(f"{label}: upload of {path} to {url} failed: {_reason(exc)}")
+        return
+    finally:
+        os.close(fd)
+    log.output(url=url, path=path, size_bytes=size)
+
+
+def _join_url(base: str, rel: str) -> str:
+    return base.rstrip("/") + "/" + rel
+
+
+def _upload_tree(
+    layout: TaskLayout,
+    ctx: StagingContext,
+    log: RecordsWriter,
+    backend: Any,
+    parts: tuple[str, ...],
+    url: str,
+    label: str,
+    result: _Outcome,
+) -> None:
+    ensure_directory = getattr(backend, "ensure_directory", None)
+    base = "/" + "/".join(parts)
+    with safepath.dir_fd(layout.root, parts) as top:
+        if ensure_directory:
+            ensure_directory(url, ctx)
+        # fwalk never follows links and opens each directory relative to its parent.
+        for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            rel_dir = os.path.normpath(dirpath)
+            rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            for name in dirnames:
+                if ensure_directory:
+                    try:
+                        ensure_directory(_join_url(url, rel_dir + name), ctx)
+                    except StagingError as exc:
+                        result.failed += 1
+                        log.system_log(f"{label}: {exc}")
+            for name in sorted(filenames):
+                rel = rel_dir + name
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    log.system_log(f"{label}: {base}/{rel} is a symbolic link; not uploaded")
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    log.system_log(f"{label}: {base}/{rel} is not a regular file; not uploaded")
+                    continue
+                _upload_entry(
+                    ctx,
+                    log,
+                    backend,
+                    dfd,
+                    name,
+                    f"{base}/{rel}",
+                    _join_url(url, rel),
+                    label,
+                    result,
+                )
+
+
+def _glob(root: Path, parts: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """POSIX glob of container path components under root, never entering links."""
+
+    def walk(prefix: tuple[str, ...], rest: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        if not rest:
+            yield prefix
+            return
+        head, tail = rest[0], rest[1:]
+        if not has_wildcards(head):
+            kind = safepath.lstat_kind(root, (*prefix, head))
+            if kind is not None and (not tail or kind == "dir"):
+                yield from walk((*prefix, head), tail)
+            return
+        try:
+            with safepath.dir_fd(root, prefix) as fd:
+                names = sorted(os.listdir(fd))
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(".") and not head.startswith("."):
+                continue  # like the shell: * does not match hidden names
+            if fnmatch.fnmatchcase(name, head):
+                kind = safepath.lstat_kind(root, (*prefix, name))
+                if not tail or kind == "dir":
+                    yield from walk((*prefix, name), tail)
+
+    yield from walk((), parts)
+
+
+def _stage_out_wildcard(
+    layout: TaskLayout,
+    ctx: StagingContext,
+    log: RecordsWriter,
+    backend: Any,
+    item: dict[str, Any],
+    label: str,
+    result: _Outcome,
+) -> None:
+    path, url = item["path"], item["url"]
+    parts = relative_parts(path)
+    prefix = item.get("path_prefix")
+    if not isinstance(prefix, str):
+        # The spec requires path_prefix with wildcards; without one, keep paths relative to
+        # the directory above the first wildcard.
+        static = []
+        for part in parts[:-1]:
+            if has_wildcards(part):
+                break
+            static.append(part)
+        prefix = "/" + "/".join(static)
+    matches = list(_glob(layout.root, parts))
+    if not matches:
+        log.system_log(f"{label}: no file matched")
+        return
+    for match in matches:
+        match_path = "/" + "/".join(match)
+        pruned = match_path[len(prefix) :] if match_path.startswith(prefix) else match_path
+        target = _join_url(url, pruned.lstrip("/"))
+        found = safepath.lstat_kind(layout.root, match)
+        if found == "link":
+            log.system_log(f"{label}: {match_path} is a symbolic link; not uploaded")
+        elif found == "dir":
+            _upload_tree(layout, ctx, log, backend, match, target, label, result)
+        elif found == "file":
+            with safepath.dir_fd(layout.root, match[:-1]) as parent:
+                _upload_entry(
+                    ctx, log, backend, parent, match[-1], match_path, target, label, result
+                )
+        else:
+            log.system_log(f"{label}: {match_path} is not a regular file; not uploaded")

@@ -1,0 +1,629 @@
+"""The compute-node side: staging in and out, safe stdio, and the records the poller reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import Config
+from bridge.job import safepath
+from bridge.job.cli import main as job_main
+from bridge.job.execute import EXIT_CANNOT_START, run_executor
+from bridge.job.layout import LayoutError, TaskLayout
+from bridge.job.records import RecordsWriter, read_records
+from bridge.job.settings import JobSettings
+from bridge.job.stage import (
+    STAGE_FAILED,
+    STAGE_MISSING_OUTPUTS,
+    STAGE_OK,
+    stage_in,
+    stage_out,
+)
+from bridge.render import prepare_task_dir
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "100"
+
+
+class Task:
+    """A task directory written by hand: task.json + job-config.json, as the renderer does."""
+
+    def __init__(self, tmp_path: Path, task: dict[str, Any], **settings: Any) -> None:
+        self.allowed = tmp_path / "shared"
+        self.allowed.mkdir(parents=True, exist_ok=True)
+        self.layout = TaskLayout(tmp_path / "work" / "t1")
+        self.layout.task_dir.mkdir(parents=True, mode=0o700)
+        task = {"id": "t1", "executors": [{"image": "x", "command": ["true"]}], **task}
+        self.layout.task_json.write_text(json.dumps(task))
+        values = {
+            "task_id": "t1",
+            "runtime": "sh",
+            "allowed_dirs": [str(self.allowed)],
+            "mkdirs": [],
+            **settings,
+        }
+        self.layout.job_config.write_text(JobSettings(**values).to_json())
+        self.records = self.layout.records_dir(JOB)
+
+    def stage_in(self) -> int:
+        return stage_in(self.layout.task_dir, self.records)
+
+    def stage_out(self) -> int:
+        return stage_out(self.layout.task_dir, self.records)
+
+    def read(self, tail_bytes: int = 1024) -> Any:
+        return read_records(self.layout.task_dir, JOB, tail_bytes=tail_bytes)
+
+    def host(self, container_path: str) -> Path:
+        return self.layout.host_path(container_path)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_maps_container_paths_under_root(tmp_path: Path) -> None:
+    layout = TaskLayout(tmp_path / "t")
+    assert layout.host_path("/data/x") == tmp_path / "t" / "root" / "data" / "x"
+    assert layout.records_dir("12") == tmp_path / "t" / "records" / "12"
+    assert layout.slurm_output_for("12") == tmp_path / "t" / "slurm-12.out"
+    for bad in ["relative", "/a/../../etc", "//etc", "/a/./b", "/a/", "/nul\0"]:
+        with pytest.raises(LayoutError):
+            layout.host_path(bad)
+    with pytest.raises(LayoutError):
+        layout.records_dir("../x")
+
+
+# --------------------------------------------------------------------------- stage-in
+
+
+def test_content_and_file_inputs_are_staged(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "in.txt").write_text("from a file\n")
+    (shared / "run.sh").write_text("#!/bin/sh\n")
+    (shared / "run.sh").chmod(0o755)
+    task = Task(
+        tmp_path,
+        {
+            "inputs": [
+                {"path": "/in/content.txt", "content": "inline ☃\n", "type": "FILE"},
+                {"path": "/in/file.txt", "url": f"file://{shared}/in.txt"},
+                {"path": "/in/bare.txt", "url": f"{shared}/in.txt"},
+                {"path": "/in/local.txt", "url": f"file://localhost{shared}/in.txt"},
+                {"path": "/in/run.sh", "url": f"{shared}/run.sh"},
+            ]
+        },
+        mkdirs=["/outputs"],
+    )
+    assert task.stage_in() == STAGE_OK
+    assert task.host("/in/content.txt").read_text() == "inline ☃\n"
+    for name in ("file", "bare", "local"):
+        assert task.host(f"/in/{name}.txt").read_text() == "from a file\n"
+    assert os.access(task.host("/in/run.sh"), os.X_OK)
+    assert task.host("/outputs").is_dir()
+    assert task.read().system_logs == []
+
+
+def test_hardlink_mode_links_and_copy_mode_copies(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "in.txt").write_text("x")
+    inputs = {"inputs": [{"path": "/in/x", "url": f"{shared}/in.txt"}]}
+    task = Task(tmp_path, inputs, file_input_mode="hardlink", linkable_inputs=[0])
+    assert task.stage_in() == STAGE_OK
+    assert task.host("/in/x").stat().st_ino == (shared / "in.txt").stat().st_ino
+    # Not linkable (it would be writable in the container): copied although mode is hardlink.
+    task = Task(tmp_path / "b", inputs, file_input_mode="hardlink", allowed_dirs=[str(shared)])
+    assert task.stage_in() == STAGE_OK
+    assert task.host("/in/x").stat().st_ino != (shared / "in.txt").stat().st_ino
+
+
+def test_directory_input_is_copied_without_leaving_the_allowed_dirs(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    (shared / "ref" / "sub").mkdir(parents=True)
+    (shared / "ref" / "a.txt").write_text("a")
+    (shared / "ref" / "sub" / "b.txt").write_text("b")
+    (shared / "ref" / "inside-link").symlink_to(shared / "ref" / "a.txt")
+    (shared / "ref" / "escape").symlink_to("/etc/hostname")
+    task = Task(
+        tmp_path, {"inputs": [{"path": "/ref", "url": f"{shared}/ref", "type": "DIRECTORY"}]}
+    )
+    assert task.stage_in() == STAGE_OK
+    assert task.host("/ref/a.txt").read_text() == "a"
+    assert task.host("/ref/sub/b.txt").read_text() == "b"
+    assert task.host("/ref/inside-link").read_text() == "a"
+    assert not os.path.lexists(task.host("/ref/escape"))
+    assert any("escape" in line for line in task.read().system_logs)
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("file:///etc/hostname", "outside the allowed directories"),
+        ("/etc/hostname", "outside the allowed directories"),
+        ("{shared}/../../etc/hostname", "not normalised"),
+        ("{shared}/missing.txt", "does not exist"),
+        ("{shared}/link-out", "outside the allowed directories"),
+        ("file://otherhost{shared}/in.txt", "names host"),
+        ("s3://bucket/key", "not supported by this deployment yet"),
+        ("https://example.org/x", "not supported by this deployment yet"),
+        ("gopher://x/y", "unknown URL scheme"),
+    ],
+)
+def test_unusable_input_fails_staging_with_url_and_reason(
+    tmp_path: Path, url: str, reason: str
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "in.txt").write_text("x")
+    (shared / "link-out").symlink_to("/etc/hostname")
+    url = url.format(shared=shared)
+    task = Task(
+        tmp_path,
+        {
+            "inputs": [
+                {"path": "/in/good", "content": "fine"},
+                {"path": "/in/bad", "url": url},
+            ]
+        },
+    )
+    assert task.stage_in() == STAGE_FAILED
+    logs = task.read().system_logs
+    assert len(logs) == 1
+    assert url in logs[0] and reason in logs[0] and "/in/bad" in logs[0]
+    assert task.host("/in/good").read_text() == "fine"
+
+
+def test_file_urls_are_refused_when_no_directory_is_allowed(tmp_path: Path) -> None:
+    task = Task(tmp_path, {"inputs": [{"path": "/in/x", "url": "/etc/hostname"}]}, allowed_dirs=[])
+    assert task.stage_in() == STAGE_FAILED
+    assert "allowed_dirs is empty" in task.read().system_logs[0]
+
+
+def test_wrong_input_type_is_reported(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "d").mkdir()
+    task = Task(tmp_path, {"inputs": [{"path": "/in/x", "url": f"{shared}/d", "type": "FILE"}]})
+    assert task.stage_in() == STAGE_FAILED
+    assert "not a regular file" in task.read().system_logs[0]
+
+
+def test_missing_runtime_or_image_fails_staging_with_a_fix(tmp_path: Path) -> None:
+    task = Task(tmp_path, {}, runtime="no-such-runtime", images=[str(tmp_path / "none.sif")])
+    assert task.stage_in() == STAGE_FAILED
+    logs = task.read().system_logs
+    assert "container.runtime" in logs[0]
+    assert "none.sif is not readable" in logs[1]
+
+
+def test_stage_in_starts_from_a_clean_root(tmp_path: Path) -> None:
+    task = Task(tmp_path, {"inputs": [{"path": "/in/x", "content": "new"}]})
+    task.layout.root.mkdir()
+    (task.layout.root / "in").mkdir()
+    (task.layout.root / "in" / "x").symlink_to("/etc/passwd")  # left by an earlier run
+    assert task.stage_in() == STAGE_OK
+    assert not task.host("/in/x").is_symlink()
+    assert Path("/etc/passwd").read_text() != "new"
+
+
+def test_bound_inputs_are_checked_and_get_a_mount_point(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ref.fa").write_text(">x\n")
+    task = Task(
+        tmp_path,
+        {
+            "inputs": [
+                {"path": "/ref/ref.fa", "url": f"{shared}/ref.fa"},
+                {"path": "/ref/gone.fa", "url": f"{shared}/gone.fa"},
+            ]
+        },
+        file_input_mode="bind",
+        bound_inputs=[0, 1],
+    )
+    assert task.stage_in() == STAGE_FAILED
+    assert task.host("/ref/ref.fa").read_text() == ""  # mount point only
+    assert "gone.fa" in task.read().system_logs[0]
+
+
+# --------------------------------------------------------------------------- stage-out
+
+
+def test_file_and_directory_outputs_are_uploaded_and_recorded(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    task = Task(
+        tmp_path,
+        {
+            "outputs": [
+                {"path": "/out/result.txt", "url": f"file://{shared}/res/result.txt"},
+                {"path": "/out/dir", "url": f"{shared}/res/dir", "type": "DIRECTORY"},
+            ]
+        },
+    )
+    task.host("/out/dir/sub/empty").mkdir(parents=True)
+    task.host("/out/result.txt").write_text("result\n")
+    task.host("/out/dir/a.txt").write_text("aa")
+    task.host("/out/dir/sub/b.txt").write_text("bbb")
+    assert task.stage_out() == STAGE_OK
+    assert (shared / "res" / "result.txt").read_text() == "result\n"
+    assert (shared / "res" / "dir" / "sub" / "b.txt").read_text() == "bbb"
+    assert (shared / "res" / "dir" / "sub" / "empty").is_dir()
+    assert oct((shared / "res" / "result.txt").stat().st_mode & 0o777) == oct(0o644)
+    assert sorted(task.read().outputs, key=lambda o: o["path"]) == [
+        {"url": f"{shared}/res/dir/a.txt", "path": "/out/dir/a.txt", "size_bytes": "2"},
+        {"url": f"{shared}/res/dir/sub/b.txt", "path": "/out/dir/sub/b.txt", "size_bytes": "3"},
+        {"url": f"file://{shared}/res/result.txt", "path": "/out/result.txt", "size_bytes": "7"},
+    ]
+
+
+def test_wildcard_outputs_are_uploaded_with_the_prefix_removed(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    task = Task(
+        tmp_path,
+        {
+            "outputs": [
+                {
+                    "path": "/out/*/r[0-9].txt",
+                    "url": f"file://{shared}/w/",
+                    "path_prefix": "/out/",
+                },
+                {"path": "/none/*.bam", "url": f"{shared}/n", "path_prefix": "/none"},
+            ]
+        },
+    )
+    for name in ("a/r1.txt", "b/r2.txt", "b/rx.txt", "b/.hidden/r3.txt", ".c/r4.txt"):
+        task.host(f"/out/{name}").parent.mkdir(parents=True, exist_ok=True)
+        task.host(f"/out/{name}").write_text(name)
+    assert task.stage_out() == STAGE_OK
+    assert (shared / "w" / "a" / "r1.txt").read_text() == "a/r1.txt"
+    assert (shared / "w" / "b" / "r2.txt").read_text() == "b/r2.txt"
+    assert not (shared / "w" / "b" / "rx.txt").exists()
+    assert not (shared / "w" / ".c").exists()
+    records = task.read()
+    assert [o["path"] for o in records.outputs] == ["/out/a/r1.txt", "/out/b/r2.txt"]
+    assert records.outputs[0]["url"] == f"file://{shared}/w/a/r1.txt"
+    assert any("no file matched" in line for line in records.system_logs)
+
+
+def test_missing_output_is_logged_and_the_others_still_uploaded(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    task = Task(
+        tmp_path,
+        {
+            "outputs": [
+                {"path": "/out/missing.txt", "url": f"{shared}/missing.txt"},
+                {"path": "/out/present.txt", "url": f"{shared}/present.txt"},
+            ]
+        },
+    )
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/present.txt").write_text("here")
+    assert task.stage_out() == STAGE_MISSING_OUTPUTS
+    assert (shared / "present.txt").read_text() == "here"
+    records = task.read()
+    assert [o["path"] for o in records.outputs] == ["/out/present.txt"]
+    assert "/out/missing.txt" in records.system_logs[0] and "not found" in records.system_logs[0]
+
+
+def test_output_outside_the_allowed_dirs_is_an_upload_failure(tmp_path: Path) -> None:
+    task = Task(tmp_path, {"outputs": [{"path": "/out/x", "url": "file:///etc/tes-test-x"}]})
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/x").write_text("x")
+    assert task.stage_out() == STAGE_FAILED
+    assert not Path("/etc/tes-test-x").exists()
+    assert "outside the allowed directories" in task.read().system_logs[0]
+
+
+def test_symlink_planted_by_an_executor_never_uploads_the_host_file(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    task = Task(
+        tmp_path,
+        {
+            "outputs": [
+                {"path": "/out/out.txt", "url": f"{shared}/out.txt"},
+                {"path": "/linkdir/x.txt", "url": f"{shared}/x.txt"},
+                {"path": "/out/dir", "url": f"{shared}/dir", "type": "DIRECTORY"},
+                {"path": "/out/*.log", "url": f"{shared}/logs", "path_prefix": "/out"},
+            ]
+        },
+    )
+    task.host("/out/dir").mkdir(parents=True)
+    task.host("/out/out.txt").symlink_to(secret)  # ln -s /etc/shadow /outputs/out.txt
+    task.layout.root.joinpath("linkdir").symlink_to(tmp_path)  # a link as a parent directory
+    (tmp_path / "x.txt").write_text("host file via parent link")
+    task.host("/out/dir/leak").symlink_to(secret)
+    task.host("/out/dir/ok.txt").write_text("fine")
+    task.host("/out/a.log").symlink_to(secret)
+    task.stage_out()
+    assert not (shared / "out.txt").exists()
+    assert not (shared / "x.txt").exists()
+    assert not (shared / "dir" / "leak").exists()
+    assert not (shared / "logs" / "a.log").exists()
+    assert (shared / "dir" / "ok.txt").read_text() == "fine"
+    uploaded = "".join(p.read_text() for p in shared.rglob("*") if p.is_file())
+    assert "host" not in uploaded
+    logs = "\n".join(task.read().system_logs)
+    assert "symbolic link" in logs
+
+
+def test_fifo_output_is_skipped_without_hanging(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    task = Task(
+        tmp_path, {"outputs": [{"path": "/out/d", "url": f"{shared}/d", "type": "DIRECTORY"}]}
+    )
+    task.host("/out/d").mkdir(parents=True)
+    os.mkfifo(task.host("/out/d/pipe"))
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(task.stage_out()), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert result == [STAGE_OK]
+    assert "not a regular file" in task.read().system_logs[0]
+
+
+def test_upload_replaces_a_link_at_the_destination_instead_of_following_it(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    (shared / "out.txt").symlink_to(victim)
+    task = Task(tmp_path, {"outputs": [{"path": "/out/o", "url": f"{shared}/out.txt"}]})
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/o").write_text("new")
+    assert task.stage_out() == STAGE_OK
+    assert victim.read_text() == "untouched"
+    assert (shared / "out.txt").read_text() == "new"
+    assert not (shared / "out.txt").is_symlink()
+
+
+# --------------------------------------------------------------------------- safe stdio (exec)
+
+
+def test_exec_refuses_to_write_stdout_through_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("host file")
+    task = Task(
+        tmp_path,
+        {"executors": [{"image": "x", "command": ["true"], "stdout": "/out/log.txt"}]},
+    )
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/log.txt").symlink_to(victim)
+    code = run_executor(task.layout.task_dir, task.records, 0, ["echo", "overwritten"])
+    assert code == EXIT_CANNOT_START
+    assert victim.read_text() == "host file"
+    assert "cannot open stdout /out/log.txt" in task.read().system_logs[0]
+
+
+def test_exec_runs_with_stdin_and_own_stdout_files(tmp_path: Path) -> None:
+    task = Task(
+        tmp_path,
+        {
+            "executors": [
+                {
+                    "image": "x",
+                    "command": ["cat"],
+                    "stdin": "/in/data",
+                    "stdout": "/out/new/cat.txt",
+                }
+            ]
+        },
+    )
+    task.host("/in").mkdir(parents=True)
+    task.host("/in/data").write_text("piped through\n")
+    args = ["exec", "--task-dir", str(task.layout.task_dir), "--records", str(task.records)]
+    argv = [*args, "--index", "0", "--", "cat"]
+    script = f"from bridge.job.cli import main; raise SystemExit(main({argv!r}))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=30
+    )
+    assert result.returncode == 0
+    assert task.host("/out/new/cat.txt").read_text() == "piped through\n"
+    (task.records / "executors" / "0" / "exit_code").write_text("0\n")
+    assert task.read().executors[0].stdout == "piped through\n"
+
+
+def test_exec_takes_dev_null_for_the_real_one(tmp_path: Path) -> None:
+    executor = {"image": "x", "command": ["x"], "stdin": "/dev/null", "stdout": "/dev/null"}
+    task = Task(tmp_path, {"executors": [executor]})
+    args = ["exec", "--task-dir", str(task.layout.task_dir), "--records", str(task.records)]
+    argv = [*args, "--index", "0", "--", "sh", "-c", "cat; echo discarded"]
+    script = f"from bridge.job.cli import main; raise SystemExit(main({argv!r}))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=30
+    )
+    assert result.returncode == 0
+    assert not task.layout.root.exists()
+
+
+def test_exec_without_command_is_a_usage_error(tmp_path: Path) -> None:
+    task = Task(tmp_path, {})
+    args = ["exec", "--task-dir", str(task.layout.task_dir), "--records", str(task.records)]
+    assert job_main([*args, "--index", "0", "--"]) == 2
+
+
+# --------------------------------------------------------------------------- records reader
+
+
+def test_reader_on_a_job_that_never_started(tmp_path: Path) -> None:
+    records = read_records(tmp_path / "nothing", "5", tail_bytes=10)
+    assert records.phase is None and records.outcome is None and records.executors == []
+    assert not records.started
+    assert read_records(tmp_path, "../x", tail_bytes=10).phase is None
+
+
+def test_reader_shows_the_running_executor_and_its_output_so_far(tmp_path: Path) -> None:
+    task = Task(tmp_path, {})
+    edir = task.records / "executors"
+    (edir / "0").mkdir(parents=True)
+    (edir / "1").mkdir()
+    (task.records / "phase").write_text("running 1\n")
+    (task.records / "start_time").write_text("2024-05-01T10:00:00.000Z\n")
+    (edir / "0" / "start_time").write_text("2024-05-01T10:00:01.000Z\n")
+    (edir / "0" / "end_time").write_text("2024-05-01T10:00:02.500Z\n")
+    (edir / "0" / "exit_code").write_text("0\n")
+    (edir / "0" / "stdout").write_bytes(b"x" * 5000 + b"tail\n")
+    (edir / "1" / "start_time").write_text("2024-05-01T10:00:03.000Z\n")
+    (edir / "1" / "stdout").write_bytes(b"so far \xff\xfe")
+    records = task.read(tail_bytes=10)
+    assert records.phase == "running 1"
+    assert records.outcome is None
+    assert records.start_time is not None and records.start_time.tzinfo is not None
+    first, second = records.executors
+    assert (first.exit_code, first.stdout) == (0, "xxxxx" + "tail\n")
+    assert first.end_time is not None and (first.end_time - first.start_time).total_seconds() == 1.5
+    assert second.exit_code is None and second.end_time is None
+    assert second.stdout == "so far \ufffd\ufffd"[-10:]
+
+
+def test_reader_survives_partial_and_garbage_files(tmp_path: Path) -> None:
+    task = Task(tmp_path, {})
+    edir = task.records / "executors"
+    (edir / "0").mkdir(parents=True)
+    (edir / "7").mkdir()  # not contiguous: ignored
+    (edir / "junk").mkdir()
+    (task.records / "phase").write_bytes(b"\x00\xff")
+    (task.records / "outcome").write_text("exploded\n")
+    (task.records / "start_time").write_text("yesterday")
+    (edir / "0" / "exit_code").write_text("")  # killed while writing
+    (edir / "0" / "start_time").mkdir()  # not even a file
+    os.mkfifo(edir / "0" / "stdout")
+    writer = RecordsWriter(task.records)
+    writer.output(url="file:///x", path="/x", size_bytes=3)
+    writer.system_log("first")
+    with open(task.records / "outputs.jsonl", "a") as handle:
+        handle.write('[1, 2]\n{"url": 3}\n{"url": "file:///y", "path": "/y", "size_')
+    with open(task.records / "system_logs.jsonl", "ab") as handle:
+        handle.write(b"\xff\xfe garbage\n")
+    records = task.read()
+    assert records.outcome is None
+    assert records.start_time is None
+    assert [e.index for e in records.executors] == [0]
+    assert records.executors[0].exit_code is None and records.executors[0].stdout == ""
+    assert records.outputs == [{"url": "file:///x", "path": "/x", "size_bytes": "3"}]
+    assert records.system_logs == ["first"]
+
+
+def test_reader_refuses_an_own_stdout_that_became_a_link(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("host secret")
+    task = Task(tmp_path, {"executors": [{"image": "x", "command": ["x"], "stdout": "/o/log"}]})
+    (task.records / "executors" / "0").mkdir(parents=True)
+    task.host("/o").mkdir(parents=True)
+    task.host("/o/log").symlink_to(secret)
+    assert task.read().executors[0].stdout == ""
+
+
+def test_safepath_creates_parents_and_refuses_links_on_the_way(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    fd = safepath.open_write(root, ("a", "b", "c.txt"))
+    os.write(fd, b"ok")
+    os.close(fd)
+    assert (root / "a" / "b" / "c.txt").read_text() == "ok"
+    (root / "evil").symlink_to(tmp_path)
+    with pytest.raises(safepath.UnsafePathError):
+        safepath.open_write(root, ("evil", "x.txt"))
+    assert not (tmp_path / "x.txt").exists()
+    assert safepath.lstat_kind(root, ("evil",)) == "link"
+    assert safepath.lstat_kind(root, ("evil", "root")) is None
+
+
+# --------------------------------------------------------------------------- the job script
+
+
+FAKE_RUNTIME = """#!/bin/bash
+# Stand-in for apptainer in unit tests: drops the runtime flags and runs the command on the
+# host (the real runtime is exercised in tests/cluster).
+while [[ $1 != exec ]]; do shift; done
+shift
+while [[ $# -gt 0 && $1 == -* ]]; do
+  case $1 in --bind|--mount|--pwd) shift 2 ;; *) shift ;; esac
+done
+shift
+for v in ${!APPTAINERENV_@}; do export "${v#APPTAINERENV_}=${!v}"; done
+exec "$@"
+"""
+
+
+def run_job(tmp_path: Path, task: dict[str, Any], **storage: Any) -> tuple[int, Any]:
+    tmp_path.mkdir(exist_ok=True)
+    runtime = tmp_path / "apptainer"
+    runtime.write_text(FAKE_RUNTIME)
+    runtime.chmod(0o755)
+    image = tmp_path / "img.sif"
+    image.write_text("")
+    config = Config.model_validate(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "container": {"runtime": str(runtime)},
+            "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
+        }
+    )
+    task = {"id": "job-1", **task}
+    script = prepare_task_dir(task, config=config, image_paths={"img": str(image)})
+    env = dict(os.environ, SLURM_JOB_ID="9", PYTHONPATH=str(REPO))
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
+    assert time.monotonic() - started < 30
+    return result.returncode, read_records(script.parent, "9", tail_bytes=1024)
+
+
+def sh(command: str, **extra: Any) -> dict[str, Any]:
+    return {"image": "img", "command": ["sh", "-c", command], **extra}
+
+
+def test_job_script_records_a_complete_run(tmp_path: Path) -> None:
+    code, records = run_job(tmp_path, {"executors": [sh("echo hello; echo oops >&2")]})
+    assert code == 0
+    assert records.outcome == "complete" and records.phase == "done"
+    assert [(e.exit_code, e.stdout, e.stderr) for e in records.executors] == [
+        (0, "hello\n", "oops\n")
+    ]
+    assert records.start_time <= records.executors[0].start_time <= records.end_time
+
+
+def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) -> None:
+    code, records = run_job(tmp_path, {"executors": [sh("exit 3"), sh("echo never")]})
+    assert (code, records.outcome) == (0, "executor_error")
+    assert [e.exit_code for e in records.executors] == [3]
+    code, records = run_job(
+        tmp_path / "b", {"executors": [sh("exit 3", ignore_error=True), sh("echo next")]}
+    )
+    assert (code, records.outcome) == (0, "complete")
+    assert [(e.exit_code, e.stdout) for e in records.executors] == [(3, ""), (0, "next\n")]
+
+
+def test_job_script_staging_failure_is_a_system_error_before_any_executor(
+    tmp_path: Path,
+) -> None:
+    task = {"inputs": [{"path": "/in/x", "url": "s3://bucket/x"}], "executors": [sh("true")]}
+    code, records = run_job(tmp_path, task)
+    assert code != 0
+    assert records.outcome == "system_error" and records.executors == []
+    assert "s3://bucket/x" in records.system_logs[0]
+    assert "not supported by this deployment yet" in records.system_logs[0]
+    assert records.system_logs[-1] == "staging inputs failed; no executor ran"
+
+
+def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Path) -> None:
+    task = {
+        "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
+        "executors": [sh("true")],
+    }
+    code, records = run_job(tmp_path, task)
+    assert (code, records.outcome) == (1, "system_error")
+    code, records = run_job(tmp_path / "b", {**task, "executors": [sh("exit 1")]})
+    assert (code, records.outcome) == (0, "executor_error")

@@ -1,0 +1,534 @@
+"""Rendering of job scripts: sbatch directives, bind mounts, quoting of hostile values."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import Config
+from bridge.job.layout import TaskLayout
+from bridge.render import (
+    Bind,
+    BindPlan,
+    RenderError,
+    bind_args,
+    compute_binds,
+    prepare_task_dir,
+    render_script,
+    sbatch_directives,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = {"alpine": "/cache/alpine.sif"}
+HOSTILE = "'; touch /tmp/pwned-h2 # $(touch /tmp/pwned-h2) `touch /tmp/pwned-h2` \"\n\\ é ☃ 🐍"
+
+
+def make_config(tmp_path: Path, **sections: Any) -> Config:
+    return Config.model_validate({"state_dir": str(tmp_path / "state"), **sections})
+
+
+def make_task(**fields: Any) -> dict[str, Any]:
+    task: dict[str, Any] = {
+        "id": "task-1",
+        "executors": [{"image": "alpine", "command": ["echo", "hello"]}],
+    }
+    task.update(fields)
+    return task
+
+
+def render(tmp_path: Path, task: dict[str, Any], **sections: Any) -> str:
+    config = make_config(tmp_path, **sections)
+    return render_script(
+        task, config=config, task_dir=config.work_dir / task["id"], image_paths=IMAGES
+    )
+
+
+def directives(script: str) -> list[str]:
+    return [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def bash_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "check.sh"
+    path.write_text(script, encoding="utf-8")
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------- sbatch directives
+
+
+def test_typical_task_gets_name_output_chdir_and_resources(tmp_path: Path) -> None:
+    task = make_task(resources={"cpu_cores": 4, "ram_gb": 2, "disk_gb": 1.5})
+    script = render(tmp_path, task)
+    task_dir = tmp_path / "state" / "work" / "task-1"
+    assert directives(script) == [
+        "--job-name=tes-task-1",
+        f"--output={task_dir}/slurm-%j.out",
+        f"--chdir={task_dir}",
+        "--no-requeue",
+        "--cpus-per-task=4",
+        "--mem=2048",
+        "--tmp=1536",
+    ]
+    assert script.startswith("#!/bin/bash\n")
+    bash_syntax_ok(script, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("ram_gb", "expected"),
+    [(0.0001, "--mem=1"), (0.5, "--mem=512"), (1, "--mem=1024"), (1.00001, "--mem=1025")],
+)
+def test_memory_is_rounded_up_to_whole_megabytes_and_never_zero(
+    tmp_path: Path, ram_gb: float, expected: str
+) -> None:
+    assert expected in directives(render(tmp_path, make_task(resources={"ram_gb": ram_gb})))
+
+
+def test_zero_memory_asks_for_nothing_rather_than_the_whole_node(tmp_path: Path) -> None:
+    found = directives(render(tmp_path, make_task(resources={"ram_gb": 0, "disk_gb": 0})))
+    assert not [d for d in found if d.startswith(("--mem", "--tmp"))]
+
+
+def test_zero_cpu_cores_asks_for_nothing(tmp_path: Path) -> None:
+    found = directives(render(tmp_path, make_task(resources={"cpu_cores": 0})))
+    assert not [d for d in found if d.startswith("--cpus-per-task")]
+
+
+@pytest.mark.parametrize("bad", [-1, "2", True, float("nan")])
+def test_nonsense_memory_is_refused(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(RenderError, match=r"resources\.ram_gb"):
+        render(tmp_path, make_task(resources={"ram_gb": bad}))
+
+
+def test_zones_become_partitions_checked_against_the_site_list(tmp_path: Path) -> None:
+    slurm = {"partitions": ["short", "long"], "default_partition": "short"}
+    found = directives(
+        render(tmp_path, make_task(resources={"zones": ["long", "short"]}), slurm=slurm)
+    )
+    assert "--partition=long,short" in found
+    with pytest.raises(RenderError, match=r"resources.zones\[1\].*'gpu'"):
+        render(tmp_path, make_task(resources={"zones": ["long", "gpu"]}), slurm=slurm)
+    assert "--partition=short" in directives(render(tmp_path, make_task(), slurm=slurm))
+
+
+def test_any_partition_is_fine_when_the_site_lists_none(tmp_path: Path) -> None:
+    found = directives(render(tmp_path, make_task(resources={"zones": ["whatever"]})))
+    assert "--partition=whatever" in found
+
+
+def test_preemptible_task_uses_the_preemptible_partition_and_qos(tmp_path: Path) -> None:
+    slurm = {
+        "default_partition": "normal",
+        "preemptible_partition": "spot",
+        "preemptible_qos": "scavenger",
+        "default_time_limit": "2:00:00",
+    }
+    found = directives(render(tmp_path, make_task(resources={"preemptible": True}), slurm=slurm))
+    assert {"--partition=spot", "--qos=scavenger", "--time=2:00:00"} <= set(found)
+    found = directives(render(tmp_path, make_task(resources={"preemptible": False}), slurm=slurm))
+    assert "--partition=normal" in found
+    assert not [d for d in found if d.startswith("--qos")]
+
+
+def test_backend_parameters_become_directives(tmp_path: Path) -> None:
+    params = {
+        "partition": "debug",
+        "account": "proj-1",
+        "qos": "high",
+        "time_limit": "1-12:00:00",
+        "gres": "gpu:a100:2",
+        "gpus": "2",
+        "constraint": "(intel|amd)&avx2",
+        "reservation": "maint.2024",
+        "unknown_key": "ignored",
+    }
+    found = directives(render(tmp_path, make_task(resources={"backend_parameters": params})))
+    for option in (
+        "--partition=debug",
+        "--account=proj-1",
+        "--qos=high",
+        "--time=1-12:00:00",
+        "--gres=gpu:a100:2",
+        "--gpus=2",
+        "--constraint=(intel|amd)&avx2",
+        "--reservation=maint.2024",
+    ):
+        assert option in found
+    assert not [d for d in found if "ignored" in d]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("partition", "debug\n#SBATCH --uid=0"),
+        ("partition", "debug --uid=0"),
+        ("account", "a;b"),
+        ("qos", "--qos=x"),
+        ("qos", "hi$(id)"),
+        ("time_limit", "10\n"),
+        ("time_limit", "soon"),
+        ("time_limit", "1:2:3:4"),
+        ("gres", "gpu:1 --wrap=id"),
+        ("gpus", "1`id`"),
+        ("constraint", "a b"),
+        ("constraint", "x\r\ny"),
+        ("reservation", "r'"),
+        ("account", ""),
+    ],
+)
+def test_backend_parameter_injection_is_refused_naming_the_parameter(
+    tmp_path: Path, key: str, value: str
+) -> None:
+    task = make_task(resources={"backend_parameters": {key: value}})
+    with pytest.raises(RenderError, match=rf"resources\.backend_parameters\.{key}"):
+        render(tmp_path, task)
+
+
+def test_partition_from_backend_parameters_is_checked_against_the_site_list(
+    tmp_path: Path,
+) -> None:
+    task = make_task(resources={"backend_parameters": {"partition": "secret"}})
+    with pytest.raises(RenderError, match="not available"):
+        render(tmp_path, task, slurm={"partitions": ["debug"]})
+
+
+def test_site_directives_come_last_and_prologue_epilogue_are_placed(tmp_path: Path) -> None:
+    slurm = {
+        "extra_directives": ["--nodes=1", "--export=NONE"],
+        "prologue": "echo SITE-PROLOGUE",
+        "epilogue": "echo SITE-EPILOGUE",
+    }
+    script = render(tmp_path, make_task(), slurm=slurm)
+    assert directives(script)[-2:] == ["--nodes=1", "--export=NONE"]
+    assert script.index("SITE-PROLOGUE") < script.index("start_records()")
+    assert "trap 'set +eu; site_epilogue' EXIT" in script
+    bash_syntax_ok(script, tmp_path)
+
+
+@pytest.mark.parametrize("task_id", ["a b", "x\n#SBATCH --uid=0", "../x", "", "é"])
+def test_task_id_must_be_plain(tmp_path: Path, task_id: str) -> None:
+    with pytest.raises(RenderError, match="id"):
+        render(tmp_path, make_task(id=task_id))
+
+
+def test_work_dir_that_sbatch_cannot_parse_is_refused(tmp_path: Path) -> None:
+    config = make_config(tmp_path / "a dir")
+    layout = TaskLayout(config.work_dir / "task-1")
+    with pytest.raises(RenderError, match=r"job\.work_dir"):
+        sbatch_directives(make_task(), config=config, layout=layout)
+
+
+# --------------------------------------------------------------------------- bind mounts
+
+
+def binds_of(tmp_path: Path, task: dict[str, Any], **sections: Any) -> BindPlan:
+    config = make_config(tmp_path, **sections)
+    layout = TaskLayout(config.work_dir / task["id"])
+    return compute_binds(task, config=config, layout=layout)
+
+
+def test_binds_follow_funnel_inputs_readonly_output_dirs_and_volumes_readwrite(
+    tmp_path: Path,
+) -> None:
+    task = make_task(
+        inputs=[
+            {"path": "/inputs/a.txt", "content": "a"},
+            {"path": "/inputs/ref", "url": "file:///x", "type": "DIRECTORY"},
+            {"path": "/work/nested/b.txt", "content": "b"},
+        ],
+        outputs=[
+            {"path": "/outputs/o.txt", "url": "file:///o"},
+            {"path": "/outputs/more/p.txt", "url": "file:///p"},
+            {"path": "/results", "url": "file:///r", "type": "DIRECTORY"},
+            {"path": "/glob/x/*.txt", "url": "file:///g", "path_prefix": "/glob"},
+        ],
+        volumes=["/work", "/scratch"],
+        executors=[
+            {"image": "alpine", "command": ["true"], "stdout": "/logs/out", "stderr": "/dev/null"}
+        ],
+    )
+    plan = binds_of(tmp_path, task)
+    binds = plan.binds
+    root = tmp_path / "state" / "work" / "task-1" / "root"
+    found = {(b.container, b.readonly) for b in binds}
+    assert found == {
+        ("/inputs/a.txt", True),
+        ("/inputs/ref", True),
+        ("/outputs", False),
+        ("/results", False),
+        ("/glob/x", False),
+        ("/work", False),  # /work/nested/b.txt is visible through it
+        ("/scratch", False),
+        ("/logs", False),
+    }
+    assert all(b.host == str(root) + b.container for b in binds)
+    assert plan.mkdirs == sorted(["/outputs", "/results", "/glob/x", "/work", "/scratch", "/logs"])
+    assert plan.bound_inputs == [] and plan.linkable_inputs == []
+
+
+def test_readonly_input_inside_readonly_input_is_dropped_but_readwrite_is_kept(
+    tmp_path: Path,
+) -> None:
+    task = make_task(
+        inputs=[
+            {"path": "/ref", "url": "file:///x", "type": "DIRECTORY"},
+            {"path": "/ref/extra.txt", "content": "x"},
+        ],
+        volumes=["/ref/scratch"],
+    )
+    binds = binds_of(tmp_path, task).binds
+    assert [(b.container, b.readonly) for b in binds] == [("/ref", True), ("/ref/scratch", False)]
+
+
+def test_only_inputs_that_stay_readonly_may_be_hardlinked(tmp_path: Path) -> None:
+    task = make_task(
+        inputs=[
+            {"path": "/data/in.txt", "url": "/x"},  # inside a volume: writable
+            {"path": "/ref", "url": "/r", "type": "DIRECTORY"},  # a volume inside it
+            {"path": "/in/ok.txt", "url": "/y"},
+        ],
+        volumes=["/data", "/ref/tmp"],
+    )
+    plan = binds_of(tmp_path, task, storage={"file_input_mode": "hardlink"})
+    assert plan.linkable_inputs == [2]
+    assert ("/data/in.txt", True) not in [(b.container, b.readonly) for b in plan.binds]
+    assert binds_of(tmp_path, task).linkable_inputs == []  # copy mode
+
+
+def test_bind_mode_mounts_allowed_files_straight_from_the_shared_filesystem(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ref.fa").write_text(">x\n")
+    task = make_task(
+        inputs=[
+            {"path": "/ref/ref.fa", "url": f"file://{shared}/ref.fa"},
+            {"path": "/ref2/outside.fa", "url": "/etc/hostname"},
+        ]
+    )
+    storage = {"file_input_mode": "bind", "allowed_dirs": [str(shared)]}
+    plan = binds_of(tmp_path, task, storage=storage)
+    assert plan.bound_inputs == [0]
+    assert Bind(str(shared / "ref.fa"), "/ref/ref.fa", True, uniform=False) in plan.binds
+    # Not allowed: staged (and refused) by stage-in instead of being mounted.
+    assert any(b.container == "/ref2/outside.fa" and b.uniform for b in plan.binds)
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        make_task(volumes=["/"]),
+        make_task(volumes=["/proc/x"]),
+        make_task(outputs=[{"path": "/out.txt", "url": "file:///o"}]),
+        make_task(inputs=[{"path": "/dev/sda", "content": "x"}]),
+        make_task(volumes=["relative"]),
+        make_task(volumes=["/a/../b"]),
+        make_task(outputs=[{"path": "/o//x", "url": "file:///o"}]),
+    ],
+)
+def test_paths_that_cannot_be_mounted_are_refused(tmp_path: Path, task: dict[str, Any]) -> None:
+    with pytest.raises(RenderError):
+        render(tmp_path, task)
+
+
+def test_paths_with_separators_use_csv_quoted_mount_flags() -> None:
+    args = bind_args(
+        [
+            Bind("/w/root/plain", "/plain", False),
+            Bind("/w/root/a,b:c", "/a,b:c", True),
+            Bind('/w/root/q"x', '/q"x', False),
+        ]
+    )
+    assert args == [
+        "--bind",
+        "/w/root/plain:/plain",
+        "--mount",
+        'type=bind,"source=/w/root/a,b:c","destination=/a,b:c",ro',
+        "--mount",
+        'type=bind,"source=/w/root/q""x","destination=/q""x"',
+    ]
+
+
+# --------------------------------------------------------------------------- hostile values
+
+
+def hostile_task() -> dict[str, Any]:
+    return {
+        "id": "hostile-1",
+        "name": HOSTILE,
+        "tags": {HOSTILE: HOSTILE},
+        "inputs": [{"path": f"/in/{HOSTILE.replace('/', '_')}", "content": HOSTILE}],
+        "outputs": [
+            {"path": f"/out/{HOSTILE.replace('/', '_')}", "url": "file:///nowhere/x"},
+        ],
+        "volumes": ["/vol/a,b:c"],
+        "executors": [
+            {
+                "image": "alpine",
+                "command": ["printf", "%s\\n", HOSTILE, "$(id)", "`id`", "a\nb"],
+                "workdir": f"/work/{HOSTILE.replace('/', '_')}",
+                "env": {"HOSTILE": HOSTILE, "COMMAS": "a,b,c=d", "EMPTY": ""},
+                "stdout": f"/out/{HOSTILE.replace('/', '_')}.stdout",
+                "stdin": f"/in/{HOSTILE.replace('/', '_')}",
+            }
+        ],
+    }
+
+
+def test_hostile_values_render_to_a_valid_script(tmp_path: Path) -> None:
+    script = render(tmp_path, hostile_task())
+    bash_syntax_ok(script, tmp_path)
+    # Task values never appear outside quotes: the only unquoted lines are the template's.
+    assert "touch /tmp/pwned-h2 #" in script  # inside single quotes
+    assert "#SBATCH --job-name=tes-hostile-1" in script
+    assert HOSTILE.splitlines()[0] not in "\n".join(directives(script))
+
+
+FAKE_RUNTIME = """#!{python}
+import json, os, sys
+# A stand-in runtime that records what it was asked to run instead of running it.
+with open(os.environ["FAKE_LOG"], "a") as log:
+    env = {{k: v for k, v in os.environ.items() if k.startswith("APPTAINERENV_")}}
+    log.write(json.dumps({{"argv": sys.argv[1:], "env": env}}) + "\\n")
+"""
+
+
+def test_hostile_values_reach_the_runtime_exactly_and_run_nothing(tmp_path: Path) -> None:
+    runtime = tmp_path / "fake-apptainer"
+    runtime.write_text(FAKE_RUNTIME.format(python=sys.executable))
+    runtime.chmod(0o755)
+    config = make_config(tmp_path, container={"runtime": str(runtime)})
+    task = hostile_task()
+    image = tmp_path / "alpine.sif"
+    image.write_text("not really an image")
+    script = prepare_task_dir(task, config=config, image_paths={"alpine": str(image)})
+    log = tmp_path / "runtime.log"
+    env = dict(os.environ, SLURM_JOB_ID="7", FAKE_LOG=str(log), PYTHONPATH=str(REPO))
+    pwned = [Path("/tmp/pwned-h2"), Path.cwd() / "pwned-h2"]
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert not any(p.exists() for p in pwned)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 1, result.stderr
+    argv = calls[0]["argv"]
+    assert argv[-6:] == task["executors"][0]["command"]
+    assert argv[-7] == str(image)
+    assert argv[argv.index("--pwd") + 1] == task["executors"][0]["workdir"]
+    # One level of escaping for the runtime's own `export X="..."` (see the cluster tests).
+    escaped = HOSTILE.replace("\\", "\\\\").replace("$", "\\$").replace("`", "\\`")
+    assert calls[0]["env"] == {
+        "APPTAINERENV_HOSTILE": escaped,
+        "APPTAINERENV_COMMAS": "a,b,c=d",
+        "APPTAINERENV_EMPTY": "",
+    }
+    mounts = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--mount"]
+    assert any('"destination=/vol/a,b:c"' in mount for mount in mounts)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("command", ["echo", "nul\0byte"]),
+        ("command", []),
+        ("env", {"BAD-NAME": "x"}),
+        ("env", {"X": "\ud800"}),
+        ("workdir", "relative"),
+        ("image", "unknown-image"),
+    ],
+)
+def test_unusable_executor_values_are_refused_naming_the_field(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    executor = {"image": "alpine", "command": ["true"], field: value}
+    with pytest.raises(RenderError, match=rf"executors\[0\]\.{field}"):
+        render(tmp_path, make_task(executors=[executor]))
+
+
+def test_executors_run_in_order_and_ignore_error_continues(tmp_path: Path) -> None:
+    task = make_task(
+        executors=[
+            {"image": "alpine", "command": ["a"], "ignore_error": True},
+            {"image": "alpine", "command": ["b"]},
+            {"image": "alpine", "command": ["c"]},
+        ]
+    )
+    script = render(tmp_path, task)
+    assert "run_executor 0 executor_0 || true" in script
+    assert "run_executor 1 executor_1 || return 1" in script
+    assert script.index("executor_1 ||") < script.index("executor_2 ||")
+
+
+def test_environment_is_escaped_for_the_runtimes_evaluation_unless_no_eval(
+    tmp_path: Path,
+) -> None:
+    executor = {"image": "alpine", "command": ["env"], "env": {"A": '$(id) `x` \\ "'}}
+    script = render(tmp_path, make_task(executors=[executor]))
+    assert "APPTAINERENV_A='\\$(id) \\`x\\` \\\\ \"'" in script
+    script = render(
+        tmp_path / "b",
+        make_task(executors=[executor]),
+        container={"exec_flags": ["--cleanenv", "--no-eval"]},
+    )
+    assert "APPTAINERENV_A='$(id) `x` \\ \"'" in script
+
+
+def test_singularity_gets_its_own_environment_prefix(tmp_path: Path) -> None:
+    executor = {"image": "alpine", "command": ["env"], "env": {"A": "1"}}
+    script = render(
+        tmp_path,
+        make_task(executors=[executor]),
+        container={"runtime": "/usr/local/bin/singularity"},
+    )
+    assert "SINGULARITYENV_A=1" in script
+    assert "APPTAINERENV_" not in script
+
+
+# --------------------------------------------------------------------------- files and templates
+
+
+def test_prepare_task_dir_writes_private_files(tmp_path: Path) -> None:
+    config = make_config(tmp_path, storage={"allowed_dirs": [str(tmp_path)]})
+    task = make_task(outputs=[{"path": "/outputs/x", "url": "file:///o"}])
+    script = prepare_task_dir(task, config=config, image_paths=IMAGES)
+    task_dir = config.work_dir / "task-1"
+    assert script == task_dir / "job.sh"
+    assert stat.S_IMODE(task_dir.stat().st_mode) == 0o700
+    assert json.loads((task_dir / "task.json").read_text()) == task
+    settings = json.loads((task_dir / "job-config.json").read_text())
+    assert settings["allowed_dirs"] == [str(tmp_path)]
+    assert settings["mkdirs"] == ["/outputs"]
+    assert settings["images"] == ["/cache/alpine.sif"]
+    assert os.access(script, os.X_OK)
+
+
+def test_render_error_leaves_no_task_directory(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    task = make_task(resources={"backend_parameters": {"qos": "x y"}})
+    with pytest.raises(RenderError):
+        prepare_task_dir(task, config=config, image_paths=IMAGES)
+    assert not (config.work_dir / "task-1").exists()
+
+
+def test_site_template_directory_is_searched_first(tmp_path: Path) -> None:
+    site = tmp_path / "site-templates"
+    site.mkdir()
+    (site / "job.sh.j2").write_text("#!/bin/bash\n# site {{ directives | length }}\n")
+    script = render(tmp_path, make_task(), job={"template_dir": str(site)})
+    assert script == "#!/bin/bash\n# site 4\n"
+
+
+def test_template_variables_must_exist(tmp_path: Path) -> None:
+    import jinja2
+
+    site = tmp_path / "site-templates"
+    site.mkdir()
+    (site / "job.sh.j2").write_text("{{ no_such_value }}\n")
+    with pytest.raises(jinja2.UndefinedError):
+        render(tmp_path, make_task(), job={"template_dir": str(site)})
