@@ -1,0 +1,642 @@
+"""The Slurm client: sbatch, squeue, sacct and scancel as argument lists, and their parsers.
+
+Knows nothing of HTTP or the store. Every command goes through :meth:`SlurmClient._run`, which
+raises a :class:`SlurmError` carrying argv, exit code, stdout and stderr. The error subclass tells
+the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off) or
+:class:`SlurmRejected` (sbatch refused this job for good).
+
+Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data/slurm/):
+
+- ``squeue --jobs=N`` for a single unknown id exits 1 with "Invalid job id specified"; with two or
+  more ids the unknown ones are just absent. Both mean "not in the controller's memory".
+- squeue shows ended jobs only with ``--states=all``, and only for ``MinJobAge`` seconds (300 by
+  default); after that only sacct knows them. A job missing from squeue is not finished: ask sacct.
+- ``sacct --jobs`` looks back to the epoch, but ``sacct --name`` only to midnight today unless
+  ``--starttime`` is given.
+- sacct prints one line per job and one per step (``N.batch``, ``N.extern``, ``N.0``). MaxRSS is
+  on the steps only; a cancelled or timed-out job has ExitCode ``0:0`` on the job line and the
+  signal (``0:15``) on its batch step.
+- States come as "CANCELLED by 0"; squeue prints "(null)" for no comment; times are "Unknown",
+  "None", "N/A" or "NONE" when not set. A job cancelled while pending gets a start time equal to
+  its end time in squeue.
+- scancel of an unknown or already finished job exits 0 and prints nothing.
+- Right after a job starts or ends, slurmdbd may hold only a placeholder for it (JobName
+  "allocation", no partition, no comment, ExitCode 0:0 whatever the outcome), written from its
+  step records before the job's own. :func:`parse_sacct` leaves such records out, as if sacct did
+  not know the job yet; the next poll gets the real one.
+- sbatch refusing a job for its size (exit 1, "Requested node configuration is not available")
+  still uses a job id: sacct and squeue show a FAILED (1:0) job of that name that never ran.
+- With slurmctld down, sbatch, squeue and scancel each retry for about 9 s before failing with
+  "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
+- A job whose memory use passes ``--mem`` under ``JobAcctGatherParams=OverMemoryKill`` ends FAILED
+  with signal 9 (OUT_OF_MEMORY only comes with task/cgroup).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# --- state table -----------------------------------------------------------------------------
+
+#: Slurm job state (the base word, as squeue %T and sacct State print it) -> TES state.
+#: Final TES states are COMPLETE, EXECUTOR_ERROR, SYSTEM_ERROR and CANCELED; TES clients
+#: (Nextflow, Cromwell) wait forever on any other, so no ended job maps to PREEMPTED.
+SLURM_TO_TES: dict[str, str] = {
+    "PENDING": "QUEUED",
+    # Nodes are being booted or configured for the job.
+    "CONFIGURING": "INITIALIZING",
+    "POWER_UP_NODE": "INITIALIZING",
+    "RUNNING": "RUNNING",
+    # Still running: the job's processes are ending and epilogs run; the outcome is not known yet.
+    "COMPLETING": "RUNNING",
+    # Burst-buffer stage-out after the script ended: not done yet.
+    "STAGE_OUT": "RUNNING",
+    # Being sent a signal (e.g. by scancel --signal); it has not ended.
+    "SIGNALING": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SUSPENDED": "PAUSED",
+    # Stopped with SIGSTOP, keeping its resources: paused, not ended.
+    "STOPPED": "PAUSED",
+    # The script exited 0. The job's own records still decide between COMPLETE and an error.
+    "COMPLETED": "COMPLETE",
+    # The script exited non-zero; the job script exits non-zero when an executor does. The job
+    # records tell an executor failure from a staging (SYSTEM_ERROR) one.
+    "FAILED": "EXECUTOR_ERROR",
+    "CANCELLED": "CANCELED",
+    # The time limit ended the executors: running it again the same way would end the same way.
+    "TIMEOUT": "EXECUTOR_ERROR",
+    # The task used more memory than it asked for.
+    "OUT_OF_MEMORY": "EXECUTOR_ERROR",
+    # Lost through no fault of the task (see RETRYABLE_STATES); final only once retries run out.
+    "NODE_FAIL": "SYSTEM_ERROR",
+    "BOOT_FAIL": "SYSTEM_ERROR",
+    # TES has PREEMPTED, but clients do not treat it as final; the poller resubmits instead.
+    "PREEMPTED": "SYSTEM_ERROR",
+    "LAUNCH_FAILED": "SYSTEM_ERROR",
+    "RECONFIG_FAIL": "SYSTEM_ERROR",
+    # Ended by its --deadline; the bridge never sets one, so a site policy did.
+    "DEADLINE": "SYSTEM_ERROR",
+    # Federation: another cluster took the job. The bridge does not use federation.
+    "REVOKED": "SYSTEM_ERROR",
+    # Requeued (after a node failure, preemption or by an admin): it will run again.
+    "REQUEUED": "QUEUED",
+    "REQUEUE_FED": "QUEUED",
+    # Held in the queue until someone releases it; still queued, not ended.
+    "REQUEUE_HOLD": "QUEUED",
+    "SPECIAL_EXIT": "QUEUED",
+    "RESV_DEL_HOLD": "QUEUED",
+    # Pending while the controller records the job in the database.
+    "UPDATE_DB": "QUEUED",
+}
+
+#: Compact state codes (squeue %t, ``squeue -t``), for input that uses them.
+_COMPACT: dict[str, str] = {
+    "PD": "PENDING", "CF": "CONFIGURING", "R": "RUNNING", "CG": "COMPLETING", "CD": "COMPLETED",
+    "F": "FAILED", "CA": "CANCELLED", "TO": "TIMEOUT", "NF": "NODE_FAIL", "PR": "PREEMPTED",
+    "BF": "BOOT_FAIL", "DL": "DEADLINE", "OOM": "OUT_OF_MEMORY", "RQ": "REQUEUED",
+    "RH": "REQUEUE_HOLD", "RF": "REQUEUE_FED", "RD": "RESV_DEL_HOLD", "RS": "RESIZING",
+    "RV": "REVOKED", "SE": "SPECIAL_EXIT", "SI": "SIGNALING", "SO": "STAGE_OUT", "ST": "STOPPED",
+    "S": "SUSPENDED",
+}  # fmt: skip
+
+#: Jobs lost through no fault of the task: submitting again is worth it.
+RETRYABLE_STATES: frozenset[str] = frozenset({"NODE_FAIL", "PREEMPTED", "BOOT_FAIL"})
+
+#: States after which the job will not run again by itself.
+ENDED_STATES: frozenset[str] = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+     "PREEMPTED", "DEADLINE", "REVOKED", "LAUNCH_FAILED", "RECONFIG_FAIL"}
+)  # fmt: skip
+
+#: Pending reasons that never clear by themselves: the job, as submitted, cannot start (sites
+#: without ``EnforcePartLimits=ALL`` accept such jobs instead of refusing them).
+HOPELESS_PENDING_REASONS: frozenset[str] = frozenset(
+    {"BadConstraints", "PartitionConfig", "InvalidAccount", "InvalidQOS",
+     "DependencyNeverSatisfied"}
+)  # fmt: skip
+
+_warned_states: set[str] = set()
+
+
+def base_state(slurm_state: str) -> str:
+    """The state word: "CANCELLED by 0" and "CANCELLED+" -> "CANCELLED"; "PD" -> "PENDING"."""
+    words = slurm_state.split()
+    word = words[0].rstrip("+").upper() if words else ""
+    return _COMPACT.get(word, word)
+
+
+def tes_state_for(slurm_state: str) -> str:
+    """The TES state for a Slurm state; "UNKNOWN" (with a warning, once per state) if unknown."""
+    state = base_state(slurm_state)
+    tes = SLURM_TO_TES.get(state)
+    if tes is None:
+        if state not in _warned_states:
+            _warned_states.add(state)
+            log.warning("unknown Slurm job state %r; reporting the task as UNKNOWN", slurm_state)
+        return "UNKNOWN"
+    return tes
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class SlurmError(Exception):
+    """A Slurm command failed. Carries the command, its exit code and what it printed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        argv: Sequence[str] = (),
+        returncode: int | None = None,
+        stdout: str = "",
+        stderr: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class SlurmUnavailable(SlurmError):
+    """The controller or the accounting daemon did not answer: try again later, with back-off."""
+
+
+class SlurmRejected(SlurmError):
+    """sbatch refused this job for good (resources no node has, unknown partition, ...)."""
+
+
+# stderr text that means "Slurm is not reachable right now", not "your request is wrong".
+_UNAVAILABLE = re.compile(
+    "|".join(
+        re.escape(s)
+        for s in (
+            "Unable to contact slurm controller",
+            "Socket timed out on send/recv",
+            "Slurm backup controller in standby mode",
+            "Connection refused",
+            "Connection timed out",
+            "Problem talking to the database",
+            "Zero Bytes were transmitted or received",
+            "Transport endpoint is not connected",
+            "Communication connection failure",
+            "Resource temporarily unavailable",
+            "temporarily unable to accept job",
+            "Requested operation is presently disabled",
+            # munged down or overloaded on this host.
+            "Munge encode failed",
+            "Protocol authentication error",
+            # A submit limit (MaxSubmitJobs): clears when the user's earlier jobs end.
+            "Job violates accounting/QOS policy",
+        )
+    ),
+    re.IGNORECASE,
+)
+_INVALID_JOB_ID = "Invalid job id specified"
+
+
+def _error_lines(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return "; ".join(lines[-3:]) or "no error message"
+
+
+# --- job information -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    name: str
+    #: The Slurm base state word ("CANCELLED" for "CANCELLED by 0").
+    state: str
+    #: squeue/sacct reason ("Resources", "Priority", "JobHeldUser", ...); None for "None".
+    reason: str | None
+    #: From ExitCode "3:0"; None while the job has not ended.
+    exit_code: int | None
+    signal: int | None
+    node: str | None
+    partition: str | None
+    #: Timezone-aware UTC; None when the job never started / has not ended.
+    start_time: datetime | None
+    end_time: datetime | None
+    elapsed_seconds: int | None
+    #: Largest MaxRSS of the job's steps (sacct only).
+    max_rss_bytes: int | None
+    comment: str | None
+
+    @property
+    def tes_state(self) -> str:
+        return tes_state_for(self.state)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+
+#: squeue -o fields, "|"-separated; the comment is last so that it may contain "|".
+SQUEUE_FORMAT = "%i|%j|%T|%r|%N|%P|%S|%e|%M|%k"
+#: sacct --format fields (with -P: "|"-separated); Comment last for the same reason.
+SACCT_FIELDS = (
+    "JobID,JobName,State,ExitCode,Reason,NodeList,Partition,Start,End,ElapsedRaw,MaxRSS,Comment"
+)
+_SQUEUE_NFIELDS = SQUEUE_FORMAT.count("|") + 1
+_SACCT_NFIELDS = SACCT_FIELDS.count(",") + 1
+
+_UNSET = {"", "none", "unknown", "n/a", "(null)", "none assigned", "invalid"}
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024**5}
+
+
+def _opt(value: str) -> str | None:
+    value = value.strip()
+    return None if value.lower() in _UNSET else value
+
+
+def parse_time(value: str) -> datetime | None:
+    """A Slurm timestamp, printed in UTC because the client runs Slurm commands with TZ=UTC."""
+    value = value.strip()
+    if value.lower() in _UNSET:
+        return None
+    try:
+        return datetime.fromisoformat(value).replace(tzinfo=UTC)
+    except ValueError:
+        log.warning("unparsable Slurm time %r", value)
+        return None
+
+
+def parse_exit_code(value: str) -> tuple[int | None, int | None]:
+    """sacct ExitCode "3:0" -> (3, 0): the script's exit code and the signal that ended it."""
+    code, _, sig = value.strip().partition(":")
+    try:
+        return int(code), int(sig or 0)
+    except ValueError:
+        return None, None
+
+
+def parse_duration(value: str) -> int | None:
+    """squeue %M ("5:03", "1:02:03", "2-01:02:03") -> seconds."""
+    value = value.strip()
+    if value.lower() in _UNSET:
+        return None
+    days, _, clock = value.rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        seconds = 0
+        for part in parts:
+            seconds = seconds * 60 + part
+        return seconds + int(days or 0) * 86400
+    except ValueError:
+        return None
+
+
+def parse_size(value: str) -> int | None:
+    """sacct MaxRSS ("624004K", "1.50G", "0") -> bytes."""
+    value = value.strip().upper()
+    if not value:
+        return None
+    match = re.fullmatch(r"([0-9.]+)([KMGTP]?)", value)
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def parse_squeue(text: str) -> dict[str, JobInfo]:
+    """Parse ``squeue -h -o SQUEUE_FORMAT`` output."""
+    jobs: dict[str, JobInfo] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|", _SQUEUE_NFIELDS - 1)
+        if len(fields) != _SQUEUE_NFIELDS:
+            log.warning("skipping squeue line with %d fields: %r", len(fields), line)
+            continue
+        job_id, name, state_text, reason, node, part, start, end, used, comment = fields
+        state = base_state(state_text)
+        ended = state in ENDED_STATES
+        node_name = _opt(node)
+        # squeue's start is an estimate while pending, and is set to the end time for a job that
+        # was cancelled before it ran (no node); its end is the time limit while running.
+        started = state not in ("PENDING", "CONFIGURING") and node_name is not None
+        jobs[job_id] = JobInfo(
+            job_id=job_id,
+            name=name,
+            state=state,
+            reason=_opt(reason),
+            exit_code=None,
+            signal=None,
+            node=node_name,
+            partition=_opt(part),
+            start_time=parse_time(start) if started else None,
+            end_time=parse_time(end) if ended else None,
+            elapsed_seconds=parse_duration(used),
+            max_rss_bytes=None,
+            comment=_opt(comment),
+        )
+    return jobs
+
+
+def parse_sacct(text: str) -> dict[str, JobInfo]:
+    """Parse ``sacct -P -n --format=SACCT_FIELDS`` output, merging steps into their job."""
+    jobs: dict[str, JobInfo] = {}
+    steps: dict[str, list[list[str]]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|", _SACCT_NFIELDS - 1)
+        if len(fields) != _SACCT_NFIELDS:
+            log.warning("skipping sacct line with %d fields: %r", len(fields), line)
+            continue
+        job_id, _, step = fields[0].partition(".")
+        if step:
+            steps.setdefault(job_id, []).append(fields)
+            continue
+        _, name, state_text, exit_text, reason, node, part, start, end, elapsed, rss, comment = (
+            fields
+        )
+        if not part.strip():
+            # slurmdbd's placeholder until the job's own record arrives (see the module doc).
+            log.debug("sacct has only a placeholder for job %s so far", job_id)
+            continue
+        state = base_state(state_text)
+        node_name = _opt(node)
+        ended = state in ENDED_STATES
+        exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
+        jobs[job_id] = JobInfo(
+            job_id=job_id,
+            name=name,
+            state=state,
+            reason=_opt(reason),
+            exit_code=exit_code,
+            signal=signal,
+            node=node_name,
+            partition=_opt(part),
+            # A job cancelled before it ran has Start "None" or its end time: it never started.
+            start_time=parse_time(start) if node_name is not None else None,
+            end_time=parse_time(end) if ended else None,
+            elapsed_seconds=int(elapsed) if elapsed.strip().isdigit() else None,
+            max_rss_bytes=parse_size(rss),
+            comment=_opt(comment),
+        )
+    for job_id, job_steps in steps.items():
+        job = jobs.get(job_id)
+        if job is None:
+            continue
+        rss = [r for r in (parse_size(s[10]) for s in job_steps) if r is not None]
+        if job.max_rss_bytes is not None:
+            rss.append(job.max_rss_bytes)
+        signal = job.signal
+        if job.ended and job.exit_code == 0 and job.signal == 0:
+            # Cancel and time-out leave 0:0 on the job line; the batch step has the signal.
+            for s in job_steps:
+                if s[0].endswith(".batch"):
+                    signal = parse_exit_code(s[3])[1] or 0
+        jobs[job_id] = replace(job, max_rss_bytes=max(rss) if rss else None, signal=signal)
+    return jobs
+
+
+# --- the client --------------------------------------------------------------------------------
+
+# Arguments longer than this are refused by Linux (MAX_ARG_STRLEN is 128 KiB): split id lists.
+_MAX_LIST_CHARS = 100_000
+
+
+def _chunks(items: Sequence[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for item in items:
+        if chunk and size + len(item) + 1 > _MAX_LIST_CHARS:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += len(item) + 1
+    if chunk:
+        yield chunk
+
+
+def _check_ids(job_ids: Iterable[str]) -> list[str]:
+    ids = sorted({str(j).strip() for j in job_ids}, key=lambda j: (len(j), j))
+    for job_id in ids:
+        if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+            raise ValueError(f"not a Slurm job id: {job_id!r}")
+    return ids
+
+
+def _check_text(what: str, value: str) -> None:
+    # "|" would break the parsers (the name is not the last field), newlines any line format.
+    if not value or "\n" in value or "\r" in value or (what == "job name" and "|" in value):
+        raise ValueError(f"{what} must be non-empty, one line, without '|': {value!r}")
+
+
+class SlurmClient:
+    """Runs Slurm's command-line tools; one call per operation for any number of jobs."""
+
+    def __init__(
+        self,
+        *,
+        sbatch: str = "sbatch",
+        squeue: str = "squeue",
+        sacct: str = "sacct",
+        scancel: str = "scancel",
+        timeout: float = 30.0,
+        history: timedelta = timedelta(days=30),
+    ) -> None:
+        self.sbatch = sbatch
+        self.squeue = squeue
+        self.sacct = sacct
+        self.scancel = scancel
+        self.timeout = timeout
+        #: How far back find_by_names asks sacct.
+        self.history = history
+
+    # The one place that runs a command.
+    def _run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("SQUEUE_", "SACCT_"))
+        }  # a user's SQUEUE_USERS or SACCT_FORMAT would change what the parsers see
+        env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
+        env["SLURM_TIME_FORMAT"] = "standard"
+        try:
+            proc = subprocess.run(
+                list(argv),
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                env=env,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            raise SlurmError(
+                f"{argv[0]} not found; install the Slurm client commands on this host or set "
+                f"the path in the [slurm] section of the configuration",
+                argv=argv,
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmUnavailable(
+                f"{Path(argv[0]).name} did not answer within {self.timeout:g} s "
+                f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
+                argv=argv,
+                stdout=_text(exc.stdout),
+                stderr=_text(exc.stderr),
+            ) from exc
+        return proc
+
+    def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
+        argv = [str(a) for a in proc.args]
+        detail = _error_lines(proc.stderr or proc.stdout)
+        kwargs = {
+            "argv": argv,
+            "returncode": proc.returncode,
+            "stdout": proc.stdout,
+            "stderr": proc.stderr,
+        }
+        tool = Path(argv[0]).name
+        if _UNAVAILABLE.search(proc.stderr):
+            daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
+            return SlurmUnavailable(
+                f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
+                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log",
+                **kwargs,
+            )
+        if tool == Path(self.sbatch).name:
+            return SlurmRejected(
+                f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
+                f"with `sinfo -o '%P %c %m %l'`",
+                **kwargs,
+            )
+        if "accounting storage is disabled" in proc.stderr:
+            return SlurmError(
+                f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
+                f"accounting_storage/slurmdbd in slurm.conf)",
+                **kwargs,
+            )
+        return SlurmError(f"{what}: {tool} exited {proc.returncode} ({detail})", **kwargs)
+
+    def submit(
+        self,
+        script: Path,
+        *,
+        job_name: str,
+        comment: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> str:
+        """Submit a batch script; returns the job id.
+
+        On :class:`SlurmUnavailable` after a time-out the job may have been queued all the same:
+        look for it with :meth:`find_by_names` before submitting again.
+        """
+        _check_text("job name", job_name)
+        argv = [self.sbatch, "--parsable", f"--job-name={job_name}"]
+        if comment is not None:
+            _check_text("comment", comment)
+            argv.append(f"--comment={comment}")
+        argv += [*extra_args, str(script)]
+        proc = self._run(argv)
+        if proc.returncode != 0:
+            raise self._fail(proc, f"submitting {script}")
+        # --parsable prints "id" or "id;cluster".
+        lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        job_id = lines[-1].split(";")[0] if lines else ""
+        if not job_id.isdigit():
+            raise SlurmError(
+                f"sbatch printed no job id: {proc.stdout!r}",
+                argv=argv,
+                returncode=proc.returncode,
+                stdout=proc.stdout,
+                stderr=proc.stderr,
+            )
+        return job_id
+
+    def _squeue(self, selector: str) -> dict[str, JobInfo]:
+        argv = [self.squeue, "-h", "--states=all", selector, "-o", SQUEUE_FORMAT]
+        proc = self._run(argv)
+        if proc.returncode != 0:
+            if _INVALID_JOB_ID in proc.stderr:
+                return {}  # a single id the controller no longer (or never) knew
+            raise self._fail(proc, "reading the queue")
+        return parse_squeue(proc.stdout)
+
+    def _sacct(self, selector: Sequence[str]) -> dict[str, JobInfo]:
+        argv = [self.sacct, "-P", "-n", *selector, f"--format={SACCT_FIELDS}"]
+        proc = self._run(argv)
+        if proc.returncode != 0:
+            raise self._fail(proc, "reading accounting")
+        return parse_sacct(proc.stdout)
+
+    def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        """What the controller knows of these jobs (queued, running, or ended < MinJobAge ago).
+
+        Jobs it no longer knows are absent: ask :meth:`accounting`, they are not "finished".
+        """
+        found: dict[str, JobInfo] = {}
+        for chunk in _chunks(_check_ids(job_ids)):
+            found.update(self._squeue(f"--jobs={','.join(chunk)}"))
+        return found
+
+    def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        """The accounting records of these jobs (any age: ``--jobs`` looks back to the epoch)."""
+        found: dict[str, JobInfo] = {}
+        for chunk in _chunks(_check_ids(job_ids)):
+            found.update(self._sacct([f"--jobs={','.join(chunk)}"]))
+        return found
+
+    def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]:
+        """Jobs, queued or ended, named one of ``names``, oldest first.
+
+        For recovery after a crash between sbatch and recording the job id: the job may exist.
+        squeue covers jobs sacct has not recorded yet; sacct covers those squeue forgot.
+        """
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        for name in wanted:
+            _check_text("job name", name)
+        since = (datetime.now(UTC) - self.history).strftime("%Y-%m-%dT%H:%M:%S")
+        jobs: dict[str, JobInfo] = {}
+        for chunk in _chunks(wanted):
+            joined = ",".join(chunk)
+            # sacct --name looks back only to midnight unless --starttime is given.
+            jobs.update(self._sacct([f"--name={joined}", f"--starttime={since}"]))
+            for job_id, info in self._squeue(f"--name={joined}").items():
+                # The controller's view is the fresher one, and only it has very new jobs.
+                old = jobs.get(job_id)
+                jobs[job_id] = info if old is None or not info.ended else _merge(old, info)
+        result: dict[str, list[JobInfo]] = {}
+        for info in sorted(jobs.values(), key=lambda j: (len(j.job_id), j.job_id)):
+            if info.name in wanted:
+                result.setdefault(info.name, []).append(info)
+        return result
+
+    def cancel(self, job_ids: Collection[str]) -> None:
+        """Cancel these jobs; unknown and already ended ones are ignored by scancel."""
+        for chunk in _chunks(_check_ids(job_ids)):
+            proc = self._run([self.scancel, *chunk])
+            if proc.returncode != 0:
+                raise self._fail(proc, f"cancelling job(s) {' '.join(chunk)}")
+
+
+def _merge(accounting: JobInfo, queue: JobInfo) -> JobInfo:
+    """An ended job seen by both: squeue's state with sacct's exit code and memory."""
+    return replace(
+        queue,
+        exit_code=accounting.exit_code,
+        signal=accounting.signal,
+        max_rss_bytes=accounting.max_rss_bytes,
+        elapsed_seconds=accounting.elapsed_seconds,
+        start_time=accounting.start_time or queue.start_time,
+        end_time=accounting.end_time or queue.end_time,
+    )
+
+
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

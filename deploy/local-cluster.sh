@@ -1,0 +1,817 @@
+#!/usr/bin/env bash
+# A real single-node Slurm cluster (munge, slurmctld, slurmd, slurmdbd + MariaDB), Apptainer and a
+# local OCI registry with test images, for development and CI of tes-slurm-bridge.
+#
+#   deploy/local-cluster.sh up [--quiet]     install what is missing, start what is not running
+#   deploy/local-cluster.sh status           what runs (pids) and where the logs are
+#   deploy/local-cluster.sh down [DAEMON..]  stop what `up` started (all, or the named daemons)
+#
+# Run as root on Debian 12. Daemons are started directly (no systemd) and tracked by the pid files
+# in one state directory, so `down` stops exactly what `up` started. Settings (environment):
+#   LOCAL_CLUSTER_DIR        state, logs, pid files, caches   (/var/lib/tes-bridge/local-cluster)
+#   LOCAL_CLUSTER_SLURM_ETC  where slurm.conf/slurmdbd.conf go (/etc/slurm; other paths need
+#                            SLURM_CONF=<dir>/slurm.conf for the Slurm commands)
+#   LOCAL_CLUSTER_REGISTRY   registry address                  (127.0.0.1:5000)
+#   LOCAL_CLUSTER_MYSQL_PORT MariaDB port on 127.0.0.1          (13306)
+#   LOCAL_CLUSTER_OVERSUBSCRIBE  jobs that may share one core   (4)
+#   LOCAL_CLUSTER_APPTAINER_LIBDIR  private glibc for Apptainer (/opt/tes-bridge/apptainer-libc)
+#   LOCAL_CLUSTER_DEBIAN_MIRROR  Debian mirror (default: the one in the machine's apt sources)
+set -Eeuo pipefail
+
+STATE_DIR=${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}
+SLURM_ETC=${LOCAL_CLUSTER_SLURM_ETC:-/etc/slurm}
+REGISTRY=${LOCAL_CLUSTER_REGISTRY:-127.0.0.1:5000}
+MYSQL_PORT=${LOCAL_CLUSTER_MYSQL_PORT:-13306}
+OVERSUBSCRIBE=${LOCAL_CLUSTER_OVERSUBSCRIBE:-4}
+APPTAINER_LIBDIR=${LOCAL_CLUSTER_APPTAINER_LIBDIR:-/opt/tes-bridge/apptainer-libc}
+APPTAINER_SUITE=${LOCAL_CLUSTER_APPTAINER_SUITE:-sid}
+CLUSTER_NAME=local
+PARTITION=main
+IMAGES_SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/images
+# Bump when the way images are built changes, so cached images are rebuilt.
+IMAGE_RECIPE_VERSION=1
+
+# Every file this script writes outside its state directory starts with this line; a file
+# without it belongs to someone else and is never overwritten.
+MARKER="# Written by tes-slurm-bridge deploy/local-cluster.sh (local test cluster); it may rewrite this file."
+
+RUN=$STATE_DIR/run
+LOGS=$STATE_DIR/log
+CACHE=$STATE_DIR/cache
+SLURM_CONF_FILE=$SLURM_ETC/slurm.conf
+SLURMDBD_CONF_FILE=$SLURM_ETC/slurmdbd.conf
+MUNGE_SOCKET=$RUN/munge/munge.socket
+MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
+# The daemons live in sbin, which a non-login root shell (CI, cron) may lack on its PATH.
+export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
+export SLURM_CONF=$SLURM_CONF_FILE
+export APPTAINER_CACHEDIR=$CACHE/apptainer
+APT_GET=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
+
+PACKAGES=(munge slurm-wlm slurmdbd slurm-client mariadb-server docker-registry skopeo umoci
+  mmdebstrap patchelf squashfs-tools squashfuse fuse2fs uidmap curl ca-certificates)
+
+# Stop order; `up` starts them in reverse.
+DAEMONS=(slurmd slurmctld slurmdbd mysqld munged registry)
+declare -A PIDFILE=(
+  [munged]=$RUN/munge/munged.pid [mysqld]=$RUN/mysqld/mysqld.pid [slurmdbd]=$RUN/slurmdbd.pid
+  [slurmctld]=$RUN/slurmctld.pid [slurmd]=$RUN/slurmd.pid [registry]=$RUN/registry.pid)
+# Executable behind each pid, checked so that a recycled pid is never taken for a daemon.
+declare -A EXE=([munged]=munged [mysqld]=mariadbd [slurmdbd]=slurmdbd [slurmctld]=slurmctld
+  [slurmd]=slurmd [registry]=docker-registry)
+declare -A LOGFILE=(
+  [munged]=$LOGS/munged.log [mysqld]=$LOGS/mysqld.log [slurmdbd]=$LOGS/slurmdbd.log
+  [slurmctld]=$LOGS/slurmctld.log [slurmd]=$LOGS/slurmd.log [registry]=$LOGS/registry.log)
+
+QUIET=0
+T0=$SECONDS
+
+log() { ((QUIET)) || printf '[%3ds] %s\n' "$((SECONDS - T0))" "$*"; }
+die() {
+  printf 'local-cluster: error: %s\n' "$*" >&2
+  exit 1
+}
+on_error() {
+  printf 'local-cluster: error: command failed (exit %s) at line %s: %s\n' "$1" "$2" "$3" >&2
+}
+trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+
+# A daemon did not come up: say which, show the end of its log, stop.
+daemon_failed() {
+  local name=$1 why=$2 file=${LOGFILE[$1]}
+  {
+    printf 'local-cluster: error: %s %s\n' "$name" "$why"
+    if [[ -s $file ]]; then
+      printf -- '--- last lines of %s ---\n' "$file"
+      tail -n 25 "$file"
+      printf -- '---\n'
+    else
+      printf '(its log %s is empty)\n' "$file"
+    fi
+    [[ -s $LOGS/$name.out ]] && { printf -- '--- %s ---\n' "$LOGS/$name.out"; tail -n 10 "$LOGS/$name.out"; }
+  } >&2
+  exit 1
+}
+
+# Run "$@" until it succeeds or $1 seconds pass.
+wait_for() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.2
+  done
+}
+
+# --- pid files ----------------------------------------------------------------------------------
+
+daemon_pid() {
+  local file=${PIDFILE[$1]} pid exe
+  [[ -s $file ]] || return 1
+  pid=$(<"$file")
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
+  exe=${exe% (deleted)}
+  exe=${exe##*/}
+  # Debian installs some Slurm daemons as NAME-wlm behind an alternatives link.
+  [[ $exe == "${EXE[$1]}" || $exe == "${EXE[$1]}-wlm" ]] || return 1
+  echo "$pid"
+}
+
+running() { daemon_pid "$1" >/dev/null; }
+
+# A process that has exited but not yet been reaped (a zombie) counts as gone.
+alive() {
+  local stat
+  stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
+stop_daemon() {
+  local name=$1 pid i
+  if ! pid=$(daemon_pid "$name"); then
+    rm -f "${PIDFILE[$name]}"
+    return 0
+  fi
+  log "stopping $name (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < 150; i++)); do
+    alive "$pid" || break
+    sleep 0.1
+  done
+  if alive "$pid"; then
+    log "$name (pid $pid) ignored SIGTERM for 15 s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    sleep 0.2
+  fi
+  rm -f "${PIDFILE[$name]}"
+}
+
+# --- checks before touching anything ------------------------------------------------------------
+
+ours_or_absent() {
+  [[ ! -e $1 ]] || grep -qxF "$MARKER" "$1"
+}
+
+preflight() {
+  [[ $(id -u) == 0 ]] || die "run as root (it installs packages and starts daemons)"
+  local f
+  for f in "$SLURM_CONF_FILE" "$SLURMDBD_CONF_FILE"; do
+    ours_or_absent "$f" || die "$f exists and was not written by this script (no marker line);" \
+      "refusing to overwrite another Slurm configuration. This machine seems to have its own" \
+      "Slurm: use it instead, or move the file away, or set LOCAL_CLUSTER_SLURM_ETC to another" \
+      "directory (then export SLURM_CONF=<that directory>/slurm.conf)."
+  done
+  [[ $STATE_DIR == /* ]] || die "LOCAL_CLUSTER_DIR must be an absolute path (got $STATE_DIR)"
+}
+
+# --- Debian packages ----------------------------------------------------------------------------
+
+debian_mirror() {
+  if [[ -n ${LOCAL_CLUSTER_DEBIAN_MIRROR:-} ]]; then
+    echo "$LOCAL_CLUSTER_DEBIAN_MIRROR"
+    return
+  fi
+  local uri
+  uri=$({
+    awk '/^URIs:/ {for (i = 2; i <= NF; i++) print $i}' /etc/apt/sources.list.d/*.sources 2>/dev/null
+    sed -nE 's/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' \
+      /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null
+  } | grep -E '/debian/?$' | grep -v security | head -n 1 || true)
+  echo "${uri:-http://deb.debian.org/debian}"
+}
+
+install_packages() {
+  local missing
+  # dpkg-query prints one "name status" line per known package; unknown ones go to stderr.
+  missing=$(comm -23 <(printf '%s\n' "${PACKAGES[@]}" | sort) \
+    <({ dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${PACKAGES[@]}" 2>/dev/null || true; } |
+      awk '$2 == "installed" {print $1}' | sort))
+  [[ -z $missing ]] && return 0
+  log "installing Debian packages: ${missing//$'\n'/ }"
+  # shellcheck disable=SC2086 # $missing is a word list
+  if ! DEBIAN_FRONTEND=noninteractive "${APT_GET[@]}" install --no-install-recommends $missing \
+    >>"$LOGS/apt.log" 2>&1; then
+    log "apt-get install failed; refreshing the package lists and trying again"
+    DEBIAN_FRONTEND=noninteractive "${APT_GET[@]}" update >>"$LOGS/apt.log" 2>&1 ||
+      { tail -n 20 "$LOGS/apt.log" >&2; die "apt-get update failed (log: $LOGS/apt.log)"; }
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive "${APT_GET[@]}" install --no-install-recommends $missing \
+      >>"$LOGS/apt.log" 2>&1 ||
+      { tail -n 20 "$LOGS/apt.log" >&2; die "apt-get install failed (log: $LOGS/apt.log)"; }
+  fi
+  log "Debian packages installed"
+}
+
+# --- configuration files ------------------------------------------------------------------------
+
+# write_if_changed FILE MODE CONTENT: returns 0 when the file changed.
+write_if_changed() {
+  local file=$1 mode=$2 content=$3
+  if [[ -f $file ]] && [[ $(<"$file") == "$content" ]]; then
+    return 1
+  fi
+  ours_or_absent "$file" || die "refusing to overwrite $file (not written by this script)"
+  mkdir -p "$(dirname "$file")"
+  printf '%s\n' "$content" >"$file.tmp"
+  chmod "$mode" "$file.tmp"
+  mv -f "$file.tmp" "$file"
+  return 0
+}
+
+node_hardware() {
+  # slurmd -C prints this machine as slurmd sees it, so the node line always matches.
+  local line
+  line=$(slurmd -C 2>/dev/null | head -n 1) || true
+  NODE=$(hostname -s)
+  CPUS=$(sed -nE 's/.* CPUs=([0-9]+).*/\1/p' <<<"$line")
+  SOCKETS=$(sed -nE 's/.* SocketsPerBoard=([0-9]+).*/\1/p' <<<"$line")
+  CORES=$(sed -nE 's/.* CoresPerSocket=([0-9]+).*/\1/p' <<<"$line")
+  THREADS=$(sed -nE 's/.* ThreadsPerCore=([0-9]+).*/\1/p' <<<"$line")
+  local total_mb
+  total_mb=$(sed -nE 's/.* RealMemory=([0-9]+).*/\1/p' <<<"$line")
+  [[ -n $CPUS ]] || CPUS=$(nproc --all)
+  [[ -n $total_mb ]] || total_mb=$(($(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024))
+  # Leave memory for the OS and the daemons: an eighth, at most 1 GiB.
+  local reserve=$((total_mb / 8))
+  ((reserve > 1024)) && reserve=1024
+  REAL_MEMORY=$((total_mb - reserve))
+  # Jobs without --mem get a share small enough that OVERSUBSCRIBE jobs per CPU fit.
+  DEF_MEM_PER_CPU=$((REAL_MEMORY / (CPUS * OVERSUBSCRIBE)))
+}
+
+slurm_conf() {
+  local topo=""
+  [[ -n $SOCKETS && -n $CORES && -n $THREADS ]] &&
+    topo=" SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS"
+  cat <<EOF
+$MARKER
+# Single-node test cluster; state, logs and pid files live in $STATE_DIR.
+ClusterName=$CLUSTER_NAME
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+ReturnToService=2
+StateSaveLocation=$STATE_DIR/slurmctld
+SlurmdSpoolDir=$STATE_DIR/slurmd
+SlurmctldPidFile=${PIDFILE[slurmctld]}
+SlurmdPidFile=${PIDFILE[slurmd]}
+SlurmctldLogFile=${LOGFILE[slurmctld]}
+SlurmdLogFile=${LOGFILE[slurmd]}
+SlurmctldDebug=info
+SlurmdDebug=info
+SchedulerType=sched/backfill
+# Reject at submission a job no partition can ever run (else it pends with Reason=PartitionConfig).
+EnforcePartLimits=ALL
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+# Without a default, a job without --mem asks for the whole node and jobs run one at a time.
+DefMemPerCPU=$DEF_MEM_PER_CPU
+# Send SIGKILL 10 s after SIGTERM on cancel or time-out (default 30 s).
+KillWait=10
+# Memory requests are enforced by the accounting sampler (no cgroups here).
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=5
+JobAcctGatherParams=OverMemoryKill
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=6819
+# For auth/munge this "password" is the munge socket used to talk to slurmdbd (AuthInfo is not).
+AccountingStoragePass=$MUNGE_SOCKET
+# Keep --comment in the accounting database, so sacct can show it after the job ends.
+AccountingStoreFlags=job_comment
+JobCompType=jobcomp/none
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY State=UNKNOWN
+# Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE
+EOF
+}
+
+slurmdbd_conf() {
+  cat <<EOF
+$MARKER
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=6819
+SlurmUser=root
+PidFile=${PIDFILE[slurmdbd]}
+LogFile=${LOGFILE[slurmdbd]}
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$MYSQL_PORT
+StorageUser=slurm
+StoragePass=$(<"$STATE_DIR/mysql/slurm.password")
+StorageLoc=slurm_acct_db
+EOF
+}
+
+mysql_conf() {
+  cat <<EOF
+$MARKER
+[mysqld]
+user=mysql
+datadir=$STATE_DIR/mysql/data
+socket=$MYSQL_SOCKET
+pid-file=${PIDFILE[mysqld]}
+log-error=${LOGFILE[mysqld]}
+port=$MYSQL_PORT
+bind-address=127.0.0.1
+skip-name-resolve
+innodb_buffer_pool_size=256M
+innodb_lock_wait_timeout=900
+EOF
+}
+
+registry_conf() {
+  cat <<EOF
+$MARKER
+version: 0.1
+log:
+  level: info
+  formatter: text
+storage:
+  filesystem:
+    rootdirectory: $STATE_DIR/registry/data
+  delete:
+    enabled: true
+http:
+  addr: $REGISTRY
+EOF
+}
+
+prepare_dirs() {
+  mkdir -p "$STATE_DIR" "$RUN" "$LOGS" "$CACHE" "$STATE_DIR/slurmctld" "$STATE_DIR/slurmd" \
+    "$STATE_DIR/mysql" "$STATE_DIR/registry/data" "$APPTAINER_CACHEDIR"
+  chmod 755 "$STATE_DIR" "$RUN" "$LOGS"
+  install -d -m 755 -o munge -g munge "$RUN/munge" "$STATE_DIR/munge"
+  install -d -m 755 -o mysql -g mysql "$RUN/mysqld"
+  local f
+  for f in "${LOGFILE[munged]}:munge" "${LOGFILE[mysqld]}:mysql"; do
+    [[ -e ${f%:*} ]] || install -m 640 -o "${f#*:}" -g "${f#*:}" /dev/null "${f%:*}"
+  done
+  if [[ ! -s $STATE_DIR/mysql/slurm.password ]]; then
+    (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$STATE_DIR/mysql/slurm.password")
+  fi
+}
+
+# Writes the config files; sets CONF_CHANGED to the daemons that must restart.
+write_configs() {
+  CONF_CHANGED=""
+  node_hardware
+  if write_if_changed "$SLURM_CONF_FILE" 644 "$(slurm_conf)"; then
+    CONF_CHANGED+=" slurmctld slurmd"
+  fi
+  if write_if_changed "$SLURMDBD_CONF_FILE" 600 "$(slurmdbd_conf)"; then
+    CONF_CHANGED+=" slurmdbd"
+  fi
+  if write_if_changed "$STATE_DIR/mysql/my.cnf" 644 "$(mysql_conf)"; then
+    CONF_CHANGED+=" mysqld"
+  fi
+  if write_if_changed "$STATE_DIR/registry/config.yml" 644 "$(registry_conf)"; then
+    CONF_CHANGED+=" registry"
+  fi
+  if [[ ! -s $STATE_DIR/munge/munge.key ]]; then
+    (umask 077 && head -c 1024 /dev/urandom >"$STATE_DIR/munge/munge.key")
+    chown munge:munge "$STATE_DIR/munge/munge.key"
+    CONF_CHANGED+=" munged"
+  fi
+}
+
+# --- daemons ------------------------------------------------------------------------------------
+
+munge_works() { munge -n -S "$MUNGE_SOCKET" | unmunge -S "$MUNGE_SOCKET"; }
+
+start_munged() {
+  # Our own key and socket: a site's munged (if any) is left alone.
+  runuser -u munge -- /usr/sbin/munged --key-file="$STATE_DIR/munge/munge.key" \
+    --seed-file="$STATE_DIR/munge/munged.seed" --socket="$MUNGE_SOCKET" \
+    --pid-file="${PIDFILE[munged]}" --log-file="${LOGFILE[munged]}" \
+    </dev/null >>"$LOGS/munged.out" 2>&1 || daemon_failed munged "exited at start"
+  wait_for 10 munge_works || daemon_failed munged "does not answer on $MUNGE_SOCKET"
+}
+
+start_mysqld() {
+  local datadir=$STATE_DIR/mysql/data
+  if [[ ! -d $datadir/mysql ]]; then
+    log "initialising the MariaDB data directory"
+    mariadb-install-db --defaults-file="$STATE_DIR/mysql/my.cnf" --skip-test-db \
+      --auth-root-authentication-method=socket >>"$LOGS/mysqld.out" 2>&1 ||
+      daemon_failed mysqld "could not initialise $datadir"
+  fi
+  # setsid: own session, so the daemon outlives this script and its terminal.
+  setsid /usr/sbin/mariadbd --defaults-file="$STATE_DIR/mysql/my.cnf" \
+    </dev/null >>"$LOGS/mysqld.out" 2>&1 &
+  wait_for 60 mysqladmin --socket="$MYSQL_SOCKET" ping || daemon_failed mysqld "did not start"
+  local pw
+  pw=$(<"$STATE_DIR/mysql/slurm.password")
+  local sql="CREATE DATABASE IF NOT EXISTS slurm_acct_db;" host
+  for host in 127.0.0.1 localhost; do
+    sql+=" CREATE USER IF NOT EXISTS 'slurm'@'$host' IDENTIFIED BY '$pw';"
+    sql+=" ALTER USER 'slurm'@'$host' IDENTIFIED BY '$pw';"
+    sql+=" GRANT ALL ON slurm_acct_db.* TO 'slurm'@'$host';"
+  done
+  mariadb --socket="$MYSQL_SOCKET" -uroot <<<"$sql" >>"$LOGS/mysqld.out" 2>&1 ||
+    daemon_failed mysqld "could not create the accounting database"
+}
+
+cluster_registered() {
+  [[ $(sacctmgr -n -P show cluster format=cluster 2>/dev/null) == *"$CLUSTER_NAME"* ]]
+}
+
+start_slurmdbd() {
+  slurmdbd </dev/null >>"$LOGS/slurmdbd.out" 2>&1 || daemon_failed slurmdbd "exited at start"
+  wait_for 30 sacctmgr -n show cluster || daemon_failed slurmdbd "does not answer sacctmgr"
+  if ! cluster_registered; then
+    sacctmgr -i add cluster "$CLUSTER_NAME" >>"$LOGS/slurmdbd.out" 2>&1 ||
+      daemon_failed slurmdbd "refused 'sacctmgr add cluster $CLUSTER_NAME'"
+  fi
+}
+
+start_slurmctld() {
+  slurmctld </dev/null >>"$LOGS/slurmctld.out" 2>&1 || daemon_failed slurmctld "exited at start"
+  wait_for 30 scontrol ping || daemon_failed slurmctld "does not answer 'scontrol ping'"
+}
+
+start_slurmd() {
+  slurmd </dev/null >>"$LOGS/slurmd.out" 2>&1 || daemon_failed slurmd "exited at start"
+}
+
+start_registry() {
+  setsid docker-registry serve "$STATE_DIR/registry/config.yml" \
+    </dev/null >>"${LOGFILE[registry]}" 2>&1 &
+  echo $! >"${PIDFILE[registry]}"
+  wait_for 20 curl -fsS "http://$REGISTRY/v2/" || daemon_failed registry "does not answer on $REGISTRY"
+}
+
+start_daemons() {
+  local name i
+  for name in $CONF_CHANGED; do
+    running "$name" && { log "configuration of $name changed; restarting it"; stop_daemon "$name"; }
+  done
+  for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
+    name=${DAEMONS[i]}
+    if running "$name"; then
+      continue
+    fi
+    rm -f "${PIDFILE[$name]}"
+    log "starting $name"
+    "start_$name" 9>&-  # the daemons must not inherit the lock
+    wait_for 10 running "$name" || daemon_failed "$name" "is not running after start (pid file ${PIDFILE[$name]})"
+  done
+}
+
+# sacct exits 0 on some errors; an answer without anything on stderr is a real answer.
+sacct_works() { [[ -z $(sacct -n -X -S now 2>&1 >/dev/null) ]]; }
+
+node_state() { sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n 1; }
+
+wait_for_node() {
+  local state deadline=$((SECONDS + 60)) resumed=0
+  while :; do
+    state=$(node_state || true)
+    case $state in
+    idle | mixed | allocated | completing) break ;;
+    esac
+    if ((SECONDS > deadline)); then
+      running slurmd || daemon_failed slurmd "died"
+      daemon_failed slurmd "node $NODE is '${state:-unknown}', not idle, after 60 s ($(
+        scontrol show node "$NODE" 2>/dev/null | grep -o 'Reason=.*' || true))"
+    fi
+    # A node left DOWN/DRAINED by an earlier run is put back once its slurmd answers.
+    if ((!resumed)) && [[ $state == down* || $state == drain* ]] && [[ $state != *'*' ]]; then
+      scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true
+      resumed=1
+    fi
+    sleep 0.3
+  done
+  wait_for 30 sacct_works || daemon_failed slurmdbd "does not answer sacct: $(sacct -n -X -S now 2>&1 | head -n 3)"
+}
+
+# --- Apptainer ----------------------------------------------------------------------------------
+
+find_apptainer() {
+  local b
+  for b in apptainer singularity; do
+    if command -v "$b" >/dev/null && "$b" version >/dev/null 2>&1; then
+      command -v "$b"
+      return 0
+    fi
+  done
+  return 1
+}
+
+install_apptainer() {
+  if APPTAINER=$(find_apptainer); then
+    return 0
+  fi
+  log "installing Apptainer from Debian $APPTAINER_SUITE (unpacked, with its own glibc in $APPTAINER_LIBDIR)"
+  local work=$CACHE/apptainer-debs mirror
+  mirror=$(debian_mirror)
+  mkdir -p "$work/lists/partial" "$work/apt/archives/partial" "$work/debs"
+  rm -rf "$work/root"
+  # A private source list, used only to download: the machine's apt sources are not touched.
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $APPTAINER_SUITE main" \
+    >"$work/sources.list"
+  local opts=(-o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+    -o Dir::State::Lists="$work/lists" -o Dir::Cache="$work/apt"
+    -o Acquire::Check-Valid-Until=false -o APT::Sandbox::User=root)
+  if ! ls "$work/debs"/apptainer_*.deb >/dev/null 2>&1; then
+    "${APT_GET[@]}" "${opts[@]}" update >>"$LOGS/apptainer-install.log" 2>&1 ||
+      die "could not read Debian $APPTAINER_SUITE from $mirror (log: $LOGS/apptainer-install.log)"
+    (cd "$work/debs" && "${APT_GET[@]}" "${opts[@]}" download apptainer libc6 libseccomp2 \
+      libsqlite3-0 >>"$LOGS/apptainer-install.log" 2>&1) ||
+      die "could not download Apptainer (log: $LOGS/apptainer-install.log)"
+  fi
+  local deb
+  for deb in "$work/debs"/*.deb; do
+    dpkg-deb -x "$deb" "$work/root"
+  done
+  local src=$work/root/usr/lib/x86_64-linux-gnu
+  mkdir -p "$APPTAINER_LIBDIR"
+  (cd "$src" && cp -a ld-linux-x86-64.so.2 libc.so.6 libm.so.6 libpthread.so.0 libdl.so.2 \
+    librt.so.1 libresolv.so.2 libseccomp.so.2* libsqlite3.so* "$APPTAINER_LIBDIR/")
+  rm -rf /usr/lib/x86_64-linux-gnu/apptainer
+  cp -a "$src/apptainer" /usr/lib/x86_64-linux-gnu/apptainer
+  mkdir -p /etc/apptainer
+  cp -a "$work/root/etc/apptainer/." /etc/apptainer/
+  install -m 755 "$work/root/usr/bin/apptainer" /usr/bin/apptainer
+  # --force-rpath: an RPATH (unlike RUNPATH) also serves libsqlite's own dependencies.
+  local f
+  for f in /usr/bin/apptainer /usr/lib/x86_64-linux-gnu/apptainer/bin/starter; do
+    patchelf --force-rpath --set-interpreter "$APPTAINER_LIBDIR/ld-linux-x86-64.so.2" \
+      --set-rpath "$APPTAINER_LIBDIR" "$f"
+  done
+  mkdir -p /var/lib/apptainer/mnt/session
+  rm -rf "$work/root"
+  APPTAINER=$(find_apptainer) || die "Apptainer was unpacked but '/usr/bin/apptainer version'" \
+    "fails: $(/usr/bin/apptainer version 2>&1 | head -n 3)"
+  log "Apptainer $("$APPTAINER" version) installed at $APPTAINER"
+}
+
+# Finds the exec flags this machine needs (plain exec fails as root on VMs that withhold a
+# capability; --userns works there) and checks that a container really runs.
+verify_apptainer() {
+  local sif=$CACHE/images/alpine.sif
+  if [[ ! -s $sif ]]; then
+    mkdir -p "$CACHE/images"
+    "$APPTAINER" pull --no-https "$sif.tmp" "docker://$REGISTRY/library/alpine:latest" \
+      >>"$LOGS/apptainer.log" 2>&1 ||
+      { tail -n 15 "$LOGS/apptainer.log" >&2; die "apptainer pull of the alpine test image failed"; }
+    mv -f "$sif.tmp" "$sif"
+  fi
+  local flags_file=$STATE_DIR/apptainer.flags candidates=() flags
+  [[ -f $flags_file ]] && candidates+=("$(<"$flags_file")")
+  candidates+=("" "--userns" "--no-privs")
+  for flags in "${candidates[@]}"; do
+    # shellcheck disable=SC2086 # flags is a word list
+    if "$APPTAINER" exec $flags "$sif" sh -c 'exit 7' >>"$LOGS/apptainer.log" 2>&1; then
+      die "apptainer exec${flags:+ $flags} returned 0 for 'exit 7': exit codes do not pass through"
+    elif (($? == 7)); then
+      APPTAINER_FLAGS=$flags
+      [[ -f $flags_file && $(<"$flags_file") == "$flags" ]] || printf '%s' "$flags" >"$flags_file"
+      return 0
+    fi
+  done
+  tail -n 15 "$LOGS/apptainer.log" >&2
+  die "apptainer cannot run a container here, with or without --userns (log: $LOGS/apptainer.log)"
+}
+
+# --- images -------------------------------------------------------------------------------------
+
+registry_has() {
+  curl -fsS -o /dev/null -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+    -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
+    "http://$REGISTRY/v2/$1/manifests/$2"
+}
+
+# A key for an image's build inputs: its files under deploy/images and this recipe's version.
+image_key() {
+  {
+    echo "recipe=$IMAGE_RECIPE_VERSION $*"
+    (cd "$IMAGES_SRC/$1" && find . -type f -print0 | sort -z | xargs -0 sha256sum)
+  } | sha256sum | cut -c1-16
+}
+
+busybox_static() {
+  local dir=$CACHE/busybox
+  if [[ ! -x $dir/bin/busybox ]]; then
+    mkdir -p "$dir/deb"
+    # Downloaded and unpacked, not installed: busybox-static conflicts with busybox.
+    (cd "$dir/deb" && "${APT_GET[@]}" -o APT::Sandbox::User=root download busybox-static \
+      >>"$LOGS/images.log" 2>&1) || die "could not download busybox-static (log: $LOGS/images.log)"
+    dpkg-deb -x "$dir"/deb/busybox-static_*.deb "$dir/root"
+    install -D -m 755 "$dir/root/bin/busybox" "$dir/bin/busybox"
+    rm -rf "$dir/root" "$dir/deb"
+  fi
+  echo "$dir/bin/busybox"
+}
+
+fill_alpine_rootfs() {
+  local rootfs=$1 busybox applet
+  busybox=$(busybox_static)
+  install -D -m 755 "$busybox" "$rootfs/bin/busybox"
+  # --list-full names each applet with its usual directory (bin/sh, usr/bin/env, ...).
+  while read -r applet; do
+    [[ -n $applet && ! -e $rootfs/$applet ]] || continue
+    mkdir -p "$rootfs/$(dirname "$applet")"
+    ln -s /bin/busybox "$rootfs/$applet"
+  done < <("$busybox" --list-full)
+  cp -a "$IMAGES_SRC/alpine/rootfs/." "$rootfs/"
+  mkdir -p "$rootfs"/{dev,proc,sys,root,home,var/tmp,tmp}
+  chmod 1777 "$rootfs/tmp" "$rootfs/var/tmp"
+}
+
+fill_python_rootfs() {
+  local rootfs=$1 mirror packages
+  mirror=$(debian_mirror)
+  packages=$(grep -v '^#' "$IMAGES_SRC/python/packages" | xargs | tr ' ' ',')
+  # shellcheck disable=SC2016 # "$1" is expanded by mmdebstrap's hook shell
+  local hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin "$1"/var/log/*'
+  rmdir "$rootfs"
+  mmdebstrap --quiet --mode=root --variant=minbase --include="$packages" \
+    --aptopt='Acquire::Check-Valid-Until "false"' \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --customize-hook="$hook" \
+    bookworm "$rootfs" \
+    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror bookworm main" \
+    >>"$LOGS/images.log" 2>&1 || die "mmdebstrap of the python image failed (log: $LOGS/images.log)"
+}
+
+# build_image NAME REPO TAG: build (or take from the cache) and push to the registry.
+publish_image() {
+  local name=$1 repo=$2 tag=$3 key layout bundle
+  key=$(image_key "$name")
+  layout=$CACHE/images/$name-oci-$key
+  if [[ ! -f $layout/.complete ]]; then
+    local t=$SECONDS
+    log "building image $repo:$tag"
+    rm -rf "$CACHE/images/$name-oci-"* "$CACHE/images/$name-bundle"
+    bundle=$CACHE/images/$name-bundle
+    {
+      umoci init --layout "$layout"
+      umoci new --image "$layout:latest"
+      umoci unpack --image "$layout:latest" "$bundle"
+      "fill_${name}_rootfs" "$bundle/rootfs"
+      umoci repack --image "$layout:latest" "$bundle"
+      umoci config --image "$layout:latest" --config.cmd=/bin/sh \
+        --config.env=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        --architecture=amd64 --os=linux
+      umoci gc --layout "$layout"
+    } >>"$LOGS/images.log" 2>&1
+    rm -rf "$bundle"
+    touch "$layout/.complete"
+    log "built image $repo:$tag in $((SECONDS - t)) s (cached in $layout)"
+  fi
+  local pushed=$STATE_DIR/registry/pushed-$name
+  if [[ -f $pushed && $(<"$pushed") == "$key" ]] && registry_has "$repo" "$tag"; then
+    return 0
+  fi
+  log "pushing $repo:$tag to $REGISTRY"
+  skopeo copy --quiet --insecure-policy --dest-tls-verify=false "oci:$layout:latest" \
+    "docker://$REGISTRY/$repo:$tag" >>"$LOGS/images.log" 2>&1 ||
+    { tail -n 10 "$LOGS/images.log" >&2; die "skopeo could not push $repo:$tag to $REGISTRY"; }
+  echo "$key" >"$pushed"
+  # The verification SIF is made from the image just pushed.
+  [[ $name != alpine ]] || rm -f "$CACHE/images/alpine.sif"
+}
+
+# --- subcommands --------------------------------------------------------------------------------
+
+write_env_file() {
+  cat >"$STATE_DIR/cluster.env.tmp" <<EOF
+LOCAL_CLUSTER_DIR=$STATE_DIR
+SLURM_CONF=$SLURM_CONF_FILE
+LOCAL_CLUSTER_PARTITION=$PARTITION
+LOCAL_CLUSTER_NODE=$NODE
+LOCAL_CLUSTER_REGISTRY=$REGISTRY
+LOCAL_CLUSTER_APPTAINER=$APPTAINER
+LOCAL_CLUSTER_APPTAINER_FLAGS=$APPTAINER_FLAGS
+EOF
+  mv -f "$STATE_DIR/cluster.env.tmp" "$STATE_DIR/cluster.env"
+}
+
+# One `up` or `down` at a time (tests in parallel sessions may call `up` together).
+take_lock() {
+  exec 9>"$STATE_DIR/.lock"
+  if ! flock -n 9; then
+    log "waiting for another local-cluster.sh run to finish ($STATE_DIR/.lock)"
+    flock -w 900 9 || die "another local-cluster.sh still holds $STATE_DIR/.lock after 15 min"
+  fi
+}
+
+cmd_up() {
+  preflight
+  mkdir -p "$STATE_DIR"
+  take_lock
+  mkdir -p "$LOGS"
+  install_packages
+  prepare_dirs
+  write_configs
+  start_daemons
+  install_apptainer
+  publish_image alpine library/alpine latest
+  publish_image python library/python 3-slim
+  verify_apptainer
+  wait_for_node
+  write_env_file
+  local extra=""
+  [[ $SLURM_CONF_FILE == /etc/slurm/slurm.conf ]] || extra="   export SLURM_CONF=$SLURM_CONF_FILE"
+  ((QUIET)) && return 0
+  cat <<EOF
+[$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
+  Slurm:     node $NODE ($CPUS CPUs, ${REAL_MEMORY} MB), partition '$PARTITION', jobs run as root$extra
+  Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
+             e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD
+  Registry:  $REGISTRY (plain HTTP: apptainer pull --no-https, or APPTAINER_NOHTTPS=1)
+             docker://$REGISTRY/library/alpine:latest  docker://$REGISTRY/library/python:3-slim
+  Settings for programs and tests: $STATE_DIR/cluster.env
+EOF
+}
+
+no_running_jobs() { [[ -z $(squeue -h -t running,completing -o %A 2>/dev/null) ]]; }
+
+cmd_down() {
+  [[ $(id -u) == 0 ]] || die "run as root"
+  [[ -d $STATE_DIR ]] || { log "nothing to stop: $STATE_DIR does not exist"; return 0; }
+  take_lock
+  local names=("$@") name
+  if ((${#names[@]} == 0)); then
+    names=("${DAEMONS[@]}")
+    # Cancel jobs first: their slurmstepd processes would otherwise outlive slurmd.
+    if running slurmctld; then
+      local jobs
+      jobs=$(squeue -h -o %A 2>/dev/null | xargs) || true
+      if [[ -n $jobs ]]; then
+        log "cancelling jobs: $jobs"
+        # shellcheck disable=SC2086
+        scancel $jobs 2>/dev/null || true
+        wait_for 20 no_running_jobs || log "some jobs are still ending; stopping anyway"
+      fi
+    fi
+  fi
+  for name in "${names[@]}"; do
+    [[ -n ${PIDFILE[$name]:-} ]] || die "unknown daemon '$name' (known: ${DAEMONS[*]})"
+  done
+  # Stop in dependency order whatever the order given.
+  for name in "${DAEMONS[@]}"; do
+    [[ " ${names[*]} " == *" $name "* ]] && stop_daemon "$name"
+  done
+  log "stopped: ${names[*]}"
+}
+
+cmd_status() {
+  local name pid all=0
+  echo "state directory: $STATE_DIR"
+  for name in "${DAEMONS[@]}"; do
+    if pid=$(daemon_pid "$name"); then
+      printf '  %-10s running  pid %-7s log %s\n' "$name" "$pid" "${LOGFILE[$name]}"
+    else
+      printf '  %-10s stopped               log %s\n' "$name" "${LOGFILE[$name]}"
+      all=3
+    fi
+  done
+  if running slurmctld; then
+    echo "node: $(sinfo -h -N -o '%N %T cpus=%c mem=%mMB' 2>/dev/null | head -n 1)"
+    echo "jobs in queue: $(squeue -h 2>/dev/null | wc -l)"
+  fi
+  [[ -f $STATE_DIR/cluster.env ]] && { echo "settings ($STATE_DIR/cluster.env):"; sed 's/^/  /' "$STATE_DIR/cluster.env"; }
+  return $all
+}
+
+usage() {
+  sed -n '2,/^set -Eeuo/p' "${BASH_SOURCE[0]}" | sed -e '/^set -Eeuo/d' -e 's/^# \{0,1\}//'
+}
+
+main() {
+  local cmd=${1:-}
+  shift || true
+  case $cmd in
+  up)
+    [[ ${1:-} == --quiet ]] && QUIET=1
+    cmd_up
+    ;;
+  down) cmd_down "$@" ;;
+  status)
+    # Exit 3 (as LSB status does) when a daemon is not running.
+    cmd_status || exit 3
+    ;;
+  -h | --help | help) usage ;;
+  *)
+    usage >&2
+    exit 2
+    ;;
+  esac
+}
+
+main "$@"

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Captures real squeue/sacct/sbatch/scancel output from the local cluster into this directory and
+# writes README (one line per file: the exact command and its exit code). Needs a running
+# `deploy/local-cluster.sh up`; takes about three minutes (a job has to time out). It stops
+# slurmctld and slurmdbd for a moment, then restarts them with `up`.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../../.." && pwd)
+cd "$here"
+export TZ=UTC
+
+# The formats bridge/slurm.py asks for (keep in step with SQUEUE_FORMAT and SACCT_FIELDS there).
+SQ_FMT='%i|%j|%T|%r|%N|%P|%S|%e|%M|%k'
+SA_FMT='JobID,JobName,State,ExitCode,Reason,NodeList,Partition,Start,End,ElapsedRaw,MaxRSS,Comment'
+
+rm -f ./*.txt ./*.stderr
+{
+  echo "Real output of Slurm 22.05.8 (Debian 12) on the local cluster, made by capture.sh with TZ=UTC."
+  echo "Each line: file: \`exact command\` (exit code). A .stderr file holds that command's stderr."
+  echo "Job ids are those of the run that made the files; other jobs shared the cluster then."
+  echo "Seen but not kept as a file: without EnforcePartLimits=ALL in slurm.conf,"
+  echo "'sbatch --cpus-per-task=64' on a 2-CPU node is accepted (exit 0) and the job pends for"
+  echo "ever with Reason=PartitionConfig; the local cluster sets EnforcePartLimits=ALL."
+  echo
+} >README
+
+# shellcheck disable=SC2016 # the backquotes are Markdown, not command substitution
+cap() { # cap FILE CMD...
+  local file=$1 rc=0
+  shift
+  "$@" >"$file" 2>"$file.stderr" || rc=$?
+  [[ -s $file.stderr ]] || rm -f "$file.stderr"
+  printf '%s: `%s` (exit %d)\n' "$file" "${*@Q}" "$rc" >>README
+}
+
+# cap_until PATTERN FILE CMD...: run CMD every 0.1 s (at most 100 times) until its output
+# matches PATTERN, for output that only shows for a moment.
+# shellcheck disable=SC2016
+cap_until() {
+  local pattern=$1 file=$2
+  shift 2
+  for _ in $(seq 1 100); do
+    "$@" >"$file" 2>/dev/null || true
+    grep -q -- "$pattern" "$file" && break
+    sleep 0.1
+  done
+  printf '%s: `%s` (exit 0; the first of repeated runs whose output matched %s)\n' \
+    "$file" "${*@Q}" "${pattern@Q}" >>README
+}
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"; "$repo/deploy/local-cluster.sh" up --quiet' EXIT
+sb() { sbatch --parsable -o "$work/%j.out" "$@"; }
+
+# slurmdbd's placeholder record ("allocation", no partition) before the job's own arrives.
+placeholder=$(sb -J tes-placeholder --mem=100 --wrap 'sleep 2')
+cap_until '|allocation|' sacct-placeholder.txt sacct -P -n --jobs="$placeholder" --format="$SA_FMT"
+
+ok=$(sb -J tes-ok --comment 'task=ok|tag=a b' --wrap 'echo hello')
+fail=$(sb -J tes-fail --wrap 'exit 3')
+signal=$(sb -J tes-signal --wrap 'kill -9 $$')
+running=$(sb -J tes-running --wrap 'sleep 300')
+big=$(sb -J tes-bigmem --mem=20000 --wrap 'sleep 100')
+sleep 1
+pending=$(sb -J tes-pending --mem=20000 --wrap 'true')
+held=$(sb -J tes-held --hold --wrap 'true')
+oom=$(sb -J tes-oom --mem=100 --wrap '/usr/bin/python3 -c "a = bytearray(600 * 2**20); import time; time.sleep(30)"')
+timeout=$(sb -J tes-timeout --time=1 --wrap 'sleep 300')
+all="$ok,$fail,$signal,$running,$big,$pending,$held,$oom,$timeout"
+sleep 4
+
+cap squeue-active.txt squeue -h --states=all --jobs="$all" -o "$SQ_FMT"
+cap sacct-active.txt sacct -P -n --jobs="$all" --format="$SA_FMT"
+cap squeue-default-states.txt squeue -h --jobs="$all" -o "$SQ_FMT"
+
+scancel "$running" "$held"
+sleep 2
+cap squeue-cancelled.txt squeue -h --states=all --jobs="$running,$held" -o "$SQ_FMT"
+cap sacct-cancelled.txt sacct -P -n --jobs="$running,$held" --format="$SA_FMT"
+
+# The time-out needs its minute plus Slurm's check interval and KillWait.
+for _ in $(seq 1 60); do
+  [[ $(squeue -h --states=all --jobs="$timeout" -o %T) == TIMEOUT ]] && break
+  sleep 3
+done
+sleep 3
+scancel "$big"
+for _ in $(seq 1 30); do
+  [[ -z $(squeue -h --jobs="$all" -o %i) ]] && break
+  sleep 1
+done
+sleep 3
+
+cap squeue-ended.txt squeue -h --states=all --jobs="$all" -o "$SQ_FMT"
+cap sacct-ended.txt sacct -P -n --jobs="$all" --format="$SA_FMT"
+cap squeue-by-name.txt squeue -h --states=all --name=tes-ok,tes-fail,tes-nosuch -o "$SQ_FMT"
+cap sacct-by-name.txt sacct -P -n --name=tes-ok,tes-fail,tes-nosuch \
+  --starttime="$(date -u -d '-7 days' +%Y-%m-%dT%H:%M:%S)" --format="$SA_FMT"
+
+cap squeue-unknown-job.txt squeue -h --states=all --jobs=999999 -o "$SQ_FMT"
+cap squeue-unknown-jobs.txt squeue -h --states=all --jobs="999999,$ok" -o "$SQ_FMT"
+cap sacct-unknown-job.txt sacct -P -n --jobs=999999 --format="$SA_FMT"
+cap scancel-unknown-job.txt scancel 999999
+cap scancel-ended-job.txt scancel "$ok"
+
+cap sbatch-ok.txt sbatch --parsable -o /dev/null -J tes-submit --wrap true
+cap sbatch-too-much-memory.txt sbatch --parsable -o /dev/null --mem=999999 --wrap true
+cap sbatch-too-many-cpus.txt sbatch --parsable -o /dev/null --cpus-per-task=64 --wrap true
+cap sbatch-bad-partition.txt sbatch --parsable -o /dev/null --partition=nosuch --wrap true
+cap sbatch-bad-time.txt sbatch --parsable -o /dev/null --time=bogus --wrap true
+cap sbatch-missing-script.txt sbatch --parsable /nonexistent/job.sh
+
+# A drained node: jobs stay pending with reason ReqNodeNotAvail.
+node=$(sinfo -h -N -o %N | head -n 1)
+scontrol update NodeName="$node" State=DRAIN Reason=capture
+drained=$(sb -J tes-drained --wrap true)
+sleep 2
+cap squeue-node-drained.txt squeue -h --states=all --jobs="$drained" -o "$SQ_FMT"
+scancel "$drained"
+scontrol update NodeName="$node" State=RESUME
+sleep 1
+cap sacct-cancelled-while-pending.txt sacct -P -n --jobs="$drained" --format="$SA_FMT"
+
+"$repo/deploy/local-cluster.sh" down slurmctld >/dev/null
+cap sbatch-controller-down.txt sbatch --parsable -o /dev/null --wrap true
+cap squeue-controller-down.txt squeue -h --states=all --jobs="$ok,$fail" -o "$SQ_FMT"
+cap scancel-controller-down.txt scancel "$ok"
+cap sacct-controller-down.txt sacct -P -n --jobs="$ok" --format="$SA_FMT"
+"$repo/deploy/local-cluster.sh" down slurmdbd >/dev/null
+cap sacct-dbd-down.txt sacct -P -n --jobs="$ok" --format="$SA_FMT"
+"$repo/deploy/local-cluster.sh" up --quiet

@@ -1,0 +1,414 @@
+"""The Slurm client's parsers and error handling, on real output captured from Slurm 22.05.
+
+tests/data/slurm/README names the command behind each file; capture.sh makes them again.
+Commands are replaced by small scripts that replay that output, so the real run/parse path runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from bridge import slurm
+from bridge.slurm import (
+    ENDED_STATES,
+    RETRYABLE_STATES,
+    SLURM_TO_TES,
+    JobInfo,
+    SlurmClient,
+    SlurmError,
+    SlurmRejected,
+    SlurmUnavailable,
+    base_state,
+    parse_sacct,
+    parse_squeue,
+    tes_state_for,
+)
+
+DATA = Path(__file__).parents[1] / "data" / "slurm"
+TES_STATES = {
+    "UNKNOWN", "QUEUED", "INITIALIZING", "RUNNING", "PAUSED", "COMPLETE", "EXECUTOR_ERROR",
+    "SYSTEM_ERROR", "CANCELED", "PREEMPTED", "CANCELING",
+}  # fmt: skip
+
+
+def data(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+def exit_code_of(name: str) -> int:
+    """The exit code README records for a captured command."""
+    match = re.search(rf"^{re.escape(name)}: .* \(exit (\d+)\)$", data("README"), re.M)
+    assert match, f"{name} is not in tests/data/slurm/README"
+    return int(match.group(1))
+
+
+def by_name(jobs: dict[str, JobInfo], name: str) -> JobInfo:
+    (job,) = [j for j in jobs.values() if j.name == name]
+    return job
+
+
+def replay(tmp_path: Path, name: str, capture: str | None = None, *, sleep: float = 0) -> str:
+    """A stand-in command that prints a captured file's stdout/stderr and exits as recorded.
+
+    It appends its arguments to ``<name>.calls`` so tests can count calls.
+    """
+    lines = ["#!/bin/sh", f'printf "%s\\n" "$*" >> "{tmp_path / name}.calls"']
+    if sleep:
+        lines.append(f"sleep {sleep}")
+    code = 0
+    if capture is not None:
+        lines.append(f'cat "{DATA / capture}"')
+        if (DATA / f"{capture}.stderr").exists():
+            lines.append(f'cat "{DATA / capture}.stderr" >&2')
+        code = exit_code_of(capture)
+    lines.append(f"exit {code}")
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def calls(tmp_path: Path, name: str) -> list[str]:
+    file = tmp_path / f"{name}.calls"
+    return file.read_text().splitlines() if file.exists() else []
+
+
+# --- state table --------------------------------------------------------------------------------
+
+
+def test_every_slurm_state_maps_to_a_tes_state() -> None:
+    required = {
+        "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "FAILED", "CANCELLED",
+        "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
+        "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED",
+        "SIGNALING", "STAGE_OUT", "SPECIAL_EXIT", "REVOKED", "RESV_DEL_HOLD",
+    }  # fmt: skip
+    assert required <= SLURM_TO_TES.keys()
+    assert set(SLURM_TO_TES.values()) <= TES_STATES
+    assert {"NODE_FAIL", "PREEMPTED", "BOOT_FAIL"} == RETRYABLE_STATES
+
+
+def test_ended_jobs_map_to_final_tes_states_only() -> None:
+    # Nextflow and Cromwell wait forever on a task left in PREEMPTED or CANCELING.
+    final = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+    assert {SLURM_TO_TES[s] for s in ENDED_STATES} <= final
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "tes"),
+    [
+        ("CANCELLED by 0", "CANCELED"),
+        ("CANCELLED+", "CANCELED"),
+        ("PENDING", "QUEUED"),
+        ("COMPLETING", "RUNNING"),
+        ("COMPLETED", "COMPLETE"),
+        ("FAILED", "EXECUTOR_ERROR"),
+        ("TIMEOUT", "EXECUTOR_ERROR"),
+        ("NODE_FAIL", "SYSTEM_ERROR"),
+        ("PD", "QUEUED"),
+        ("running", "RUNNING"),
+    ],
+)
+def test_tes_state_for_reads_the_first_word(slurm_state: str, tes: str) -> None:
+    assert tes_state_for(slurm_state) == tes
+
+
+def test_unknown_state_is_unknown_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="bridge.slurm"):
+        assert tes_state_for("WIBBLE_NEW_STATE") == "UNKNOWN"
+        assert tes_state_for("") == "UNKNOWN"
+    assert "WIBBLE_NEW_STATE" in caplog.text
+
+
+def test_base_state() -> None:
+    assert base_state("CANCELLED by 1000") == "CANCELLED"
+    assert base_state("OOM") == "OUT_OF_MEMORY"
+
+
+# --- squeue ------------------------------------------------------------------------------------
+
+
+def test_squeue_pending_running_and_just_ended_jobs() -> None:
+    jobs = parse_squeue(data("squeue-active.txt"))
+    ok = by_name(jobs, "tes-ok")
+    assert ok.state == "COMPLETED"
+    assert ok.comment == "task=ok|tag=a b"  # the comment is last, so "|" survives
+    assert ok.exit_code is None  # squeue has no exit code: sacct does
+    assert ok.node == "vm"
+    assert ok.start_time is not None and ok.start_time.tzinfo == UTC
+
+    pending = [j for j in jobs.values() if j.state == "PENDING"]
+    # Which job waits for "Resources" and which for "Priority" depends on what else ran then.
+    assert {j.reason for j in pending} >= {"Resources", "JobHeldUser"}
+    for job in pending:
+        assert job.node is None and job.start_time is None and job.end_time is None
+        assert job.comment is None  # "(null)"
+        assert job.tes_state == "QUEUED"
+    assert by_name(jobs, "tes-held").reason == "JobHeldUser"
+
+    running = by_name(jobs, "tes-running")
+    assert running.state == "RUNNING" and running.reason is None
+    assert running.start_time is not None and running.end_time is None  # end "NONE"
+    assert running.elapsed_seconds is not None and running.elapsed_seconds > 0  # "0:03"
+    assert running.tes_state == "RUNNING"
+
+
+def test_squeue_shows_ended_jobs_only_with_states_all() -> None:
+    default = parse_squeue(data("squeue-default-states.txt"))
+    assert {j.state for j in default.values()} <= {"PENDING", "RUNNING"}
+    ended = parse_squeue(data("squeue-ended.txt"))
+    assert by_name(ended, "tes-timeout").state == "TIMEOUT"
+    assert by_name(ended, "tes-timeout").reason == "TimeLimit"
+    assert by_name(ended, "tes-fail").reason == "NonZeroExitCode"
+    bigmem = by_name(ended, "tes-bigmem")
+    assert bigmem.elapsed_seconds is not None and bigmem.elapsed_seconds > 60  # "1:25"
+
+
+def test_squeue_job_cancelled_while_pending_never_started() -> None:
+    held = by_name(parse_squeue(data("squeue-cancelled.txt")), "tes-held")
+    assert held.state == "CANCELLED"
+    assert held.start_time is None  # squeue prints the cancel time as its start
+    assert held.end_time is not None and held.end_time.tzinfo == UTC
+
+
+def test_squeue_drained_node_reason() -> None:
+    job = by_name(parse_squeue(data("squeue-node-drained.txt")), "tes-drained")
+    assert job.reason == "ReqNodeNotAvail, UnavailableNodes:vm"
+
+
+def test_parsers_skip_malformed_lines() -> None:
+    assert parse_squeue("garbage\n\n") == {}
+    assert parse_sacct("1|x\n") == {}
+
+
+# --- sacct -------------------------------------------------------------------------------------
+
+
+def test_sacct_completed_failed_and_signalled_jobs() -> None:
+    jobs = parse_sacct(data("sacct-ended.txt"))
+    ok = by_name(jobs, "tes-ok")
+    assert (ok.state, ok.exit_code, ok.signal) == ("COMPLETED", 0, 0)
+    assert ok.comment == "task=ok|tag=a b"
+    assert ok.partition == "main"
+    fail = by_name(jobs, "tes-fail")
+    assert (fail.state, fail.exit_code, fail.signal) == ("FAILED", 3, 0)
+    assert fail.tes_state == "EXECUTOR_ERROR"
+    killed = by_name(jobs, "tes-signal")
+    assert (killed.state, killed.exit_code, killed.signal) == ("FAILED", 0, 9)
+    assert all("." not in job_id for job_id in jobs)  # steps are merged into their job
+
+
+def test_sacct_cancelled_job_gets_its_signal_from_the_batch_step() -> None:
+    jobs = parse_sacct(data("sacct-ended.txt"))
+    cancelled = by_name(jobs, "tes-running")
+    assert cancelled.state == "CANCELLED"  # from "CANCELLED by 0"
+    assert (cancelled.exit_code, cancelled.signal) == (0, 15)
+    timeout = by_name(jobs, "tes-timeout")
+    assert (timeout.state, timeout.signal) == ("TIMEOUT", 15)
+    assert timeout.elapsed_seconds is not None and timeout.elapsed_seconds >= 60  # --time=1
+    assert timeout.max_rss_bytes is not None and timeout.max_rss_bytes % 1024 == 0
+
+
+def test_sacct_memory_overrun_is_failed_with_sigkill_and_its_max_rss() -> None:
+    oom = by_name(parse_sacct(data("sacct-ended.txt")), "tes-oom")
+    assert (oom.state, oom.exit_code, oom.signal) == ("FAILED", 0, 9)
+    # From the batch step: over the 100 MB asked for (600 MiB allocated).
+    assert oom.max_rss_bytes is not None and oom.max_rss_bytes > 500 * 2**20
+    assert oom.start_time is not None and oom.end_time is not None
+    assert (oom.end_time - oom.start_time).total_seconds() == oom.elapsed_seconds
+
+
+def test_sacct_pending_and_running_jobs_have_no_exit_code_or_end() -> None:
+    jobs = parse_sacct(data("sacct-active.txt"))
+    pending = by_name(jobs, "tes-pending")
+    assert pending.state == "PENDING"
+    assert pending.exit_code is None and pending.signal is None
+    assert pending.node is None and pending.start_time is None  # "None assigned", "Unknown"
+    running = by_name(jobs, "tes-running")
+    assert running.state == "RUNNING" and running.end_time is None and running.exit_code is None
+    assert running.start_time is not None and running.start_time.tzinfo == UTC
+    assert running.start_time > datetime(2020, 1, 1, tzinfo=UTC)
+
+
+def test_sacct_placeholder_record_is_left_out_until_the_real_one_arrives() -> None:
+    # slurmdbd writes "allocation" with no partition (and ExitCode 0:0) before the job's record.
+    assert "|allocation|" in data("sacct-placeholder.txt")
+    assert parse_sacct(data("sacct-placeholder.txt")) == {}
+
+
+def test_sacct_job_cancelled_while_pending() -> None:
+    job = by_name(parse_sacct(data("sacct-cancelled-while-pending.txt")), "tes-drained")
+    assert job.state == "CANCELLED" and job.start_time is None and job.node is None
+    assert job.end_time is not None
+
+
+# --- the client, with commands replaying captured output ----------------------------------------
+
+
+def test_submit_returns_the_job_id(tmp_path: Path) -> None:
+    client = SlurmClient(sbatch=replay(tmp_path, "sbatch", "sbatch-ok.txt"))
+    job_id = client.submit(
+        tmp_path / "job.sh", job_name="tes-x", comment="c", extra_args=["-p", "main"]
+    )
+    assert job_id == data("sbatch-ok.txt").strip()
+    assert calls(tmp_path, "sbatch") == [
+        f"--parsable --job-name=tes-x --comment=c -p main {tmp_path}/job.sh"
+    ]
+
+
+def test_submit_strips_the_cluster_name(tmp_path: Path) -> None:
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho '1234;cluster2'\n")
+    sbatch.chmod(0o755)
+    assert SlurmClient(sbatch=str(sbatch)).submit(tmp_path / "j.sh", job_name="n") == "1234"
+
+
+@pytest.mark.parametrize(
+    "capture",
+    [
+        "sbatch-too-much-memory.txt",
+        "sbatch-too-many-cpus.txt",
+        "sbatch-bad-partition.txt",
+        "sbatch-bad-time.txt",
+        "sbatch-missing-script.txt",
+    ],
+)
+def test_sbatch_refusals_are_rejections(tmp_path: Path, capture: str) -> None:
+    client = SlurmClient(sbatch=replay(tmp_path, "sbatch", capture))
+    with pytest.raises(SlurmRejected) as caught:
+        client.submit(tmp_path / "job.sh", job_name="tes-x")
+    err = caught.value
+    assert err.returncode == exit_code_of(capture) and err.returncode != 0
+    assert err.argv[0].endswith("sbatch") and "--parsable" in err.argv
+    assert err.stderr == data(f"{capture}.stderr")
+    assert "sbatch refused the job" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("tool", "capture"),
+    [
+        ("sbatch", "sbatch-controller-down.txt"),
+        ("squeue", "squeue-controller-down.txt"),
+        ("scancel", "scancel-controller-down.txt"),
+        ("sacct", "sacct-dbd-down.txt"),
+    ],
+)
+def test_unreachable_daemons_are_unavailable(tmp_path: Path, tool: str, capture: str) -> None:
+    client = SlurmClient(**{tool: replay(tmp_path, tool, capture)})
+    with pytest.raises(SlurmUnavailable) as caught:
+        if tool == "sbatch":
+            client.submit(tmp_path / "job.sh", job_name="tes-x")
+        elif tool == "squeue":
+            client.queue(["1", "2"])
+        elif tool == "scancel":
+            client.cancel(["1"])
+        else:
+            client.accounting(["1"])
+    assert caught.value.returncode == exit_code_of(capture)
+    assert "try again later" in str(caught.value)
+    assert not isinstance(caught.value, SlurmRejected)
+
+
+def test_sacct_answers_while_slurmctld_is_down() -> None:
+    jobs = parse_sacct(data("sacct-controller-down.txt"))
+    assert by_name(jobs, "tes-ok").state == "COMPLETED"
+
+
+def test_command_time_out_is_unavailable(tmp_path: Path) -> None:
+    client = SlurmClient(squeue=replay(tmp_path, "squeue", sleep=5), timeout=0.3)
+    with pytest.raises(SlurmUnavailable, match=r"did not answer within 0\.3 s"):
+        client.queue(["1"])
+
+
+def test_missing_command_is_an_error_that_says_how_to_fix_it(tmp_path: Path) -> None:
+    client = SlurmClient(sacct=str(tmp_path / "no-sacct"))
+    with pytest.raises(SlurmError, match="not found") as caught:
+        client.accounting(["1"])
+    assert not isinstance(caught.value, SlurmUnavailable)
+
+
+def test_queue_asks_once_for_all_jobs(tmp_path: Path) -> None:
+    ids = sorted(parse_squeue(data("squeue-ended.txt")), key=int)
+    client = SlurmClient(squeue=replay(tmp_path, "squeue", "squeue-ended.txt"))
+    jobs = client.queue(list(reversed(ids)))
+    (call,) = calls(tmp_path, "squeue")
+    assert f"--jobs={','.join(ids)}" in call
+    assert "--states=all" in call and "-h" in call.split()
+    assert sorted(jobs, key=int) == ids
+
+
+def test_queue_of_a_single_forgotten_job_is_empty(tmp_path: Path) -> None:
+    # squeue exits 1 with "Invalid job id specified" for ONE unknown id, 0 for several.
+    client = SlurmClient(squeue=replay(tmp_path, "squeue", "squeue-unknown-job.txt"))
+    assert client.queue(["999999"]) == {}
+    client = SlurmClient(squeue=replay(tmp_path, "squeue2", "squeue-unknown-jobs.txt"))
+    (known,) = parse_squeue(data("squeue-unknown-jobs.txt"))
+    assert set(client.queue(["999999", known])) == {known}
+
+
+def test_empty_inputs_run_no_command(tmp_path: Path) -> None:
+    missing = str(tmp_path / "absent")
+    client = SlurmClient(sbatch=missing, squeue=missing, sacct=missing, scancel=missing)
+    assert client.queue([]) == {}
+    assert client.accounting(set()) == {}
+    assert client.find_by_names([]) == {}
+    client.cancel([])
+
+
+def test_accounting_asks_once_and_merges_steps(tmp_path: Path) -> None:
+    ids = sorted(parse_sacct(data("sacct-ended.txt")), key=int)
+    client = SlurmClient(sacct=replay(tmp_path, "sacct", "sacct-ended.txt"))
+    jobs = client.accounting(ids)
+    (call,) = calls(tmp_path, "sacct")
+    assert f"-P -n --jobs={','.join(ids)} --format=" in call
+    assert sorted(jobs, key=int) == ids and len(ids) == 9
+
+
+def test_cancel_asks_once(tmp_path: Path) -> None:
+    client = SlurmClient(scancel=replay(tmp_path, "scancel", "scancel-unknown-job.txt"))
+    client.cancel(["3", "1", "2", "1"])
+    assert calls(tmp_path, "scancel") == ["1 2 3"]
+
+
+def test_find_by_names_uses_squeue_and_sacct_with_a_start_time(tmp_path: Path) -> None:
+    client = SlurmClient(
+        squeue=replay(tmp_path, "squeue", "squeue-by-name.txt"),
+        sacct=replay(tmp_path, "sacct", "sacct-by-name.txt"),
+    )
+    found = client.find_by_names(["tes-ok", "tes-fail", "tes-nosuch"])
+    (sq,) = calls(tmp_path, "squeue")
+    (sa,) = calls(tmp_path, "sacct")
+    assert "--name=tes-fail,tes-nosuch,tes-ok" in sq and "--states=all" in sq
+    assert "--name=tes-fail,tes-nosuch,tes-ok" in sa and "--starttime=" in sa
+    assert set(found) == {"tes-ok", "tes-fail"}
+    # The same name submitted in several capture runs: squeue has forgotten the older jobs,
+    # sacct has them all. Together, oldest first.
+    ok_ids = [j.job_id for j in found["tes-ok"]]
+    in_squeue = {j.job_id for j in parse_squeue(data("squeue-by-name.txt")).values()}
+    in_sacct = {j.job_id for j in parse_sacct(data("sacct-by-name.txt")).values()}
+    assert len(ok_ids) >= 2 and ok_ids == sorted(ok_ids, key=int)
+    assert set(ok_ids) <= in_squeue | in_sacct and set(ok_ids) & in_squeue
+    latest_fail = found["tes-fail"][-1]
+    assert (latest_fail.state, latest_fail.exit_code) == ("FAILED", 3)  # sacct's exit code kept
+
+
+@pytest.mark.parametrize("name", ["", "a|b", "two\nlines"])
+def test_bad_job_names_are_refused_before_any_command(tmp_path: Path, name: str) -> None:
+    client = SlurmClient(sbatch=str(tmp_path / "absent"))
+    with pytest.raises(ValueError):
+        client.submit(tmp_path / "job.sh", job_name=name)
+
+
+def test_bad_job_ids_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        SlurmClient(squeue=str(tmp_path / "absent")).queue(["12; rm -rf /"])
+
+
+def test_module_logger_name() -> None:
+    assert slurm.log.name == "bridge.slurm"
