@@ -13,9 +13,16 @@ import os
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
 ENV_DATABASE = "TES_BRIDGE_DATABASE"
@@ -75,8 +82,9 @@ class ServiceInfoConfig(_Section):
     environment: str = "production"
     created_at: str | None = None
     updated_at: str | None = None
-    #: URL prefixes this deployment can stage from and to (service-info `storage`).
-    storage: list[str] = Field(default_factory=lambda: ["file://"])
+    #: URL prefixes this deployment can stage from and to (service-info `storage`); "derive"
+    #: lists file:// and each protocol enabled in `[staging]`.
+    storage: list[str] | Literal["derive"] = "derive"
 
 
 class BackendParametersConfig(_Section):
@@ -90,7 +98,7 @@ class SlurmConfig(_Section):
     sacct: str = "sacct"
     scancel: str = "scancel"
     command_timeout: float = Field(default=30.0, gt=0)
-    poll_interval: float = Field(default=2.0, gt=0)
+    poll_interval: float = Field(default=1.0, gt=0)
     #: Partitions a task may name in `resources.zones` or backend_parameters.partition;
     #: empty means any.
     partitions: list[str] = Field(default_factory=list)
@@ -144,6 +152,64 @@ class StorageConfig(_Section):
         return value
 
 
+#: URL schemes the job side can stage (bridge.job.staging).
+STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp"]
+
+
+class StagingConfig(_Section):
+    """Job-side transfers. Credentials are never written here: only the paths of the files that
+    hold them, which the compute nodes read (see README, "Staging")."""
+
+    #: Schemes tasks may use for inputs and outputs (file is governed by storage.allowed_dirs).
+    protocols: list[str] = Field(default_factory=lambda: list(STAGING_PROTOCOLS))
+    #: Upload outputs to http(s):// URLs with PUT.
+    http_upload: bool = False
+    #: Further attempts after a transient failure (HTTP 5xx/429, S3 throttling, resets).
+    retries: int = Field(default=3, ge=0)
+    #: Seconds to wait for a connection or for data before giving up.
+    timeout: float = Field(default=60.0, gt=0)
+    #: An S3-compatible endpoint (e.g. `https://s3.example.org`); None means AWS.
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    #: A profile in the shared-credentials file; None means `default` or the AWS environment.
+    s3_profile: str | None = None
+    #: An AWS shared-credentials file readable on the compute nodes (instead of ~/.aws).
+    s3_credentials_file: Path | None = None
+    #: auto, path or virtual (most S3-compatible stores want path).
+    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    s3_multipart_threshold_mb: int = Field(default=64, ge=5)
+    s3_multipart_chunk_mb: int = Field(default=64, ge=5)
+    #: Parallel parts of one multipart transfer.
+    s3_max_concurrency: int = Field(default=4, ge=1)
+    #: A netrc file with logins for FTP and HTTP(S) hosts, readable on the compute nodes.
+    netrc_file: Path | None = None
+    ftp_passive: bool = True
+    #: Bind a `streamable` file:// input read-only into the container instead of copying it.
+    streamable_bind: bool = False
+
+    @field_validator("protocols")
+    @classmethod
+    def _known_protocols(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(STAGING_PROTOCOLS))
+        if unknown:
+            raise ValueError(f"unknown {unknown}; known: {', '.join(STAGING_PROTOCOLS)}")
+        return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _no_userinfo(cls, value: str | None) -> str | None:
+        # job-config.json carries the endpoint: a secret in it would reach the task directory.
+        if value and "@" in value.partition("://")[2].partition("/")[0]:
+            raise ValueError("must not hold credentials; use s3_credentials_file")
+        return value
+
+    def job_options(self) -> dict[str, Any]:
+        """What bridge.job.staging.StagingOptions reads from job-config.json."""
+        options = self.model_dump(mode="json", exclude={"protocols", "streamable_bind"})
+        options["enabled"] = list(self.protocols)
+        return options
+
+
 class JobConfig(_Section):
     #: Where task directories live; must be on a filesystem the compute nodes share.
     #: Defaults to `<state_dir>/work`.
@@ -158,6 +224,49 @@ class JobConfig(_Section):
     failed_retention_days: float = Field(default=30.0, ge=0)
 
 
+class AuthConfig(_Section):
+    #: none (only on a loopback bind unless allow_remote_without_auth), basic or bearer.
+    mode: Literal["none", "basic", "bearer"] = "none"
+    realm: str = "tes-bridge"
+    #: basic: an htpasswd file of bcrypt hashes (`htpasswd -B`).
+    htpasswd_file: Path | None = None
+    #: bearer: the OIDC issuer (`iss`), the audience (`aud`) tokens must name, and the JWKS
+    #: (default: `jwks_uri` from the issuer's /.well-known/openid-configuration).
+    issuer: str | None = None
+    audience: str | None = None
+    jwks_url: str | None = None
+    jwks_cache_seconds: float = Field(default=300.0, gt=0)
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
+    leeway_seconds: float = Field(default=30.0, ge=0)
+    #: The token claim that names the caller.
+    user_claim: str = "sub"
+    #: TOML `[users]` identity -> Unix user (and Slurm account); unknown identities are refused.
+    user_map_file: Path | None = None
+    #: Unix users, and members of a Unix group, that see and cancel every task.
+    admin_users: list[str] = Field(default_factory=list)
+    admin_group: str | None = None
+    allow_remote_without_auth: bool = False
+
+    @model_validator(mode="after")
+    def _complete(self) -> AuthConfig:
+        if self.mode == "basic" and self.htpasswd_file is None:
+            raise ValueError("mode basic needs htpasswd_file")
+        if self.mode == "bearer" and not (self.issuer and self.audience):
+            raise ValueError("mode bearer needs issuer and audience")
+        if any(a.lower() == "none" or a.upper().startswith("HS") for a in self.algorithms):
+            raise ValueError("algorithms: only asymmetric algorithms (RS*, PS*, ES*, EdDSA)")
+        return self
+
+
+class SiteConfig(_Section):
+    #: Site mode: submit, cancel and stage as each task's owner through `sudo -n -u OWNER`
+    #: (see deploy/sudoers.tes-bridge); needs auth mode basic or bearer.
+    run_as_owner: bool = False
+    sudo: str = "sudo"
+    #: Slurm account for users the mapping file gives none (None: Slurm's default).
+    default_account: str | None = None
+
+
 class Config(_Section):
     state_dir: Path = DEFAULT_STATE_DIR
     #: A peewee database URL (`sqlite:///path`, `postgresql://user:pw@host/db`);
@@ -170,7 +279,16 @@ class Config(_Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    staging: StagingConfig = Field(default_factory=StagingConfig)
     job: JobConfig = Field(default_factory=JobConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    site: SiteConfig = Field(default_factory=SiteConfig)
+
+    @model_validator(mode="after")
+    def _site_needs_auth(self) -> Config:
+        if self.site.run_as_owner and self.auth.mode == "none":
+            raise ValueError("site.run_as_owner needs auth.mode basic or bearer (task owners)")
+        return self
 
     @property
     def database_url(self) -> str:
@@ -183,6 +301,13 @@ class Config(_Section):
     @property
     def image_cache_dir(self) -> Path:
         return self.container.cache_dir or self.state_dir / "images"
+
+    def service_storage(self) -> list[str]:
+        """service-info `storage`: the site's own list, or file:// plus each enabled protocol."""
+        if self.service_info.storage != "derive":
+            return list(self.service_info.storage)
+        schemes = ["file", *(p for p in self.staging.protocols if p != "file")]
+        return [f"{scheme}://" for scheme in schemes]
 
 
 def load_config(

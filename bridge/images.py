@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,11 @@ class ImageCache:
         *,
         max_workers: int = 2,
         failure_ttl: float = 300.0,
+        on_pulled: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        #: Called (from the pull thread) when a pull ends, so a waiting poller can wake up.
+        self.on_pulled = on_pulled
         self.cache_dir = Path(config.image_cache_dir)
         self.failure_ttl = failure_ttl
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
@@ -261,6 +264,11 @@ class ImageCache:
             log.warning("image pull failed: %s", exc)
 
     def _done(self, key: str, future: Future[Path]) -> None:
+        if self.on_pulled is not None:
+            self.on_pulled()
+        self._record_done(key, future)
+
+    def _record_done(self, key: str, future: Future[Path]) -> None:
         with self._lock:
             if self._pending.get(key) is future:
                 self._record_failure(key, future)

@@ -330,8 +330,10 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
 
 
 def _shared_source(item: dict[str, Any], url: Any, config: Config) -> str | None:
-    """With file_input_mode "bind": the allowed host path of a file:// input, else None."""
-    if config.storage.file_input_mode != "bind" or not isinstance(url, str):
+    """With file_input_mode "bind" (or staging.streamable_bind and a `streamable` input): the
+    allowed host path of a file:// input, else None."""
+    streamed = config.staging.streamable_bind and item.get("streamable") is True
+    if not (config.storage.file_input_mode == "bind" or streamed) or not isinstance(url, str):
         return None
     if isinstance(item.get("content"), str) and item["content"]:
         return None
@@ -499,6 +501,7 @@ def job_settings(
         mkdirs=plan.mkdirs,
         bound_inputs=plan.bound_inputs,
         linkable_inputs=plan.linkable_inputs,
+        staging=config.staging.job_options(),
     )
 
 
@@ -520,14 +523,33 @@ def prepare_task_dir(task: dict[str, Any], *, config: Config, image_paths: dict[
     if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     layout = TaskLayout(config.work_dir / task_id)
-    script = render_script(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
-    settings = job_settings(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    files = task_files(task, config=config, image_paths=image_paths)
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
     os.chmod(layout.task_dir, 0o700)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
-    _write_atomically(layout.task_json, json.dumps(task, ensure_ascii=True) + "\n", 0o600)
-    _write_atomically(layout.job_config, settings.to_json(), 0o600)
-    _write_atomically(layout.script, script, 0o700)
+    _write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
+    _write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
+    _write_atomically(layout.script, files[layout.script.name], 0o700)
     return layout.script
+
+
+def task_files(
+    task: dict[str, Any], *, config: Config, image_paths: dict[str, str]
+) -> dict[str, str]:
+    """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
+
+    Site mode hands them to `bridge.job adopt`, which writes them as the task's owner.
+    """
+    task_id = task.get("id")
+    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
+        raise RenderError(f"id: {task_id!r} is not a valid task id")
+    layout = TaskLayout(config.work_dir / task_id)
+    script = render_script(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    settings = job_settings(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    return {
+        layout.task_json.name: json.dumps(task, ensure_ascii=True) + "\n",
+        layout.job_config.name: settings.to_json(),
+        layout.script.name: script,
+    }

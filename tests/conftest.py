@@ -12,7 +12,7 @@ from bridge.app import create_app
 from bridge.config import Config, load_config
 from bridge.store import MODELS, Store
 
-pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.cluster"]
+pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.cluster", "tests.fixtures.service"]
 
 
 @pytest.fixture

@@ -1,0 +1,548 @@
+"""The poller: the one process that talks to Slurm.
+
+Each cycle it
+1. finds again the jobs of submissions that were interrupted (a crash between `sbatch` and the
+   database write, or an `sbatch` that failed without an answer) by their job name, so a task
+   is never submitted twice;
+2. submits QUEUED tasks whose images are in the cache (pulls run in the background);
+3. asks Slurm about every active job with one `squeue` call, and one `sacct` call for the jobs
+   that left the queue, reads each job's own records, and moves tasks to their TES state;
+4. carries out cancels recorded by the API (one `scancel` for all of them);
+5. now and then removes old task directories.
+
+Run exactly one poller per store: it holds a lock file in the state directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bridge import slurm
+from bridge.config import Config
+from bridge.images import ImageCache, ImagePullError
+from bridge.job.records import JobRecords, read_records
+from bridge.render import RenderError, prepare_task_dir
+from bridge.slurm import JobInfo, SlurmClient, SlurmError, SlurmRejected
+from bridge.store import Store, TaskRecord
+from bridge.tes import TERMINAL_STATES, State, format_time
+
+log = logging.getLogger("bridge.poller")
+
+#: How long a job may be unknown to both squeue and sacct before the task is failed
+#: (slurmdbd can lag behind slurmctld for a moment after a job ends).
+MISSING_JOB_GRACE = 120.0
+#: Submissions per cycle, so that polling stays regular when thousands of tasks arrive at once.
+MAX_SUBMISSIONS_PER_CYCLE = 500
+CLEANUP_INTERVAL = 600.0
+
+OUTCOME_STATES = {
+    "complete": State.COMPLETE,
+    "executor_error": State.EXECUTOR_ERROR,
+    "system_error": State.SYSTEM_ERROR,
+}
+
+
+def job_name(task_id: str) -> str:
+    return f"tes-{task_id}"
+
+
+@dataclass
+class CycleStats:
+    submitted: int = 0
+    updated: int = 0
+    canceled: int = 0
+    slurm_calls: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Decision:
+    state: State
+    messages: list[str] = field(default_factory=list)
+    #: The job was lost through no fault of the task: submit it again.
+    retry: bool = False
+    #: The job must be canceled (it can never start).
+    cancel_job: bool = False
+
+
+def decide(
+    *,
+    job: JobInfo | None,
+    records: JobRecords,
+    attempt: int,
+    retries: int,
+    current: State,
+) -> Decision:
+    """The TES state of a task from what Slurm says of its job and what the job recorded."""
+    if records.outcome is not None:
+        # The script writes its outcome last: the task is done, whatever Slurm says yet.
+        return Decision(OUTCOME_STATES[records.outcome])
+    if job is None:
+        return Decision(current)
+    if not job.ended:
+        return _decide_active(job, records, current)
+    # The job ended without recording an outcome: the script itself was stopped.
+    ended = f"Slurm job {job.job_id} ended in state {job.state}"
+    if job.exit_code is not None:
+        ended += f" (exit code {job.exit_code}" + (f", signal {job.signal})" if job.signal else ")")
+    in_executor = bool(records.phase and records.phase.startswith("running"))
+    if job.state in slurm.RETRYABLE_STATES:
+        if attempt <= retries:
+            return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
+        return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
+    if job.state == "CANCELLED":
+        return Decision(State.CANCELED, [f"{ended}: canceled outside tes-bridge"])
+    if job.state in ("TIMEOUT", "OUT_OF_MEMORY"):
+        why = "reached its time limit" if job.state == "TIMEOUT" else "ran out of memory"
+        # An executor that runs too long or too big is the task's failure; staging is not.
+        state = State.EXECUTOR_ERROR if in_executor else State.SYSTEM_ERROR
+        return Decision(state, [f"{ended}: the job {why}"])
+    return Decision(State.SYSTEM_ERROR, [f"{ended} without recording an outcome"])
+
+
+def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decision:
+    tes_state = job.tes_state
+    if tes_state == State.QUEUED.value:
+        if job.reason in slurm.HOPELESS_PENDING_REASONS:
+            return Decision(
+                State.SYSTEM_ERROR,
+                [f"Slurm job {job.job_id} can never start ({job.reason}); it was canceled"],
+                cancel_job=True,
+            )
+        reason = f"Slurm job {job.job_id} is pending ({job.reason})" if job.reason else None
+        return Decision(State.QUEUED, [reason] if reason else [])
+    if tes_state == State.PAUSED.value:
+        return Decision(State.PAUSED, [f"Slurm job {job.job_id} is {job.state.lower()}"])
+    if tes_state in (State.INITIALIZING.value, State.RUNNING.value):
+        if records.phase and (records.phase.startswith("running") or records.phase == "uploading"):
+            return Decision(State.RUNNING)
+        return Decision(State.INITIALIZING)
+    return Decision(current)  # a state we do not know: keep what we had (slurm.py warns)
+
+
+def _attempt_log(logs: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
+    """The `logs` entry of an attempt (1-based), created with its required lists."""
+    while len(logs) < attempt:
+        logs.append({"logs": [], "outputs": []})
+    return logs[attempt - 1]
+
+
+def _add_system_logs(entry: dict[str, Any], lines: list[str]) -> None:
+    if not any(lines):
+        return
+    existing = entry.setdefault("system_logs", [])
+    for line in lines:
+        if line and line not in existing:
+            existing.append(line)
+
+
+def _fill_attempt_log(
+    entry: dict[str, Any], records: JobRecords, job: JobInfo | None, *, final: bool
+) -> None:
+    """Executor logs, outputs and metadata of one attempt, from its records and sacct."""
+    start = records.start_time or (job.start_time if job else None)
+    if start:
+        entry["start_time"] = format_time(start)
+    end = records.end_time or (job.end_time if job else None)
+    if final and end:
+        entry["end_time"] = format_time(end)
+    executor_logs = []
+    for executor in records.executors:
+        # TES requires an integer exit_code on every executor log: a running one is not listed.
+        if executor.exit_code is None:
+            continue
+        item: dict[str, Any] = {"exit_code": executor.exit_code}
+        if executor.start_time:
+            item["start_time"] = format_time(executor.start_time)
+        if executor.end_time:
+            item["end_time"] = format_time(executor.end_time)
+        item["stdout"] = executor.stdout
+        item["stderr"] = executor.stderr
+        executor_logs.append(item)
+    entry["logs"] = executor_logs
+    entry["outputs"] = list(records.outputs)
+    _add_system_logs(entry, records.system_logs)
+    metadata = entry.setdefault("metadata", {})
+    metadata["slurm_job_id"] = records.job_id
+    if job is not None:
+        for key, value in (
+            ("slurm_state", job.state),
+            ("slurm_node", job.node),
+            ("slurm_partition", job.partition),
+            ("slurm_elapsed_seconds", job.elapsed_seconds),
+            ("slurm_max_rss_bytes", job.max_rss_bytes),
+        ):
+            if value not in (None, ""):
+                metadata[key] = str(value)
+
+
+class Poller:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        *,
+        slurm_client: SlurmClient,
+        images: ImageCache,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.config = config
+        self.store = store
+        self.slurm = slurm_client
+        self.images = images
+        self.clock = clock
+        self._missing_since: dict[str, float] = {}
+        self._last_cleanup = 0.0
+        #: While Slurm cannot be reached, no sbatch runs before this time (each one would
+        #: wait for sbatch's own retries, about 10 s, and fail the same way).
+        self._submissions_paused_until = 0.0
+        self._unreachable_count = 0
+
+    # ------------------------------------------------------------------------------ cycle
+    def cycle(self) -> CycleStats:
+        started = time.perf_counter()
+        stats = CycleStats()
+        with self.store.db.connection_context():
+            self._recover_submissions(stats)
+            self._submit_queued(stats)
+            in_flight = self.store.tasks_in_flight()
+            self._follow_jobs(
+                [t for t in in_flight if t.job_id and t.state not in TERMINAL_STATES], stats
+            )
+            self._carry_out_cancels([t for t in in_flight if t.cancel_pending], stats)
+            if self.clock() - self._last_cleanup > CLEANUP_INTERVAL:
+                self._last_cleanup = self.clock()
+                self._clean_task_dirs()
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def task_dir(self, task_id: str) -> Path:
+        return self.config.work_dir / task_id
+
+    # ------------------------------------------------------------------------------ submit
+    def _recover_submissions(self, stats: CycleStats) -> None:
+        """Tasks whose `sbatch` started but whose job id was never stored: look for the job."""
+        pending = [
+            t
+            for t in self.store.tasks_in_flight()
+            if t.job_id is None and t.submit_started_at is not None
+        ]
+        if not pending:
+            return
+        names = {job_name(t.id): t for t in pending}
+        try:
+            stats.slurm_calls += 2
+            found = self.slurm.find_by_names(list(names))
+        except SlurmError as exc:
+            log.warning("cannot look for interrupted submissions yet: %s", exc)
+            return
+        for name, task in names.items():
+            jobs = sorted(found.get(name, []), key=lambda j: int(j.job_id.split("_")[0]))
+            if jobs:
+                job = jobs[-1]
+                log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
+                self.store.update_task(
+                    task.id, allow_terminal=True, job_id=job.job_id, submit_started_at=None
+                )
+            else:
+                # sbatch never created a job: the task may be submitted again.
+                self.store.update_task(
+                    task.id,
+                    allow_terminal=True,
+                    submit_started_at=None,
+                    attempt=max(task.attempt - 1, 0),
+                    cancel_pending=False,
+                )
+
+    def _submit_queued(self, stats: CycleStats) -> None:
+        now = self.clock()
+        if now < self._submissions_paused_until:
+            return
+        for task in self.store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE):
+            try:
+                if self._submit(task, stats):
+                    stats.submitted += 1
+            except Exception:  # one broken task must not stop the others
+                log.exception("submitting task %s failed unexpectedly", task.id)
+                self._fail(task, "internal error while submitting the task; see the poller log")
+            if self.clock() < self._submissions_paused_until:
+                break
+
+    def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
+        try:
+            # None while pulls run in the background; all of the task's pulls start at once.
+            image_paths = self.images.resolve(e["image"] for e in task.document["executors"])
+        except ImagePullError as exc:
+            self._fail(task, f"cannot pull image: {exc}")
+            return False
+        if image_paths is None:
+            return False  # pulling in the background; try again next cycle
+        document = {**task.document, "id": task.id}
+        try:
+            script = prepare_task_dir(document, config=self.config, image_paths=image_paths)
+        except RenderError as exc:
+            self._fail(task, f"cannot run this task here: {exc}")
+            return False
+        attempt = task.attempt + 1
+        # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
+        if not self.store.update_task(task.id, submit_started_at=self.clock(), attempt=attempt):
+            return False  # canceled meanwhile
+        try:
+            stats.slurm_calls += 1
+            job_id = self.slurm.submit(script, job_name=job_name(task.id), comment=task.id)
+        except SlurmRejected as exc:
+            self._fail(
+                task,
+                f"Slurm refused the job: {exc.stderr.strip() or exc}",
+                attempt=attempt,
+                submit_started_at=None,
+            )
+            return False
+        except SlurmError as exc:
+            # Maybe the job exists anyway (a timeout): the next cycle looks for it by name.
+            delay = self._backoff()
+            self._submissions_paused_until = self.clock() + delay
+            logs = task.logs or []
+            _add_system_logs(
+                _attempt_log(logs, max(attempt, 1)),
+                [f"cannot reach Slurm to submit the job ({_short(exc)}); retrying with back-off"],
+            )
+            self.store.update_task(task.id, next_submit_at=self.clock() + delay, logs=logs)
+            log.warning("sbatch for task %s failed, retry in %.0fs: %s", task.id, delay, exc)
+            return False
+        self._unreachable_count = 0
+        logs = task.logs or []
+        entry = _attempt_log(logs, attempt)
+        entry.setdefault("metadata", {})["slurm_job_id"] = job_id
+        self.store.update_task(
+            task.id,
+            allow_terminal=True,
+            job_id=job_id,
+            submit_started_at=None,
+            next_submit_at=None,
+            logs=logs,
+        )
+        log.info("submitted task %s as Slurm job %s", task.id, job_id)
+        return True
+
+    def _backoff(self) -> float:
+        """Doubles with each unreachable answer in a row, up to `slurm.submit_backoff_max`."""
+        self._unreachable_count += 1
+        cfg = self.config.slurm
+        exponent = min(self._unreachable_count - 1, 16)
+        return min(cfg.submit_backoff_initial * 2**exponent, cfg.submit_backoff_max)
+
+    def _fail(self, task: TaskRecord, message: str, **changes: Any) -> None:
+        logs = task.logs or []
+        entry = _attempt_log(logs, max(changes.get("attempt", task.attempt), 1))
+        _add_system_logs(entry, [message])
+        entry.setdefault("end_time", format_time_now())
+        self.store.update_task(task.id, state=State.SYSTEM_ERROR.value, logs=logs, **changes)
+        log.info("task %s failed: %s", task.id, message)
+
+    # ------------------------------------------------------------------------------ follow
+    def _follow_jobs(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
+        if not tasks:
+            return
+        job_ids = [t.job_id for t in tasks if t.job_id]
+        try:
+            stats.slurm_calls += 1
+            queue = self.slurm.queue(job_ids)
+        except SlurmError as exc:
+            log.warning("squeue failed; keeping the last known states: %s", _short(exc))
+            return
+        self._unreachable_count = 0
+        left = [j for j in job_ids if j not in queue or queue[j].ended]
+        accounting: dict[str, JobInfo] = {}
+        if left:
+            try:
+                stats.slurm_calls += 1
+                accounting = self.slurm.accounting(left)
+            except SlurmError as exc:
+                log.warning("sacct failed; finished jobs wait for the next cycle: %s", _short(exc))
+        for task in tasks:
+            assert task.job_id is not None
+            job = accounting.get(task.job_id) or queue.get(task.job_id)
+            try:
+                if self._update_task(task, job):
+                    stats.updated += 1
+            except Exception:
+                log.exception("updating task %s failed unexpectedly", task.id)
+
+    def _update_task(self, task: TaskRecord, job: JobInfo | None) -> bool:
+        assert task.job_id is not None
+        now = self.clock()
+        job_pending = job is not None and not job.ended and job.tes_state == State.QUEUED.value
+        records = (
+            JobRecords(job_id=task.job_id)
+            if job_pending
+            else read_records(
+                self.task_dir(task.id), task.job_id, tail_bytes=self.config.job.log_tail_bytes
+            )
+        )
+        current = State(task.state)
+        decision = decide(
+            job=job,
+            records=records,
+            attempt=task.attempt,
+            retries=self.config.slurm.retries,
+            current=current,
+        )
+        if job is None and records.outcome is None:
+            first_missing = self._missing_since.setdefault(task.job_id, now)
+            if now - first_missing > MISSING_JOB_GRACE:
+                decision = Decision(
+                    State.SYSTEM_ERROR,
+                    [f"Slurm no longer knows job {task.job_id} and it recorded no outcome"],
+                )
+        else:
+            self._missing_since.pop(task.job_id, None)
+
+        final = decision.state in TERMINAL_STATES
+        logs = copy.deepcopy(task.logs or [])
+        entry = _attempt_log(logs, max(task.attempt, 1))
+        if not job_pending:
+            _fill_attempt_log(entry, records, job, final=final or decision.retry)
+        _add_system_logs(entry, decision.messages)
+        changes: dict[str, Any] = {}
+        if decision.retry:
+            changes.update(job_id=None, submit_started_at=None, next_submit_at=None)
+        if decision.cancel_job:
+            changes["cancel_pending"] = True
+        if decision.state is not current:
+            changes["state"] = decision.state.value
+        if logs != task.logs:
+            changes["logs"] = logs
+        if not changes:
+            return False
+        return self.store.update_task(task.id, **changes)
+
+    # ------------------------------------------------------------------------------ cancel
+    def _carry_out_cancels(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
+        with_job = [t for t in tasks if t.job_id]
+        if not with_job:
+            return
+        try:
+            stats.slurm_calls += 1
+            self.slurm.cancel([t.job_id for t in with_job if t.job_id])
+        except SlurmError as exc:
+            log.warning("scancel failed; trying again next cycle: %s", _short(exc))
+            return
+        for task in with_job:
+            self.store.update_task(task.id, allow_terminal=True, cancel_pending=False)
+            stats.canceled += 1
+            log.info("canceled Slurm job %s of task %s", task.job_id, task.id)
+
+    # ------------------------------------------------------------------------------ cleanup
+    def _clean_task_dirs(self) -> None:
+        """Remove task directories after the retention time (failed tasks are kept longer)."""
+        day = 86400.0
+        now = self.clock()
+        policies = [
+            ([State.COMPLETE.value, State.CANCELED.value], self.config.job.retention_days),
+            (
+                [State.EXECUTOR_ERROR.value, State.SYSTEM_ERROR.value],
+                self.config.job.failed_retention_days,
+            ),
+        ]
+        for states, days in policies:
+            for task in self.store.finished_before(now - days * day, states):
+                path = self.task_dir(task.id)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                    log.info("removed the directory of task %s", task.id)
+                self.store.mark_cleaned(task.id)
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def format_time_now() -> str:
+    return format_time(datetime.now(UTC))
+
+
+# ---------------------------------------------------------------------------------- process
+class PollerLock:
+    """An exclusive lock file: a second poller on the same state directory refuses to start."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+
+def build_poller(config: Config, store: Store, *, wake: threading.Event | None = None) -> Poller:
+    cfg = config.slurm
+    client = SlurmClient(
+        sbatch=cfg.sbatch,
+        squeue=cfg.squeue,
+        sacct=cfg.sacct,
+        scancel=cfg.scancel,
+        timeout=cfg.command_timeout,
+    )
+    images = ImageCache(
+        config,
+        max_workers=config.container.pull_workers,
+        failure_ttl=config.container.pull_failure_ttl,
+        on_pulled=wake.set if wake is not None else None,
+    )
+    return Poller(config, store, slurm_client=client, images=images)
+
+
+def run_poller(config: Config, *, once: bool = False) -> int:
+    lock = PollerLock(config.state_dir / "poller.lock")
+    if not lock.acquire():
+        log.error("another poller already runs for %s; exiting", config.state_dir)
+        return 1
+    store = Store.from_url(config.database_url)
+    stop = threading.Event()
+    #: Set by a finished image pull (or a stop request): the next cycle starts at once.
+    wake = threading.Event()
+    poller = build_poller(config, store, wake=wake)
+
+    def request_stop(*_: object) -> None:
+        stop.set()
+        wake.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_stop)
+    log.info("poller started", extra={"work_dir": str(config.work_dir)})
+    while not stop.is_set():
+        wake.clear()
+        try:
+            stats = poller.cycle()
+            if stats.submitted or stats.updated or stats.canceled:
+                log.info("poll cycle", extra=stats.__dict__)
+        except Exception:
+            log.exception("poll cycle failed; trying again")
+        if once:
+            break
+        wake.wait(config.slurm.poll_interval)
+    log.info("poller stopped")
+    return 0

@@ -1,0 +1,292 @@
+"""Tasks through the whole bridge on the real cluster: API → poller → sbatch → Apptainer → back.
+
+Every test here submits real Slurm jobs that run real containers from the local registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import tes
+
+from bridge.slurm import SlurmClient
+
+pytestmark = pytest.mark.cluster
+
+ALPINE = "alpine"
+
+
+def executor(*command: str, **kw) -> dict:
+    return {"image": ALPINE, "command": list(command), **kw}
+
+
+def only_log(task: dict) -> dict:
+    assert len(task["logs"]) == 1, task["logs"]
+    return task["logs"][0]
+
+
+def test_echo_hello_completes_with_its_output(bridge_service):
+    task = bridge_service.run({"executors": [executor("echo", "hello")]})
+    assert task["state"] == "COMPLETE", task
+    log = only_log(task)
+    assert log["logs"] == [{**log["logs"][0], "stdout": "hello\n", "stderr": "", "exit_code": 0}]
+    assert log["logs"][0]["start_time"] <= log["logs"][0]["end_time"]
+    assert log["start_time"] and log["end_time"]
+    metadata = log["metadata"]
+    assert metadata["slurm_job_id"].isdigit()
+    assert metadata["slurm_partition"] and metadata["slurm_node"]
+    basic = bridge_service.get(task["id"], "BASIC")
+    assert "stdout" not in basic["logs"][0]["logs"][0]
+
+
+def test_missing_command_is_an_executor_error(bridge_service):
+    task = bridge_service.run({"executors": [executor("ERROR")]})
+    assert task["state"] == "EXECUTOR_ERROR", task
+    (entry,) = only_log(task)["logs"]
+    assert entry["exit_code"] != 0
+
+
+@pytest.mark.parametrize(("ignore_error", "executor_logs"), [(False, 1), (True, 2)])
+def test_first_executor_failing_stops_unless_ignore_error(
+    bridge_service, ignore_error, executor_logs
+):
+    task = bridge_service.run(
+        {
+            "executors": [
+                executor("sh", "-c", "echo first; exit 3", ignore_error=ignore_error),
+                executor("echo", "second"),
+            ]
+        }
+    )
+    logs = only_log(task)["logs"]
+    assert len(logs) == executor_logs
+    assert logs[0]["exit_code"] == 3 and logs[0]["stdout"] == "first\n"
+    if ignore_error:
+        assert task["state"] == "COMPLETE"
+        assert logs[1]["stdout"] == "second\n"
+    else:
+        assert task["state"] == "EXECUTOR_ERROR"
+
+
+def test_stdout_tail_is_limited(bridge_service):
+    # log_tail_bytes is 2048 in the test service; 10,000 numbered lines far exceed it.
+    task = bridge_service.run({"executors": [executor("seq", "1", "10000")]})
+    stdout = only_log(task)["logs"][0]["stdout"]
+    assert len(stdout.encode()) <= 2048
+    assert stdout.endswith("9999\n10000\n")
+
+
+def test_files_workdir_env_volumes_content_and_directory_output(bridge_service):
+    out_dir = bridge_service.data_dir / "result-dir"
+    task = bridge_service.run(
+        {
+            "inputs": [{"path": "/in/greeting.txt", "content": "hello from content\n"}],
+            "outputs": [
+                {"path": "/out", "url": f"file://{out_dir}", "type": "DIRECTORY"},
+                {"path": "/work/sorted.txt", "url": f"file://{bridge_service.data_dir}/sorted.txt"},
+            ],
+            "volumes": ["/shared"],
+            "executors": [
+                executor(
+                    "sh",
+                    "-c",
+                    'echo "$GREETING, $OTHER" > /shared/note; pwd; cat; echo oops >&2',
+                    workdir="/in",
+                    env={"GREETING": "hi, there", "OTHER": "$(id) `id` 'q'"},
+                    stdin="/in/greeting.txt",
+                    stdout="/out/stdout.txt",
+                    stderr="/out/stderr.txt",
+                ),
+                executor(
+                    "sh",
+                    "-c",
+                    "mkdir -p /out/sub && cat /shared/note > /out/sub/note.txt && "
+                    "printf 'b\\na\\n' | sort > /work/sorted.txt",
+                ),
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    log = only_log(task)
+    assert (out_dir / "stdout.txt").read_text() == "/in\nhello from content\n"
+    assert (out_dir / "stderr.txt").read_text() == "oops\n"
+    assert (out_dir / "sub" / "note.txt").read_text() == "hi, there, $(id) `id` 'q'\n"
+    assert (bridge_service.data_dir / "sorted.txt").read_text() == "a\nb\n"
+    # stdout went to the executor's own file; the log still shows its tail.
+    assert log["logs"][0]["stdout"] == "/in\nhello from content\n"
+    uploaded = {o["path"]: o for o in log["outputs"]}
+    assert uploaded["/out/sub/note.txt"]["size_bytes"] == str(len("hi, there, $(id) `id` 'q'\n"))
+    assert uploaded["/work/sorted.txt"]["url"] == f"file://{bridge_service.data_dir}/sorted.txt"
+    assert all(isinstance(o["size_bytes"], str) for o in log["outputs"])
+
+
+def test_file_input_from_an_allowed_directory(bridge_service):
+    source = bridge_service.data_dir / "input.bin"
+    source.write_bytes(bytes(range(256)) * 1000)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    task = bridge_service.run(
+        {
+            "inputs": [{"path": "/data/input.bin", "url": f"file://{source}"}],
+            "executors": [executor("sha256sum", "/data/input.bin")],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert only_log(task)["logs"][0]["stdout"].split()[0] == digest
+
+
+def test_hostile_values_run_exactly_what_was_asked(bridge_service, tmp_path):
+    marker = Path("/tmp/tes-bridge-pwned")
+    marker.unlink(missing_ok=True)
+    hostile = [
+        f"'; touch {marker} #",
+        f'"; touch {marker}; "',
+        f"$(touch {marker})",
+        f"`touch {marker}`",
+        f"a\ntouch {marker}\n",
+        "ünïcödé ✓ \\ \t end",
+    ]
+    task = bridge_service.run(
+        {
+            "name": hostile[0],
+            "description": hostile[2],
+            "tags": {hostile[1]: hostile[3]},
+            "inputs": [{"path": "/in/$(id)'x\"`y`", "content": hostile[4]}],
+            "executors": [
+                executor("printf", "%s|", *hostile, env={"V": hostile[2]}, workdir="/in"),
+                # The input's hostile file name is reached by a glob, not by quoting it again.
+                executor("sh", "-c", 'printf "%s" "$V"; cat /in/*', env={"V": hostile[3]}),
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    first, second = only_log(task)["logs"]
+    assert first["stdout"] == "|".join(hostile) + "|"
+    assert second["stdout"] == hostile[3] + hostile[4]
+    assert not marker.exists()
+
+
+def test_more_memory_than_the_node_has_is_a_system_error_with_slurm_reason(bridge_service):
+    task = bridge_service.run(
+        {"resources": {"ram_gb": 100000}, "executors": [executor("true")]}, timeout=60
+    )
+    assert task["state"] == "SYSTEM_ERROR", task
+    text = "\n".join(only_log(task)["system_logs"])
+    assert "Slurm refused the job" in text and "memory" in text.lower()
+
+
+def test_cancel_of_a_running_task(bridge_service):
+    task_id = bridge_service.create({"executors": [executor("sleep", "300")]})
+    task = bridge_service.wait(task_id, states={"RUNNING"}, timeout=120)
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    bridge_service.cancel(task_id)
+    assert bridge_service.get(task_id, "MINIMAL")["state"] == "CANCELED"
+    client = SlurmClient()
+    deadline = time.monotonic() + 60
+    while True:
+        info = client.queue([job_id]).get(job_id)
+        if info is None or info.state not in {"RUNNING", "PENDING", "COMPLETING"}:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    assert info is None or info.state == "CANCELLED"
+    time.sleep(2)
+    assert bridge_service.get(task_id, "MINIMAL")["state"] == "CANCELED"
+
+
+def test_cancel_right_after_create(bridge_service):
+    task_id = bridge_service.create({"executors": [executor("sleep", "60")]})
+    bridge_service.cancel(task_id)
+    assert bridge_service.wait(task_id, timeout=30)["state"] == "CANCELED"
+
+
+def test_fifty_tasks_at_once_all_complete(bridge_service):
+    ids = [
+        bridge_service.create({"name": f"bulk-{i}", "executors": [executor("echo", str(i))]})
+        for i in range(50)
+    ]
+    for i, task_id in enumerate(ids):
+        task = bridge_service.wait(task_id, timeout=600)
+        assert task["state"] == "COMPLETE", task
+        assert only_log(task)["logs"][0]["stdout"] == f"{i}\n"
+
+
+def test_poller_killed_while_tasks_run_loses_nothing_and_submits_nothing_twice(bridge_service):
+    ids = [
+        bridge_service.create({"executors": [executor("sh", "-c", f"sleep 2; echo {i}")]})
+        for i in range(8)
+    ]
+    bridge_service.wait(ids[0], states={"RUNNING", "INITIALIZING", "COMPLETE"}, timeout=120)
+    bridge_service.kill_poller()
+    time.sleep(3)
+    bridge_service.start_poller()
+    for i, task_id in enumerate(ids):
+        task = bridge_service.wait(task_id, timeout=300)
+        assert task["state"] == "COMPLETE", task
+        assert only_log(task)["logs"][0]["stdout"] == f"{i}\n"
+    jobs = SlurmClient().find_by_names([f"tes-{task_id}" for task_id in ids])
+    assert {name: len(found) for name, found in jobs.items()} == {
+        f"tes-{task_id}": 1 for task_id in ids
+    }
+
+
+def test_py_tes_wait_returns_complete(bridge_service):
+    client = tes.HTTPClient(bridge_service.url, timeout=10)
+    task_id = client.create_task(
+        tes.Task(executors=[tes.Executor(image=ALPINE, command=["echo", "py-tes"])])
+    )
+    done = client.wait(task_id, timeout=180)
+    assert done.state == "COMPLETE"
+    full = client.get_task(task_id, view="FULL")
+    assert full.logs[0].logs[0].stdout == "py-tes\n"
+
+
+def test_python_image_runs(bridge_service):
+    task = bridge_service.run(
+        {
+            "executors": [
+                {"image": "library/python:3-slim", "command": ["python3", "-c", "print(6 * 7)"]}
+            ]
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert only_log(task)["logs"][0]["stdout"] == "42\n"
+
+
+def test_image_that_cannot_be_pulled_is_a_system_error(bridge_service):
+    task = bridge_service.run({"executors": [executor("true") | {"image": "no-such/image:1"}]})
+    assert task["state"] == "SYSTEM_ERROR", task
+    assert any("image" in line for line in only_log(task)["system_logs"])
+
+
+def test_api_keeps_answering_while_slurm_is_down(bridge_service, local_cluster):
+    script = Path(__file__).parents[2] / "deploy" / "local-cluster.sh"
+    subprocess.run([str(script), "down", "slurmctld"], check=True, capture_output=True)
+    try:
+        started = time.monotonic()
+        task_id = bridge_service.create({"executors": [executor("echo", "after outage")]})
+        assert time.monotonic() - started < 2
+        # sbatch itself retries for about 10 s before it gives up.
+        deadline = time.monotonic() + 60
+        while True:
+            task = bridge_service.get(task_id)
+            assert task["state"] == "QUEUED"
+            lines = task.get("logs", [{}])[0].get("system_logs", [])
+            if any("cannot reach Slurm" in line for line in lines):
+                break
+            assert time.monotonic() < deadline, task
+            time.sleep(1)
+        started = time.monotonic()
+        assert requests.get(f"{bridge_service.api}/tasks", timeout=5).ok
+        assert time.monotonic() - started < 1
+    finally:
+        subprocess.run([str(script), "up", "--quiet"], check=True, capture_output=True)
+    task = bridge_service.wait(task_id, timeout=180)
+    assert task["state"] == "COMPLETE", task
+    assert task["logs"][-1]["logs"][0]["stdout"] == "after outage\n"
+    jobs = SlurmClient().find_by_names([f"tes-{task_id}"])
+    assert len(jobs[f"tes-{task_id}"]) == 1

@@ -1,0 +1,454 @@
+"""The poller's decisions and bookkeeping, with a fake Slurm for speed.
+
+The same paths run against the real cluster in tests/cluster/test_execution.py; these tests pin
+the corner cases that are hard to produce on demand there (a crash between sbatch and the
+database write, a controller that times out, lost nodes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Config, load_config
+from bridge.job.records import ExecutorRecord, JobRecords
+from bridge.poller import Poller, decide, job_name
+from bridge.slurm import JobInfo, SlurmRejected, SlurmUnavailable
+from bridge.store import Store
+from bridge.tes import State
+
+ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+
+
+def job(job_id: str = "1", state: str = "RUNNING", **kw) -> JobInfo:
+    fields = dict(
+        job_id=job_id,
+        name="tes-x",
+        state=state,
+        reason=None,
+        exit_code=None,
+        signal=None,
+        node="n1",
+        partition="main",
+        start_time=None,
+        end_time=None,
+        elapsed_seconds=None,
+        max_rss_bytes=None,
+        comment=None,
+    )
+    fields.update(kw)
+    return JobInfo(**fields)
+
+
+class FakeSlurm:
+    """Keeps jobs in memory; counts calls; can be told to fail."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobInfo] = {}
+        self.ids = itertools.count(100)
+        self.calls: list[str] = []
+        self.unavailable = False
+        self.reject: str | None = None
+        self.create_then_fail = False  # sbatch creates the job but the answer is lost
+
+    def _check(self, command: str) -> None:
+        self.calls.append(command)
+        if self.unavailable:
+            raise SlurmUnavailable(
+                "slurm_load_jobs error: Unable to contact slurm controller",
+                argv=[command],
+                returncode=1,
+                stdout="",
+                stderr="Unable to contact slurm controller",
+            )
+
+    def submit(
+        self,
+        script: Path,
+        *,
+        job_name: str,
+        comment: str | None = None,
+        extra_args: Collection[str] = (),
+    ) -> str:
+        if self.create_then_fail:
+            job_id = str(next(self.ids))
+            self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
+            self.calls.append("sbatch")
+            raise SlurmUnavailable(
+                "timed out",
+                argv=["sbatch"],
+                returncode=1,
+                stdout="",
+                stderr="Socket timed out on send/recv operation",
+            )
+        self._check("sbatch")
+        if self.reject:
+            raise SlurmRejected(
+                self.reject, argv=["sbatch"], returncode=1, stdout="", stderr=self.reject
+            )
+        job_id = str(next(self.ids))
+        self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
+        return job_id
+
+    def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        self._check("squeue")
+        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+
+    def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        self._check("sacct")
+        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+
+    def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]:
+        self._check("find")
+        found: dict[str, list[JobInfo]] = {}
+        for info in self.jobs.values():
+            if info.name in names:
+                found.setdefault(info.name, []).append(info)
+        return found
+
+    def cancel(self, job_ids: Collection[str]) -> None:
+        self._check("scancel")
+        for job_id in job_ids:
+            self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED")
+
+
+class FakeImages:
+    def __init__(self) -> None:
+        self.ready = True
+
+    def resolve(self, images) -> dict[str, str] | None:
+        return {image: f"/cache/{image}.sif" for image in images} if self.ready else None
+
+
+@pytest.fixture
+def env(tmp_path: Path, sqlite_store: Store):
+    config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    slurm = FakeSlurm()
+    images = FakeImages()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=images)
+    return poller, sqlite_store, slurm, images
+
+
+def records(**kw) -> JobRecords:
+    return JobRecords(job_id="1", **kw)
+
+
+# ----------------------------------------------------------------------------- decide()
+
+
+@pytest.mark.parametrize(
+    ("outcome", "state"),
+    [
+        ("complete", State.COMPLETE),
+        ("executor_error", State.EXECUTOR_ERROR),
+        ("system_error", State.SYSTEM_ERROR),
+    ],
+)
+def test_the_job_records_decide_the_final_state(outcome, state):
+    for slurm_state in ("RUNNING", "COMPLETING", "COMPLETED", "FAILED"):
+        decision = decide(
+            job=job(state=slurm_state),
+            records=records(outcome=outcome),
+            attempt=1,
+            retries=2,
+            current=State.RUNNING,
+        )
+        assert decision.state is state
+
+
+def test_pending_job_is_queued_with_its_reason():
+    decision = decide(
+        job=job(state="PENDING", reason="Resources"),
+        records=records(),
+        attempt=1,
+        retries=2,
+        current=State.QUEUED,
+    )
+    assert decision.state is State.QUEUED
+    assert decision.messages == ["Slurm job 1 is pending (Resources)"]
+
+
+@pytest.mark.parametrize(
+    ("phase", "state"),
+    [
+        (None, State.INITIALIZING),
+        ("staging", State.INITIALIZING),
+        ("running 0", State.RUNNING),
+        ("running 3", State.RUNNING),
+        ("uploading", State.RUNNING),
+    ],
+)
+def test_running_job_state_follows_its_phase(phase, state):
+    decision = decide(
+        job=job(state="RUNNING"),
+        records=records(phase=phase),
+        attempt=1,
+        retries=2,
+        current=State.QUEUED,
+    )
+    assert decision.state is state
+
+
+@pytest.mark.parametrize("slurm_state", ["NODE_FAIL", "PREEMPTED", "BOOT_FAIL"])
+def test_lost_jobs_are_retried_then_fail(slurm_state):
+    lost = job(state=slurm_state)
+    # retries = 2: two more attempts after the first, so attempt 3 is the last.
+    for attempt in (1, 2):
+        decision = decide(
+            job=lost, records=records(), attempt=attempt, retries=2, current=State.RUNNING
+        )
+        assert decision.retry and decision.state is State.QUEUED
+    decision = decide(job=lost, records=records(), attempt=3, retries=2, current=State.RUNNING)
+    assert not decision.retry and decision.state is State.SYSTEM_ERROR
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "phase", "state", "words"),
+    [
+        ("TIMEOUT", "running 0", State.EXECUTOR_ERROR, "time limit"),
+        ("TIMEOUT", "staging", State.SYSTEM_ERROR, "time limit"),
+        ("OUT_OF_MEMORY", "running 1", State.EXECUTOR_ERROR, "out of memory"),
+        ("OUT_OF_MEMORY", "uploading", State.SYSTEM_ERROR, "out of memory"),
+        ("FAILED", "running 0", State.SYSTEM_ERROR, "without recording an outcome"),
+        ("COMPLETED", None, State.SYSTEM_ERROR, "without recording an outcome"),
+        ("CANCELLED", "running 0", State.CANCELED, "canceled outside"),
+    ],
+)
+def test_jobs_that_end_without_an_outcome(slurm_state, phase, state, words):
+    decision = decide(
+        job=job(state=slurm_state, exit_code=1),
+        records=records(phase=phase),
+        attempt=1,
+        retries=0,
+        current=State.RUNNING,
+    )
+    assert decision.state is state
+    assert words in decision.messages[0]
+
+
+def test_suspended_job_is_paused_and_unknown_states_keep_the_last_one():
+    paused = decide(
+        job=job(state="SUSPENDED"), records=records(), attempt=1, retries=0, current=State.RUNNING
+    )
+    assert paused.state is State.PAUSED
+    unknown = decide(
+        job=job(state="SOMETHING_NEW"),
+        records=records(),
+        attempt=1,
+        retries=0,
+        current=State.RUNNING,
+    )
+    assert unknown.state is State.RUNNING
+
+
+def test_job_that_can_never_start_fails_and_is_canceled(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="BadConstraints")
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    assert "can never start (BadConstraints)" in record.logs[0]["system_logs"][-1]
+    poller.cycle()
+    assert slurm.jobs[job_id].state == "CANCELLED"
+
+
+# ----------------------------------------------------------------------------- cycles
+
+
+def test_queued_task_is_submitted_once_under_its_task_name(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    record = store.get_task(task.id)
+    assert record.job_id == "100" and record.attempt == 1
+    assert slurm.jobs["100"].name == job_name(task.id)
+    assert (poller.task_dir(task.id) / "job.sh").is_file()
+    assert record.logs[0]["metadata"]["slurm_job_id"] == "100"
+
+
+def test_crash_between_sbatch_and_the_database_write_does_not_submit_twice(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    # What a poller killed right after sbatch leaves behind: a job, and no job id stored.
+    slurm.jobs["77"] = job("77", "RUNNING", name=job_name(task.id))
+    store.update_task(task.id, submit_started_at=1.0, attempt=1)
+    poller.cycle()
+    assert "sbatch" not in slurm.calls
+    assert store.get_task(task.id).job_id == "77"
+
+
+def test_interrupted_submission_without_a_job_is_submitted_again(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    store.update_task(task.id, submit_started_at=1.0, attempt=1)
+    poller.cycle()
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    record = store.get_task(task.id)
+    assert record.job_id is not None and record.attempt == 1
+
+
+def test_unreachable_slurm_keeps_the_task_queued_and_says_why(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.unavailable = True
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED" and record.job_id is None
+    assert any("cannot reach Slurm" in line for line in record.logs[0]["system_logs"])
+    assert record.next_submit_at is not None
+    # Back-off: the next cycle does not call sbatch again at once.
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    slurm.unavailable = False
+    poller.clock = lambda: record.next_submit_at + 1
+    poller.cycle()
+    assert store.get_task(task.id).job_id is not None
+
+
+def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.create_then_fail = True
+    poller.cycle()
+    slurm.create_then_fail = False
+    poller.clock = lambda: 1e12  # any back-off has passed
+    poller.cycle()
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    assert store.get_task(task.id).job_id == "100"
+
+
+def test_rejected_job_is_a_system_error_with_slurm_message(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.reject = "sbatch: error: Memory specification can not be satisfied"
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    assert any("Memory specification" in line for line in record.logs[0]["system_logs"])
+
+
+def test_task_waits_in_queued_while_its_image_is_pulled(env):
+    poller, store, slurm, images = env
+    task = store.create_task(ECHO)
+    images.ready = False
+    poller.cycle()
+    assert "sbatch" not in slurm.calls and store.get_task(task.id).state == "QUEUED"
+    images.ready = True
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+
+
+def test_polling_costs_at_most_two_slurm_calls_whatever_the_number_of_jobs(env):
+    poller, store, slurm, _ = env
+    tasks = [store.create_task(ECHO) for _ in range(300)]
+    poller.cycle()
+    for info in list(slurm.jobs.values())[::2]:
+        slurm.jobs[info.job_id] = replace(info, state="COMPLETED", exit_code=0)
+    slurm.calls.clear()
+    stats = poller.cycle()
+    assert slurm.calls == ["squeue", "sacct"]
+    assert stats.slurm_calls == 2
+    states = {store.get_task(t.id).state for t in tasks}
+    assert states == {"QUEUED", "SYSTEM_ERROR"}  # no records were written by the fake jobs
+
+
+def test_unreachable_slurm_pauses_all_submissions_for_the_back_off(env):
+    poller, store, slurm, _ = env
+    tasks = [store.create_task(ECHO) for _ in range(5)]
+    slurm.unavailable = True
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1  # not one ~10 s wait per task
+    slurm.unavailable = False
+    poller.clock = lambda: 1e12
+    poller.cycle()
+    poller.cycle()
+    assert all(store.get_task(t.id).job_id for t in tasks)
+    assert slurm.calls.count("sbatch") == 6
+
+
+def test_failed_squeue_keeps_the_last_state(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    store.update_task(task.id, state="RUNNING")
+    slurm.unavailable = True
+    poller.cycle()
+    assert store.get_task(task.id).state == "RUNNING"
+
+
+def test_cancel_of_submitted_tasks_is_one_scancel(env):
+    poller, store, slurm, _ = env
+    tasks = [store.create_task(ECHO) for _ in range(3)]
+    poller.cycle()
+    for task in tasks:
+        store.cancel_task(task.id)
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls.count("scancel") == 1
+    assert all(info.state == "CANCELLED" for info in slurm.jobs.values())
+    for task in tasks:
+        record = store.get_task(task.id)
+        assert record.state == "CANCELED" and not record.cancel_pending
+
+
+def test_cancel_during_an_interrupted_submission_cancels_the_found_job(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.jobs["55"] = job("55", "RUNNING", name=job_name(task.id))
+    store.update_task(task.id, submit_started_at=1.0, attempt=1)
+    store.cancel_task(task.id)
+    poller.cycle()
+    assert slurm.jobs["55"].state == "CANCELLED"
+    assert store.get_task(task.id).state == "CANCELED"
+
+
+def test_lost_node_gives_a_new_attempt_with_its_own_log(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    first = store.get_task(task.id).job_id
+    slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL")
+    poller.cycle()  # notices the loss
+    poller.cycle()  # submits again
+    record = store.get_task(task.id)
+    assert record.attempt == 2 and record.job_id not in (None, first)
+    assert len(record.logs) == 2
+    assert "NODE_FAIL" in record.logs[0]["system_logs"][-1]
+    assert record.logs[1]["metadata"]["slurm_job_id"] == record.job_id
+
+
+def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    running = JobRecords(
+        job_id=job_id,
+        phase="running 1",
+        start_time=t0,
+        executors=[
+            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
+            ExecutorRecord(1, t0, None, None, "two so far", ""),
+        ],
+    )
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: running)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "RUNNING"
+    assert [e["stdout"] for e in record.logs[0]["logs"]] == ["one\n"]
+    assert all(isinstance(e["exit_code"], int) for e in record.logs[0]["logs"])
+    assert "end_time" not in record.logs[0]
