@@ -101,6 +101,11 @@ def open_regular(parent_fd: int, name: str) -> int:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(exc.errno, f"{name!r} is a symbolic link") from exc
         raise
+    return _regular_and_blocking(fd, name)
+
+
+def _regular_and_blocking(fd: int, name: str) -> int:
+    """Keep `fd` only if it is a regular file, back in blocking mode; close it otherwise."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafePathError(errno.EINVAL, f"{name!r} is not a regular file")
@@ -135,14 +140,7 @@ def open_write(root: Path, parts: Sequence[str], *, mode: int = 0o644, append: b
             if exc.errno == errno.ENXIO:
                 raise UnsafePathError(exc.errno, f"{name!r} is a FIFO") from exc
             raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafePathError(errno.EINVAL, f"{name!r} is not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _regular_and_blocking(fd, name)
 
 
 def read_tail(root: Path, parts: Sequence[str], tail_bytes: int) -> bytes:
