@@ -47,9 +47,12 @@ log = logging.getLogger(__name__)
 
 # --- state table -----------------------------------------------------------------------------
 
-#: Slurm job state (the base word, as squeue %T and sacct State print it) -> TES state.
-#: Final TES states are COMPLETE, EXECUTOR_ERROR, SYSTEM_ERROR and CANCELED; TES clients
-#: (Nextflow, Cromwell) wait forever on any other, so no ended job maps to PREEMPTED.
+#: Slurm job state (the base word, as squeue %T and sacct State print it) -> TES state, as
+#: Slurm alone sees it. The poller (bridge.poller.decide) refines it with the job's own
+#: records: a recorded outcome always wins, and an ended job whose script recorded none was
+#: cut short (see decide for how each case ends). Final TES states are COMPLETE,
+#: EXECUTOR_ERROR, SYSTEM_ERROR and CANCELED; TES clients (Nextflow, Cromwell) wait forever on
+#: any other, so no ended job maps to PREEMPTED.
 SLURM_TO_TES: dict[str, str] = {
     "PENDING": "QUEUED",
     # Nodes are being booted or configured for the job.
@@ -68,8 +71,8 @@ SLURM_TO_TES: dict[str, str] = {
     "STOPPED": "PAUSED",
     # The script exited 0. The job's own records still decide between COMPLETE and an error.
     "COMPLETED": "COMPLETE",
-    # The script exited non-zero; the job script exits non-zero when an executor does. The job
-    # records tell an executor failure from a staging (SYSTEM_ERROR) one.
+    # The batch script exited non-zero. The bridge's job script exits 0 after an executor
+    # failure and non-zero after a staging one; its records tell which.
     "FAILED": "EXECUTOR_ERROR",
     "CANCELLED": "CANCELED",
     # The time limit ended the executors: running it again the same way would end the same way.
@@ -448,7 +451,9 @@ class SlurmClient:
         scancel: str = "scancel",
         timeout: float = 30.0,
         history: timedelta = timedelta(days=30),
+        sudo: str = "sudo",
     ) -> None:
+        self.sudo = sudo
         self.sbatch = sbatch
         self.squeue = squeue
         self.sacct = sacct
@@ -456,6 +461,13 @@ class SlurmClient:
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
+
+    def _as(self, user: str | None, argv: list[str]) -> list[str]:
+        """Site mode: run as `user` through the sudo rule of deploy/sudoers.tes-bridge."""
+        if user is None:
+            return argv
+        _check_text("user", user)
+        return [self.sudo, "-n", "-u", user, "--", *argv]
 
     # The one place that runs a command.
     def _run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -498,7 +510,8 @@ class SlurmClient:
             "stdout": proc.stdout,
             "stderr": proc.stderr,
         }
-        tool = Path(argv[0]).name
+        # Through sudo (site mode) the Slurm tool is the word after `--`.
+        tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
         if _UNAVAILABLE.search(proc.stderr):
             daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
             return SlurmUnavailable(
@@ -527,6 +540,7 @@ class SlurmClient:
         job_name: str,
         comment: str | None = None,
         extra_args: Sequence[str] = (),
+        as_user: str | None = None,
     ) -> str:
         """Submit a batch script; returns the job id.
 
@@ -539,7 +553,7 @@ class SlurmClient:
             _check_text("comment", comment)
             argv.append(f"--comment={comment}")
         argv += [*extra_args, str(script)]
-        proc = self._run(argv)
+        proc = self._run(self._as(as_user, argv))
         if proc.returncode != 0:
             raise self._fail(proc, f"submitting {script}")
         # --parsable prints "id" or "id;cluster".
@@ -615,10 +629,10 @@ class SlurmClient:
                 result.setdefault(info.name, []).append(info)
         return result
 
-    def cancel(self, job_ids: Collection[str]) -> None:
+    def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""
         for chunk in _chunks(_check_ids(job_ids)):
-            proc = self._run([self.scancel, *chunk])
+            proc = self._run(self._as(as_user, [self.scancel, *chunk]))
             if proc.returncode != 0:
                 raise self._fail(proc, f"cancelling job(s) {' '.join(chunk)}")
 
