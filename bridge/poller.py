@@ -15,12 +15,13 @@ Run exactly one poller per store: it holds a lock file in the state directory.
 
 from __future__ import annotations
 
-import copy
 import fcntl
+import json
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -30,10 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from bridge import slurm
+from bridge.auth import UserMap
 from bridge.config import Config
 from bridge.images import ImageCache, ImagePullError
+from bridge.job.owner import records_from_json
 from bridge.job.records import JobRecords, read_records
-from bridge.render import RenderError, prepare_task_dir
+from bridge.render import RenderError, prepare_task_dir, task_files
 from bridge.slurm import JobInfo, SlurmClient, SlurmError, SlurmRejected
 from bridge.store import Store, TaskRecord
 from bridge.tes import TERMINAL_STATES, State, format_time
@@ -205,6 +208,11 @@ class Poller:
         self.clock = clock
         self._missing_since: dict[str, float] = {}
         self._last_cleanup = 0.0
+        #: Site mode: every task runs as its owner (sudo -n -u OWNER, deploy/sudoers.tes-bridge).
+        self.site = config.site.run_as_owner
+        self._user_map: UserMap | None = None
+        #: Site mode: records read as each owner at the start of a follow cycle.
+        self._records: dict[str, JobRecords] = {}
         #: While Slurm cannot be reached, no sbatch runs before this time (each one would
         #: wait for sbatch's own retries, about 10 s, and fail the same way).
         self._submissions_paused_until = 0.0
@@ -217,7 +225,7 @@ class Poller:
         with self.store.db.connection_context():
             self._recover_submissions(stats)
             self._submit_queued(stats)
-            in_flight = self.store.tasks_in_flight()
+            in_flight = self.store.tasks_in_flight(with_document=False)
             self._follow_jobs(
                 [t for t in in_flight if t.job_id and t.state not in TERMINAL_STATES], stats
             )
@@ -234,11 +242,7 @@ class Poller:
     # ------------------------------------------------------------------------------ submit
     def _recover_submissions(self, stats: CycleStats) -> None:
         """Tasks whose `sbatch` started but whose job id was never stored: look for the job."""
-        pending = [
-            t
-            for t in self.store.tasks_in_flight()
-            if t.job_id is None and t.submit_started_at is not None
-        ]
+        pending = self.store.interrupted_submissions()
         if not pending:
             return
         names = {job_name(t.id): t for t in pending}
@@ -290,10 +294,20 @@ class Poller:
         if image_paths is None:
             return False  # pulling in the background; try again next cycle
         document = {**task.document, "id": task.id}
+        owner = task.owner if self.site else None
+        if self.site and not owner:
+            self._fail(task, "this task has no owner; in site mode tasks run only as their owner")
+            return False
         try:
-            script = prepare_task_dir(document, config=self.config, image_paths=image_paths)
+            if owner:
+                script = self._adopt(owner, document, image_paths)
+            else:
+                script = prepare_task_dir(document, config=self.config, image_paths=image_paths)
         except RenderError as exc:
             self._fail(task, f"cannot run this task here: {exc}")
+            return False
+        except OwnerCommandError as exc:
+            self._fail(task, f"cannot create the task directory as {owner}: {exc}")
             return False
         attempt = task.attempt + 1
         # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
@@ -301,7 +315,13 @@ class Poller:
             return False  # canceled meanwhile
         try:
             stats.slurm_calls += 1
-            job_id = self.slurm.submit(script, job_name=job_name(task.id), comment=task.id)
+            # Only in site mode: the keywords stay out of the plain call (and its fakes).
+            site_args: dict[str, Any] = {}
+            if owner:
+                site_args = {"extra_args": self._account_args(owner, document), "as_user": owner}
+            job_id = self.slurm.submit(
+                script, job_name=job_name(task.id), comment=task.id, **site_args
+            )
         except SlurmRejected as exc:
             self._fail(
                 task,
@@ -337,6 +357,65 @@ class Poller:
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
         return True
 
+    # ------------------------------------------------------------------------------ site mode
+    def _as_owner(self, owner: str, args: list[str], stdin: str | None = None) -> str:
+        """`python -m bridge.job ARGS` as `owner`, through the sudo rule; returns stdout."""
+        argv = [self.config.site.sudo, "-n", "-u", owner, "--", self.config.job.python]
+        argv += ["-m", "bridge.job", *args]
+        try:
+            proc = subprocess.run(
+                argv,
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=self.config.slurm.command_timeout,
+                cwd="/",  # `-m` puts the working directory on sys.path
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise OwnerCommandError(f"{args[0]}: {exc}") from exc
+        if proc.returncode != 0:
+            detail = "; ".join(proc.stderr.strip().splitlines()[-3:]) or "no message"
+            raise OwnerCommandError(f"{args[0]} exited {proc.returncode}: {detail}")
+        return proc.stdout
+
+    def _adopt(self, owner: str, document: dict[str, Any], image_paths: dict[str, str]) -> Path:
+        # Rendered here; written by the owner, so the task directory is the owner's and private.
+        files = task_files(document, config=self.config, image_paths=image_paths)
+        task_dir = self.task_dir(document["id"])
+        self._as_owner(owner, ["adopt", "--task-dir", str(task_dir)], json.dumps(files))
+        return task_dir / "job.sh"
+
+    def _account_args(self, owner: str | None, document: dict[str, Any]) -> list[str]:
+        """`--account=` from the mapping file, unless the task names its own account."""
+        if owner is None:
+            return []
+        params = (document.get("resources") or {}).get("backend_parameters") or {}
+        if any(str(k).lower() == "account" for k in params):
+            return []
+        if self._user_map is None:
+            self._user_map = UserMap.load(self.config.auth.user_map_file)
+        account = self._user_map.account_for(owner) or self.config.site.default_account
+        return [f"--account={account}"] if account else []
+
+    def _read_owner_records(self, tasks: list[TaskRecord]) -> None:
+        """One `read-records` per owner for all of that owner's started jobs."""
+        self._records = {}
+        by_owner: dict[str, list[TaskRecord]] = {}
+        for task in tasks:
+            if task.owner and task.job_id:
+                by_owner.setdefault(task.owner, []).append(task)
+        tail = str(self.config.job.log_tail_bytes)
+        for owner, owned in by_owner.items():
+            pairs = {f"{self.task_dir(t.id)}:{t.job_id}": t for t in owned}
+            try:
+                out = self._as_owner(owner, ["read-records", "--tail-bytes", tail, *pairs])
+                for pair, data in json.loads(out).items():
+                    if pair in pairs:
+                        self._records[pairs[pair].id] = records_from_json(data)
+            except (OwnerCommandError, ValueError, KeyError, TypeError) as exc:
+                log.warning("cannot read the records of %s's jobs: %s", owner, _short(exc))
+
     def _backoff(self) -> float:
         """Doubles with each unreachable answer in a row, up to `slurm.submit_backoff_max`."""
         self._unreachable_count += 1
@@ -364,6 +443,9 @@ class Poller:
             log.warning("squeue failed; keeping the last known states: %s", _short(exc))
             return
         self._unreachable_count = 0
+        if self.site:
+            pending = {j for j, info in queue.items() if info.tes_state == State.QUEUED.value}
+            self._read_owner_records([t for t in tasks if t.job_id not in pending])
         left = [j for j in job_ids if j not in queue or queue[j].ended]
         accounting: dict[str, JobInfo] = {}
         if left:
@@ -385,13 +467,14 @@ class Poller:
         assert task.job_id is not None
         now = self.clock()
         job_pending = job is not None and not job.ended and job.tes_state == State.QUEUED.value
-        records = (
-            JobRecords(job_id=task.job_id)
-            if job_pending
-            else read_records(
+        if job_pending:
+            records = JobRecords(job_id=task.job_id)
+        elif self.site:
+            records = self._records.get(task.id) or JobRecords(job_id=task.job_id)
+        else:
+            records = read_records(
                 self.task_dir(task.id), task.job_id, tail_bytes=self.config.job.log_tail_bytes
             )
-        )
         current = State(task.state)
         decision = decide(
             job=job,
@@ -411,7 +494,7 @@ class Poller:
             self._missing_since.pop(task.job_id, None)
 
         final = decision.state in TERMINAL_STATES
-        logs = copy.deepcopy(task.logs or [])
+        logs = json.loads(json.dumps(task.logs or []))  # a copy, 2x faster than deepcopy
         entry = _attempt_log(logs, max(task.attempt, 1))
         if not job_pending:
             _fill_attempt_log(entry, records, job, final=final or decision.retry)
@@ -434,13 +517,23 @@ class Poller:
         with_job = [t for t in tasks if t.job_id]
         if not with_job:
             return
-        try:
-            stats.slurm_calls += 1
-            self.slurm.cancel([t.job_id for t in with_job if t.job_id])
-        except SlurmError as exc:
-            log.warning("scancel failed; trying again next cycle: %s", _short(exc))
-            return
+        # Site mode: one scancel per owner, as that owner; otherwise one for all.
+        groups: dict[str | None, list[TaskRecord]] = {}
         for task in with_job:
+            groups.setdefault(task.owner if self.site else None, []).append(task)
+        done: list[TaskRecord] = []
+        for owner, owned in groups.items():
+            try:
+                stats.slurm_calls += 1
+                ids = [t.job_id for t in owned if t.job_id]
+                if owner:
+                    self.slurm.cancel(ids, as_user=owner)
+                else:
+                    self.slurm.cancel(ids)
+                done += owned
+            except SlurmError as exc:
+                log.warning("scancel failed; trying again next cycle: %s", _short(exc))
+        for task in done:
             self.store.update_task(task.id, allow_terminal=True, cancel_pending=False)
             stats.canceled += 1
             log.info("canceled Slurm job %s of task %s", task.job_id, task.id)
@@ -460,10 +553,22 @@ class Poller:
         for states, days in policies:
             for task in self.store.finished_before(now - days * day, states):
                 path = self.task_dir(task.id)
-                if path.is_dir():
+                if self.site:
+                    full = self.store.get_task(task.id)
+                    if full is not None and full.owner:
+                        try:
+                            self._as_owner(full.owner, ["remove", "--task-dir", str(path)])
+                        except OwnerCommandError as exc:
+                            log.warning("cannot remove the directory of %s: %s", task.id, exc)
+                            continue
+                elif path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
                     log.info("removed the directory of task %s", task.id)
                 self.store.mark_cleaned(task.id)
+
+
+class OwnerCommandError(Exception):
+    """A site-mode command run as a task's owner (sudo) failed."""
 
 
 def _short(exc: Exception) -> str:
@@ -505,6 +610,7 @@ def build_poller(config: Config, store: Store, *, wake: threading.Event | None =
         sacct=cfg.sacct,
         scancel=cfg.scancel,
         timeout=cfg.command_timeout,
+        sudo=config.site.sudo,
     )
     images = ImageCache(
         config,

@@ -88,10 +88,13 @@ class Tasks:
                 body,
                 limits=self.limits,
                 supported_backend_parameters=self.config.backend_parameters.supported,
+                allowed_dirs=[str(d) for d in self.config.storage.allowed_dirs],
             )
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        record = self.store.create_task(task.document, system_logs=task.warnings)
+        record = self.store.create_task(
+            task.document, system_logs=task.warnings, owner=req.context.identity.user
+        )
         resp.media = {"id": record.id}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -102,6 +105,7 @@ class Tasks:
                 name_prefix=req.get_param("name_prefix") or None,
                 state=parse_state(state).value if state else None,
                 tags=_tag_pairs(req),
+                owner=req.context.identity.owner_filter,
             )
             page_size = _page_size(req.get_param("page_size"))
         except TaskValidationError as exc:
@@ -170,7 +174,9 @@ class Task:
             view = parse_view(req.get_param("view"))
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        record = self.store.get_task(task_id, full=view is not View.MINIMAL)
+        # Another owner's task answers 404, as an unknown one: ids are not confirmed to exist.
+        owner = req.context.identity.owner_filter
+        record = self.store.get_task(task_id, owner=owner, full=view is not View.MINIMAL)
         if record is None:
             raise _not_found(task_id)
         resp.media = render_task(
@@ -184,7 +190,7 @@ class Task:
 
     def on_post_cancel(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
         # The body is ignored (the compliance suite sends `{}`).
-        if self.store.cancel_task(task_id) is None:
+        if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
             raise _not_found(task_id)
         resp.media = {}
 
@@ -208,7 +214,7 @@ class ServiceInfo:
             "organization": {"name": info.organization_name, "url": info.organization_url},
             "version": __version__,
             "environment": info.environment,
-            "storage": list(info.storage),
+            "storage": self.config.service_storage(),
             "tesResources_backend_parameters": list(self.config.backend_parameters.supported),
         }
         optional = {
@@ -232,7 +238,7 @@ class LegacyServiceInfo(ServiceInfo):
         resp.media = {
             "name": info.name,
             "doc": info.description,
-            "storage": list(info.storage),
+            "storage": self.config.service_storage(),
         }
 
 

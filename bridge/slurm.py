@@ -618,7 +618,8 @@ class SlurmClient:
         for chunk in _chunks(wanted):
             joined = ",".join(chunk)
             # sacct --name looks back only to midnight unless --starttime is given.
-            jobs.update(self._sacct([f"--name={joined}", f"--starttime={since}"]))
+            # --allusers: as a service account (site mode) sacct --name shows only its own jobs.
+            jobs.update(self._sacct([f"--name={joined}", "--allusers", f"--starttime={since}"]))
             for job_id, info in self._squeue(f"--name={joined}").items():
                 # The controller's view is the fresher one, and only it has very new jobs.
                 old = jobs.get(job_id)

@@ -13,6 +13,7 @@ live in their own indexed table, so tag filters never scan task documents.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -222,22 +223,27 @@ class Store:
         logs = (
             [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
         )
-        with self.db.atomic():
-            seq = TaskRow.insert(
-                id=task_id,
-                state=State.QUEUED.value,
-                name=document.get("name"),
-                owner=owner,
-                creation_time=created,
-                document=json.dumps(document, separators=(",", ":")),
-                logs=json.dumps(logs),
-                updated_at=_now(),
-            ).execute()
-            tags = document.get("tags") or {}
-            if tags:
-                TagRow.insert_many(
-                    [{"task_seq": seq, "key": k, "value": v} for k, v in tags.items()]
-                ).execute()
+        values = {
+            "id": task_id,
+            "state": State.QUEUED.value,
+            "name": document.get("name"),
+            "owner": owner,
+            "creation_time": created,
+            "document": json.dumps(document, separators=(",", ":")),
+            "logs": json.dumps(logs),
+            "updated_at": _now(),
+        }
+        tags = document.get("tags") or {}
+        if not self.is_sqlite:
+            # One statement (atomic by itself), one round trip to the server.
+            seq = self._insert_task(values, tags)
+        else:
+            with self.db.atomic():
+                seq = self._insert_task(values)
+                if tags:
+                    params = [p for k, v in tags.items() for p in (seq, k, v)]
+                    sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
+                    self.db.execute_sql(sql, params)
         return TaskRecord(
             seq=seq,
             id=task_id,
@@ -247,6 +253,25 @@ class Store:
             logs=logs,
             owner=owner,
         )
+
+    def _insert_task(self, values: dict[str, Any], tags: dict[str, str] | None = None) -> int:
+        """INSERT of one task row with a cached statement (peewee builds its SQL on each call,
+        about a third of the cost of a create); the fields' defaults fill what is not given.
+        On PostgreSQL the `tags` rows go in with the same statement."""
+        params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
+        sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
+        if self.is_sqlite:
+            return self.db.execute_sql(sql, params).lastrowid
+        if not tags:
+            return self.db.execute_sql(f'{sql} RETURNING "seq"', params).fetchone()[0]
+        pairs = ", ".join(["(%s, %s)"] * len(tags))
+        statement = (
+            f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
+            f'("task_seq", "key", "value") SELECT t.seq, v.k, v.v FROM t, (VALUES {pairs}) '
+            f"AS v(k, v)) SELECT seq FROM t"
+        )
+        params += [p for item in tags.items() for p in item]
+        return self.db.execute_sql(statement, params).fetchone()[0]
 
     def get_task(
         self, task_id: str, *, owner: str | None = None, full: bool = True
@@ -380,13 +405,31 @@ class Store:
         )
         return [_record(row, True) for row in rows]
 
-    def tasks_in_flight(self) -> list[TaskRecord]:
-        """Tasks that have (or may have) a Slurm job the poller must watch or cancel."""
+    def tasks_in_flight(self, *, with_document: bool = True) -> list[TaskRecord]:
+        """Tasks that have (or may have) a Slurm job the poller must watch or cancel.
+
+        Following jobs needs no task document: without it (`document` None) a poll cycle of
+        10,000 jobs parses half the JSON."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        fields = [f for f in TaskRow._meta.sorted_fields if with_document or f.name != "document"]
+        rows = (
+            TaskRow.select(*fields)
+            .where(
+                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .order_by(TaskRow.seq)
+        )
+        return [_record(row, True) for row in rows]
+
+    def interrupted_submissions(self) -> list[TaskRecord]:
+        """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
         active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
         rows = (
             TaskRow.select()
             .where(
-                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                TaskRow.job_id.is_null()
+                & TaskRow.submit_started_at.is_null(False)
                 & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
             )
             .order_by(TaskRow.seq)
@@ -425,6 +468,19 @@ class Store:
         TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
+_TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]
+_TAG_COLUMNS = ("task_seq", "key", "value")
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_sql(
+    model: type[peewee.Model], columns: tuple[str, ...], rows: int, db: peewee.Database
+) -> str:
+    row = "(" + ", ".join([db.param] * len(columns)) + ")"
+    names = ", ".join(f'"{c}"' for c in columns)
+    return f'INSERT INTO "{model._meta.table_name}" ({names}) VALUES ' + ", ".join([row] * rows)
+
+
 def _prefix_successor(prefix: str) -> str | None:
     """The smallest string greater than every string that starts with `prefix`."""
     while prefix:
@@ -445,7 +501,7 @@ def _record(row: TaskRow, full: bool) -> TaskRecord:
         id=row.id,
         state=row.state,
         creation_time=row.creation_time,
-        document=json.loads(row.document),
+        document=None if row.document is None else json.loads(row.document),
         logs=json.loads(row.logs),
         owner=row.owner,
         job_id=row.job_id,

@@ -338,8 +338,13 @@ def validate_task(
     *,
     limits: Limits = Limits(),
     supported_backend_parameters: Iterable[str] = (),
+    allowed_dirs: Iterable[str] | None = None,
 ) -> ValidatedTask:
-    """Check a posted task and return the document to store, or raise TaskValidationError."""
+    """Check a posted task and return the document to store, or raise TaskValidationError.
+
+    With `allowed_dirs` (the deployment's storage.allowed_dirs), a `file://` URL or bare path
+    must lie inside one of them (judged lexically; the job side judges again after resolving
+    links)."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
     body = _drop_nulls(body)
@@ -352,6 +357,8 @@ def validate_task(
         raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
 
     problems = _check_limits(model, limits)
+    if allowed_dirs is not None:
+        problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
     if problems:
         raise TaskValidationError(problems)
 
@@ -384,6 +391,38 @@ def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
                     "server; stage larger files by `url`",
                 )
             )
+    return problems
+
+
+def _local_path(url: str) -> str | None:
+    """The path of a `file:` URL or bare absolute path, None for other schemes."""
+    if url.startswith("/"):
+        return url
+    if url[:5].lower() != "file:":
+        return None
+    rest = url[5:]
+    if rest.startswith("//"):
+        host, slash, tail = rest[2:].partition("/")
+        return slash + tail if host in ("", "localhost") else ""
+    return rest
+
+
+def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, str]]:
+    problems = []
+    items = [("inputs", i, item.url) for i, item in enumerate(model.inputs or ())]
+    items += [("outputs", i, item.url) for i, item in enumerate(model.outputs or ())]
+    for kind, index, url in items:
+        path = _local_path(url) if url else None
+        if path is None:
+            continue
+        where = f"{kind}[{index}].url"
+        stripped = path.rstrip("/") or "/"
+        if not path.startswith("/") or "\x00" in path or posixpath.normpath(path) != stripped:
+            problems.append((where, "must be a normalised absolute local path (no `..`)"))
+        elif not allowed:
+            problems.append((where, "file:// URLs and local paths are disabled on this server"))
+        elif not any(d == "/" or stripped == d or stripped.startswith(d + "/") for d in allowed):
+            problems.append((where, "is outside the directories this server may read and write"))
     return problems
 
 

@@ -18,7 +18,7 @@ step() { printf '\n== %s\n' "$*"; }
 step "system packages"
 export DEBIAN_FRONTEND=noninteractive
 apt_get=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
-if ! dpkg -s postgresql curl python3-venv >/dev/null 2>&1; then
+if ! dpkg -s postgresql curl python3-venv sudo >/dev/null 2>&1; then
   "${apt_get[@]}" update
   # policy-rc.d keeps the package from starting a system-wide PostgreSQL: the tests start
   # their own private server on a free port.
@@ -27,7 +27,7 @@ if ! dpkg -s postgresql curl python3-venv >/dev/null 2>&1; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     own_policy=1
   fi
-  "${apt_get[@]}" install --no-install-recommends postgresql curl python3-venv
+  "${apt_get[@]}" install --no-install-recommends postgresql curl python3-venv sudo  # sudo: site mode
   ((own_policy)) && rm -f /usr/sbin/policy-rc.d
 fi
 

@@ -12,7 +12,13 @@ from bridge.app import create_app
 from bridge.config import Config, load_config
 from bridge.store import MODELS, Store
 
-pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.cluster", "tests.fixtures.service"]
+pytest_plugins = [
+    "tests.fixtures.postgres",
+    "tests.fixtures.cluster",
+    "tests.fixtures.service",
+    "tests.fixtures.auth",
+    "tests.fixtures.storage",
+]
 
 
 @pytest.fixture

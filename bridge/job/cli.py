@@ -58,6 +58,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- runtime argv...")
     run.set_defaults(job_func=_exec)
 
+    from bridge.job import owner
+
+    owner.add_subcommands(subparsers)
+
 
 def build_parser(prog: str = "python -m bridge.job") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

@@ -193,6 +193,8 @@ def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
         records_dir = layout.records_dir(job_id)
     except LayoutError:
         return records
+    if not os.path.isdir(records_dir):
+        return records  # the job has not started: skip the dozen reads that would all fail
     records.phase = _read_small(records_dir / "phase", 256)
     records.start_time = _parse_time(_read_small(records_dir / "start_time", 256))
     records.end_time = _parse_time(_read_small(records_dir / "end_time", 256))

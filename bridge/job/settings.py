@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SETTINGS_VERSION = 1
 
@@ -33,6 +34,9 @@ class JobSettings:
     #: With file_input_mode "hardlink": inputs that stay read-only in the container and may
     #: therefore share their inode with the source; every other input is copied.
     linkable_inputs: list[int] = field(default_factory=list)
+    #: `[staging]` options for the protocol modules (bridge.job.staging.StagingOptions): endpoint
+    #: names and paths of credential files only, never a secret.
+    staging: dict[str, Any] = field(default_factory=dict)
     version: int = SETTINGS_VERSION
 
     def to_json(self) -> str:

@@ -21,7 +21,14 @@ from bridge.job import safepath
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
 from bridge.job.records import RecordsWriter
 from bridge.job.settings import JobSettings, read_settings
-from bridge.job.staging import StagingContext, StagingError, backend_for, file
+from bridge.job.staging import (
+    StagingContext,
+    StagingError,
+    StagingOptions,
+    backend_for,
+    file,
+    redact,
+)
 from bridge.job.staging.content import write_content
 
 STAGE_OK = 0
@@ -48,12 +55,23 @@ def _load(layout: TaskLayout, log: RecordsWriter) -> tuple[dict[str, Any], JobSe
     return task, settings
 
 
+class _RedactingWriter(RecordsWriter):
+    """Records whose system_logs never show credentials a task URL carries (user:password@)."""
+
+    def system_log(self, message: str) -> None:
+        super().system_log(redact(message))
+
+    def output(self, *, url: str, path: str, size_bytes: int) -> None:
+        super().output(url=redact(url), path=path, size_bytes=size_bytes)
+
+
 def _context(layout: TaskLayout, settings: JobSettings, log: RecordsWriter) -> StagingContext:
     return StagingContext(
         allowed_dirs=[Path(d) for d in settings.allowed_dirs],
         file_input_mode=settings.file_input_mode,
         tmp_dir=layout.tmp,
         log=log.system_log,
+        options=StagingOptions.from_dict(settings.staging),
     )
 
 
@@ -87,7 +105,7 @@ def _reset_root(layout: TaskLayout) -> None:
 
 def stage_in(task_dir: Path, records_dir: Path) -> int:
     layout = TaskLayout(task_dir)
-    log = RecordsWriter(records_dir)
+    log = _RedactingWriter(records_dir)
     loaded = _load(layout, log)
     if loaded is None:
         return STAGE_FAILED
@@ -160,7 +178,7 @@ def _stage_input(
         else:
             dest.touch(mode=0o644)
     else:
-        backend_for(url).download(url, dest, kind, ctx)
+        backend_for(url, ctx).download(url, dest, kind, ctx)
 
 
 # --------------------------------------------------------------------------- stage-out
@@ -174,7 +192,7 @@ class _Outcome:
 
 def stage_out(task_dir: Path, records_dir: Path) -> int:
     layout = TaskLayout(task_dir)
-    log = RecordsWriter(records_dir)
+    log = _RedactingWriter(records_dir)
     loaded = _load(layout, log)
     if loaded is None:
         return STAGE_FAILED
@@ -190,7 +208,7 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
         try:
             if not isinstance(path, str) or not isinstance(url, str):
                 raise StagingError("malformed output")
-            backend = backend_for(url)
+            backend = backend_for(url, ctx)
             if has_wildcards(path):
                 _stage_out_wildcard(layout, ctx, log, backend, item, label, result)
             else:

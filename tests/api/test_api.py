@@ -71,7 +71,8 @@ def test_service_info_has_the_ga4gh_fields(client):
         assert isinstance(info[key], str) and info[key], key
     assert set(info["organization"]) == {"name", "url"}
     assert info["organization"]["url"].startswith("https://")
-    assert info["storage"] == ["file://"]
+    # Derived from [staging] by default: file:// and each enabled protocol.
+    assert info["storage"] == ["file://", "http://", "https://", "s3://", "ftp://"]
     assert "partition" in info["tesResources_backend_parameters"]
     assert "contactUrl" not in info
     assert_no_nulls(info)
@@ -131,10 +132,10 @@ def test_task_is_returned_as_sent_plus_output_fields(client):
         "name": "align",
         "description": "bwa mem",
         "inputs": [
-            {"url": "file:///data/ref.fa", "path": "/in/ref.fa"},
+            {"url": "https://example.org/data/ref.fa", "path": "/in/ref.fa"},
             {"content": "hello", "path": "/in/hello.txt", "type": "FILE", "streamable": True},
         ],
-        "outputs": [{"url": "file:///data/out", "path": "/out", "type": "DIRECTORY"}],
+        "outputs": [{"url": "s3://bucket/data/out", "path": "/out", "type": "DIRECTORY"}],
         "resources": {"cpu_cores": 4, "ram_gb": 1.5, "disk_gb": 10, "preemptible": False},
         "executors": [
             {

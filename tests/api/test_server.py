@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def test_reference_client_py_tes(server):
     url, _ = server
     client = tes.HTTPClient(url, timeout=10)
     info = client.get_service_info()
-    assert info.type["artifact"] == "tes" and info.storage == ["file://"]
+    assert info.type["artifact"] == "tes" and info.storage[0] == "file://"
     task = tes.Task(
         name="py-tes",
         executors=[tes.Executor(image="alpine", command=["echo", "hello"])],
@@ -135,3 +136,39 @@ def test_reference_client_py_tes(server):
     assert task_id in [t.id for t in listed.tasks]
     client.cancel_task(task_id)
     assert client.get_task(task_id, view="MINIMAL").state == "CANCELED"
+
+
+def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
+    """`tes-bridge serve` supervises its poller: a killed poller is replaced."""
+    port = free_port()
+    lock = tmp_path / "poller.lock"
+    env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(tmp_path)}
+    with open(tmp_path / "serve.log", "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bridge", "serve", "--bind", f"127.0.0.1:{port}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}", process)
+
+        def poller_pid(other_than: int = 0) -> int:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                text = lock.read_text().strip() if lock.exists() else ""
+                if text.isdigit() and int(text) != other_than:
+                    pid = int(text)
+                    if Path(f"/proc/{pid}").exists():
+                        return pid
+                time.sleep(0.2)
+            raise AssertionError((tmp_path / "serve.log").read_text()[-2000:])
+
+        first = poller_pid()
+        os.kill(first, signal.SIGKILL)
+        second = poller_pid(other_than=first)
+        assert second != first
+        assert "bridge" in Path(f"/proc/{second}/cmdline").read_text()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -454,7 +454,7 @@ def test_executor_error_through_sbatch_is_told_by_the_records(env: Env) -> None:
 
 def test_staging_failure_through_sbatch_fails_the_job(env: Env) -> None:
     _job_id, state, records, _ = env.sbatch(
-        {"inputs": [{"path": "/in/x", "url": "s3://bucket/x"}], "executors": [alpine("true")]}
+        {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [alpine("true")]}
     )
     assert state == "FAILED"
     assert records.outcome == "system_error"

@@ -153,8 +153,8 @@ def test_directory_input_is_copied_without_leaving_the_allowed_dirs(tmp_path: Pa
         ("{shared}/missing.txt", "does not exist"),
         ("{shared}/link-out", "outside the allowed directories"),
         ("file://otherhost{shared}/in.txt", "names host"),
-        ("s3://bucket/key", "not supported by this deployment yet"),
-        ("https://example.org/x", "not supported by this deployment yet"),
+        ("sftp://example.org/key", "not supported by this deployment yet"),
+        ("gs://bucket/x", "not supported by this deployment yet"),
         ("gopher://x/y", "unknown URL scheme"),
     ],
 )
@@ -609,11 +609,11 @@ def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) ->
 def test_job_script_staging_failure_is_a_system_error_before_any_executor(
     tmp_path: Path,
 ) -> None:
-    task = {"inputs": [{"path": "/in/x", "url": "s3://bucket/x"}], "executors": [sh("true")]}
+    task = {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [sh("true")]}
     code, records = run_job(tmp_path, task)
     assert code != 0
     assert records.outcome == "system_error" and records.executors == []
-    assert "s3://bucket/x" in records.system_logs[0]
+    assert "sftp://host/x" in records.system_logs[0]
     assert "not supported by this deployment yet" in records.system_logs[0]
     assert records.system_logs[-1] == "staging inputs failed; no executor ran"
 

@@ -1,0 +1,373 @@
+"""Who is calling: authenticators for the `[auth]` modes and the identity -> Unix user mapping.
+
+No HTTP framework here: an authenticator takes the raw `Authorization` header and returns an
+:class:`Identity` or raises :class:`AuthError`; the Falcon middleware in ``bridge.app`` turns
+that into a 401. The reason in an AuthError is for the server log only, never for the client.
+
+Modes:
+- ``none``: everyone is anonymous (owner None); an `Authorization` header is ignored (py-tes
+  0.4 sends ``Basic None:None``).
+- ``basic``: an htpasswd file with bcrypt hashes (``htpasswd -B``), re-read when it changes.
+- ``bearer``: JWTs signed by an OIDC issuer, verified with PyJWT against the issuer's JWKS
+  (cached, refetched when a token names an unknown key); issuer, audience and expiry checked.
+
+The identity (the htpasswd name, or the configured claim of a token) becomes a Unix user name
+either through the mapping file or, without one, as it is (if it is a valid user name).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import grp
+import hashlib
+import hmac
+import json
+import logging
+import os
+import pwd
+import re
+import secrets
+import threading
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("bridge.auth")
+
+#: POSIX-portable user names (what useradd accepts by default on Debian), without `$`.
+UNIX_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+#: Slurm account names as sbatch takes them on the command line.
+SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class AuthError(Exception):
+    """The request is not authenticated; the message is for the log, never for the client."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    #: The Unix user that owns the caller's tasks; None in mode `none` (no owner).
+    user: str | None
+    is_admin: bool = False
+
+    @property
+    def owner_filter(self) -> str | None:
+        """What the store filters on: None (all tasks) for admins and in mode `none`."""
+        return None if self.is_admin else self.user
+
+
+ANONYMOUS = Identity(user=None, is_admin=True)
+
+
+# ------------------------------------------------------------------------------ user mapping
+@dataclass(frozen=True)
+class MappedUser:
+    user: str
+    #: Default Slurm account for this user's jobs (None: Slurm's default for the user).
+    account: str | None = None
+
+
+class UserMap:
+    """Identity -> Unix user (and default Slurm account).
+
+    The mapping file is TOML::
+
+        [users]
+        "alice@example.org" = "alice"                          # identity = Unix user
+        "bob@example.org" = { user = "bob", account = "lab-b" }
+
+    With a file, an identity that is not in it is refused. Without one, the identity itself is
+    the Unix user name and must look like one. With `require_local` (site mode) the user must
+    also exist on this host, since jobs will run under that account.
+    """
+
+    def __init__(
+        self, entries: dict[str, MappedUser] | None = None, *, require_local: bool = False
+    ):
+        self.entries = entries
+        self.require_local = require_local
+
+    @classmethod
+    def load(cls, path: Path | None, *, require_local: bool = False) -> UserMap:
+        if path is None:
+            return cls(None, require_local=require_local)
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+        entries: dict[str, MappedUser] = {}
+        for identity, value in (data.get("users") or {}).items():
+            if isinstance(value, str):
+                mapped = MappedUser(value)
+            elif isinstance(value, dict) and isinstance(value.get("user"), str):
+                mapped = MappedUser(value["user"], value.get("account"))
+            else:
+                raise ValueError(f"{path}: users.{identity}: expected a user name or a table")
+            if not UNIX_USER.fullmatch(mapped.user):
+                raise ValueError(f"{path}: users.{identity}: {mapped.user!r} is not a user name")
+            if mapped.account is not None and not SLURM_ACCOUNT.fullmatch(mapped.account):
+                raise ValueError(f"{path}: users.{identity}: invalid account {mapped.account!r}")
+            entries[identity] = mapped
+        return cls(entries, require_local=require_local)
+
+    def resolve(self, identity: str) -> MappedUser:
+        if self.entries is not None:
+            mapped = self.entries.get(identity)
+            if mapped is None:
+                raise AuthError(f"identity {identity!r} is not in the user mapping file")
+        elif UNIX_USER.fullmatch(identity):
+            mapped = MappedUser(identity)
+        else:
+            raise AuthError(f"identity {identity!r} is not a valid Unix user name")
+        if self.require_local:
+            try:
+                entry = pwd.getpwnam(mapped.user)
+            except KeyError:
+                raise AuthError(f"user {mapped.user!r} does not exist on this host") from None
+            if entry.pw_uid == 0:
+                raise AuthError("tasks never run as root")
+        return mapped
+
+    def account_for(self, user: str) -> str | None:
+        """The default Slurm account of a Unix user (the first mapping entry that names one)."""
+        for mapped in (self.entries or {}).values():
+            if mapped.user == user and mapped.account:
+                return mapped.account
+        return None
+
+
+class AdminPolicy:
+    """Admins see and cancel every task: listed users and members of a Unix group."""
+
+    def __init__(self, users: Iterable[str] = (), group: str | None = None):
+        self.users = frozenset(users)
+        self.group = group
+
+    def is_admin(self, user: str) -> bool:
+        if user in self.users:
+            return True
+        if not self.group:
+            return False
+        try:
+            group = grp.getgrnam(self.group)
+        except KeyError:
+            return False
+        if user in group.gr_mem:
+            return True
+        try:
+            return pwd.getpwnam(user).pw_gid == group.gr_gid
+        except KeyError:
+            return False
+
+
+# ------------------------------------------------------------------------------ authenticators
+class Authenticator(Protocol):
+    #: The `WWW-Authenticate` challenge of a 401 (None: authentication is off).
+    challenge: str | None
+
+    def authenticate(self, authorization: str | None) -> Identity: ...
+
+
+class NoAuth:
+    challenge = None
+
+    def authenticate(self, authorization: str | None) -> Identity:
+        # Mode none: no owners, everything visible; a header (py-tes' `None:None`) is ignored.
+        return ANONYMOUS
+
+
+def _split_header(authorization: str | None, scheme: str) -> str:
+    if not authorization:
+        raise AuthError("no Authorization header")
+    given, _, credentials = authorization.strip().partition(" ")
+    if given.lower() != scheme.lower() or not credentials.strip():
+        raise AuthError(f"Authorization is not a {scheme} credential")
+    return credentials.strip()
+
+
+class _Mapped:
+    def __init__(self, users: UserMap, admins: AdminPolicy):
+        self.users = users
+        self.admins = admins
+
+    def identity(self, name: str) -> Identity:
+        user = self.users.resolve(name).user
+        return Identity(user=user, is_admin=self.admins.is_admin(user))
+
+
+class BasicAuth(_Mapped):
+    """An htpasswd file of bcrypt hashes (`htpasswd -B -c FILE user`)."""
+
+    #: Verified passwords are remembered this long (bcrypt is slow on purpose, and clients send
+    #: the password with every request); keyed by a keyed hash, never the password itself.
+    CACHE_SECONDS = 60.0
+
+    def __init__(self, path: Path, users: UserMap, admins: AdminPolicy, realm: str):
+        super().__init__(users, admins)
+        self.path = path
+        self.challenge = f'Basic realm="{realm}", charset="UTF-8"'
+        self._hashes: dict[str, bytes] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._cache: dict[bytes, float] = {}
+        self._cache_key = secrets.token_bytes(32)
+        # Checked for unknown users too, so that timing does not tell which names exist.
+        import bcrypt
+
+        self._dummy = bcrypt.hashpw(b"not a password", bcrypt.gensalt(rounds=10))
+        self._load()
+
+    def _load(self) -> None:
+        stat = os.stat(self.path)
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return
+        hashes: dict[str, bytes] = {}
+        for number, line in enumerate(self.path.read_text("utf-8").splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, sep, hashed = line.partition(":")
+            if not sep or not hashed.startswith(("$2a$", "$2b$", "$2y$")):
+                log.warning(
+                    "%s:%d: not a bcrypt entry (use htpasswd -B); ignored", self.path, number
+                )
+                continue
+            hashes[name] = hashed.encode()
+        self._hashes, self._stamp = hashes, stamp
+
+    def authenticate(self, authorization: str | None) -> Identity:
+        import bcrypt
+
+        try:
+            decoded = base64.b64decode(_split_header(authorization, "Basic"), validate=True)
+            name, sep, password = decoded.decode("utf-8").partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            raise AuthError("malformed Basic credentials") from None
+        if not sep:
+            raise AuthError("malformed Basic credentials")
+        with self._lock:
+            try:
+                self._load()
+            except OSError as exc:
+                raise AuthError(f"cannot read the htpasswd file: {exc}") from None
+            hashed = self._hashes.get(name)
+        key = hmac.new(self._cache_key, decoded + b"\0" + (hashed or b""), hashlib.sha256).digest()
+        now = time.monotonic()
+        if hashed is not None and self._cache.get(key, 0.0) > now:
+            return self.identity(name)
+        ok = bcrypt.checkpw(password.encode("utf-8"), hashed or self._dummy)
+        if hashed is None or not ok:
+            raise AuthError(f"wrong password or unknown user {name!r}")
+        if len(self._cache) > 1024:
+            self._cache = {k: t for k, t in self._cache.items() if t > now}
+        self._cache[key] = now + self.CACHE_SECONDS
+        return self.identity(name)
+
+
+class BearerAuth(_Mapped):
+    """OIDC access tokens (JWTs) checked against the issuer's JWKS with PyJWT."""
+
+    def __init__(
+        self,
+        *,
+        issuer: str,
+        audience: str,
+        jwks_url: str | None,
+        cache_seconds: float,
+        refresh_cooldown: float,
+        algorithms: list[str],
+        leeway: float,
+        user_claim: str,
+        users: UserMap,
+        admins: AdminPolicy,
+        realm: str,
+    ):
+        super().__init__(users, admins)
+        self.issuer = issuer
+        self.audience = audience
+        self.algorithms = algorithms
+        self.leeway = leeway
+        self.user_claim = user_claim
+        self.cache_seconds = cache_seconds
+        self.refresh_cooldown = refresh_cooldown
+        self.challenge = f'Bearer realm="{realm}"'
+        self._jwks_url = jwks_url
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _jwks_client(self) -> Any:
+        import jwt
+
+        with self._lock:
+            if self._client is None:
+                url = self._jwks_url or _discover_jwks_url(self.issuer)
+                # Keys are cached for `lifespan`; a token with an unknown `kid` refetches the
+                # set, at most once per cooldown.
+                self._client = jwt.PyJWKClient(
+                    url,
+                    cache_keys=True,
+                    lifespan=self.cache_seconds,
+                    cooldown_duration=self.refresh_cooldown,
+                    timeout=10,
+                )
+            return self._client
+
+    def authenticate(self, authorization: str | None) -> Identity:
+        import jwt
+
+        token = _split_header(authorization, "Bearer")
+        try:
+            key = self._jwks_client().get_signing_key_from_jwt(token)
+            claims = jwt.decode(
+                token,
+                key.key,
+                algorithms=self.algorithms,  # never "none", never the token's own choice
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": ["exp", "iss", "aud"]},
+            )
+        except (jwt.PyJWTError, OSError, ValueError) as exc:
+            raise AuthError(f"token refused: {exc}") from None
+        name = claims.get(self.user_claim)
+        if not isinstance(name, str) or not name:
+            raise AuthError(f"token has no {self.user_claim!r} claim")
+        return self.identity(name)
+
+
+def _discover_jwks_url(issuer: str) -> str:
+    url = issuer.rstrip("/") + "/.well-known/openid-configuration"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        document = json.load(answer)
+    jwks = document.get("jwks_uri")
+    if not isinstance(jwks, str):
+        raise AuthError(f"{url} names no jwks_uri")
+    return jwks
+
+
+def build_authenticator(config: Any) -> Authenticator:
+    """The authenticator for a `bridge.config.Config` (its `auth` and `site` sections)."""
+    auth = config.auth
+    if auth.mode == "none":
+        return NoAuth()
+    users = UserMap.load(auth.user_map_file, require_local=config.site.run_as_owner)
+    admins = AdminPolicy(auth.admin_users, auth.admin_group)
+    if auth.mode == "basic":
+        return BasicAuth(auth.htpasswd_file, users, admins, auth.realm)
+    return BearerAuth(
+        issuer=auth.issuer,
+        audience=auth.audience,
+        jwks_url=auth.jwks_url,
+        cache_seconds=auth.jwks_cache_seconds,
+        refresh_cooldown=auth.jwks_refresh_cooldown_seconds,
+        algorithms=list(auth.algorithms),
+        leeway=auth.leeway_seconds,
+        user_claim=auth.user_claim,
+        users=users,
+        admins=admins,
+        realm=auth.realm,
+    )

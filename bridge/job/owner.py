@@ -1,0 +1,187 @@
+"""Site mode: what the poller does in a task directory as the task's owner, through sudo.
+
+In site mode task directories belong to the task's owner and stay private (0700): the poller,
+running as the service account, never touches them itself. It calls, through the narrow rule in
+deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
+
+- ``adopt --task-dir DIR``: create DIR (0700) as the owner and write the rendered task.json,
+  job-config.json and job.sh into it, read as one JSON object from stdin;
+- ``read-records --tail-bytes N DIR:JOBID...``: the records of those jobs, as JSON on stdout
+  (one call per owner and poll cycle, for all of that owner's running tasks);
+- ``remove --task-dir DIR``: remove an old task directory.
+
+These run as the owner, not as root, so the worst a wrong argument can do is what the owner
+could do; still every path is checked (absolute, normalised, a plain task id as its name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout
+from bridge.job.records import ExecutorRecord, JobRecords, read_records
+
+#: The files adopt writes, with their modes (the script must be executable by its owner only).
+FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}
+_TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class OwnerError(Exception):
+    pass
+
+
+def _task_dir(value: str) -> Path:
+    if not value.startswith("/") or os.path.normpath(value) != value:
+        raise OwnerError(f"{value!r} is not an absolute, normalised path")
+    path = Path(value)
+    if not _TASK_ID.fullmatch(path.name) or path.name in {".", ".."}:
+        raise OwnerError(f"{path.name!r} is not a task id")
+    return path
+
+
+def _own_dir(path: Path) -> None:
+    """`path` must be a real directory of ours (not a link someone planted)."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise OwnerError(f"{path} exists and is not a directory of this user")
+
+
+def adopt(task_dir: Path, files: dict[str, str]) -> None:
+    if set(files) != set(FILES):
+        raise OwnerError(f"expected exactly the files {sorted(FILES)}")
+    with contextlib.suppress(FileExistsError):  # a later attempt of the same task
+        os.mkdir(task_dir, 0o700)
+    _own_dir(task_dir)
+    os.chmod(task_dir, 0o700)  # task documents can carry secrets
+    layout = TaskLayout(task_dir)
+    layout.tmp.mkdir(mode=0o700, exist_ok=True)
+    for name, mode in FILES.items():
+        target = task_dir / name
+        tmp = task_dir / f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(files[name])
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+
+
+def remove(task_dir: Path) -> None:
+    if not os.path.lexists(task_dir):
+        return
+    _own_dir(task_dir)
+    shutil.rmtree(task_dir)
+
+
+# ------------------------------------------------------------------------------ records as JSON
+def _plain(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def records_to_json(records: JobRecords) -> dict[str, Any]:
+    return dataclasses.asdict(records, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+
+
+def _time(value: Any) -> datetime | None:
+    return datetime.fromisoformat(value) if isinstance(value, str) else None
+
+
+def records_from_json(data: dict[str, Any]) -> JobRecords:
+    executors = [
+        ExecutorRecord(
+            index=int(e["index"]),
+            start_time=_time(e.get("start_time")),
+            end_time=_time(e.get("end_time")),
+            exit_code=e.get("exit_code"),
+            stdout=e.get("stdout") or "",
+            stderr=e.get("stderr") or "",
+        )
+        for e in data.get("executors") or []
+    ]
+    return JobRecords(
+        job_id=str(data["job_id"]),
+        phase=data.get("phase"),
+        start_time=_time(data.get("start_time")),
+        end_time=_time(data.get("end_time")),
+        executors=executors,
+        outputs=list(data.get("outputs") or []),
+        system_logs=list(data.get("system_logs") or []),
+        outcome=data.get("outcome"),
+    )
+
+
+def read_many(pairs: list[str], tail_bytes: int) -> dict[str, Any]:
+    """`DIR:JOBID` pairs -> {"DIR:JOBID": records}; an unreadable directory is left out."""
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        directory, sep, job_id = pair.rpartition(":")
+        if not sep:
+            raise OwnerError(f"{pair!r} is not DIR:JOBID")
+        task_dir = _task_dir(directory)
+        try:
+            _own_dir(task_dir)
+            result[pair] = records_to_json(read_records(task_dir, job_id, tail_bytes=tail_bytes))
+        except (OSError, OwnerError):
+            continue
+    return result
+
+
+# ------------------------------------------------------------------------------ commands
+def _adopt(args: argparse.Namespace) -> int:
+    files = json.load(sys.stdin)
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise OwnerError("stdin must be a JSON object of file texts")
+    adopt(_task_dir(args.task_dir), files)
+    return 0
+
+
+def _remove(args: argparse.Namespace) -> int:
+    remove(_task_dir(args.task_dir))
+    return 0
+
+
+def _read_records(args: argparse.Namespace) -> int:
+    json.dump(read_many(args.pairs, args.tail_bytes), sys.stdout)
+    return 0
+
+
+def _guarded(func: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(func(args))
+        except (OSError, OwnerError, ValueError) as exc:
+            print(f"bridge.job: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    adopt_cmd = subparsers.add_parser(
+        "adopt", help="(site mode, as the owner) create a task directory from stdin"
+    )
+    adopt_cmd.add_argument("--task-dir", required=True)
+    adopt_cmd.set_defaults(job_func=_guarded(_adopt))
+
+    remove_cmd = subparsers.add_parser(
+        "remove", help="(site mode, as the owner) remove an old task directory"
+    )
+    remove_cmd.add_argument("--task-dir", required=True)
+    remove_cmd.set_defaults(job_func=_guarded(_remove))
+
+    read = subparsers.add_parser(
+        "read-records", help="(site mode, as the owner) job records as JSON on stdout"
+    )
+    read.add_argument("--tail-bytes", type=int, required=True)
+    read.add_argument("pairs", nargs="*", metavar="DIR:JOBID")
+    read.set_defaults(job_func=_guarded(_read_records))

@@ -1,0 +1,149 @@
+"""`http://` and `https://`: download with GET (redirects followed, retries on transient errors),
+upload with PUT where the deployment enables it (`staging.http_upload`).
+
+Credentials come from the site's netrc file (`staging.netrc_file`, by host name) or from the URL
+itself; requests drops them when a redirect leads to another host. Plain HTTP cannot list a
+directory, so DIRECTORY inputs are refused; a DIRECTORY output is one PUT per file.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import time
+import urllib.parse
+from pathlib import Path
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from bridge.job.staging import StagingContext, StagingError, create_file, redact
+
+#: Statuses worth another attempt: the server or a proxy was briefly unable to answer.
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+_CHUNK = 1 << 20
+
+
+def _auth(url: str, ctx: StagingContext) -> tuple[str, str] | None:
+    if not ctx.options.netrc_file:
+        return None
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        entry = netrc.netrc(ctx.options.netrc_file).authenticators(host)
+    except (OSError, netrc.NetrcParseError) as exc:
+        # The parse error can quote a line of the file: keep only that it failed.
+        raise StagingError(
+            f"cannot read the netrc file {ctx.options.netrc_file}: "
+            f"{getattr(exc, 'strerror', None) or 'parse error'}"
+        ) from None
+    if entry is None:
+        return None
+    login, _, password = entry
+    return (login or "", password or "")
+
+
+def _session(ctx: StagingContext) -> requests.Session:
+    session = requests.Session()
+    # No ~/.netrc or proxy credentials from the job's environment beyond the site's file.
+    session.trust_env = False
+    retry = Retry(
+        total=ctx.options.retries,
+        connect=ctx.options.retries,
+        read=ctx.options.retries,
+        status=ctx.options.retries,
+        backoff_factor=0.5,
+        status_forcelist=RETRY_STATUSES,
+        # PUT bodies are streamed from a file: urllib3 cannot rewind them, `upload_file` retries.
+        allowed_methods=frozenset({"GET", "HEAD"}),
+        raise_on_status=False,
+        respect_retry_after_header=True,
+    )
+    adapter = HTTPAdapter(max_retries=retry)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _describe(exc: requests.RequestException) -> str:
+    # requests' messages name the URL, which may carry credentials.
+    reason = exc.__class__.__name__
+    if isinstance(exc, requests.ConnectionError):
+        reason = "cannot connect"
+    elif isinstance(exc, requests.Timeout):
+        reason = "timed out"
+    return redact(f"{reason}: {exc}")
+
+
+def _check_status(response: requests.Response, url: str, verb: str) -> None:
+    if response.status_code >= 400:
+        reason = f"HTTP {response.status_code} {response.reason or ''}".rstrip()
+        raise StagingError(f"{verb} {redact(url)} failed: {reason}")
+
+
+def download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+    if kind == "DIRECTORY":
+        raise StagingError(
+            f"{redact(url)}: DIRECTORY inputs cannot be staged over HTTP (it cannot list a "
+            "directory); use s3://, ftp:// or file://, or list the files as FILE inputs"
+        )
+    timeout = ctx.options.timeout
+    with _session(ctx) as session:
+        try:
+            response = session.get(
+                url, stream=True, timeout=(timeout, timeout), auth=_auth(url, ctx)
+            )
+        except requests.RequestException as exc:
+            raise StagingError(f"GET {redact(url)} failed: {_describe(exc)}") from None
+        with response:
+            _check_status(response, url, "GET")
+            fd = create_file(dest)
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    for chunk in response.iter_content(_CHUNK):
+                        handle.write(chunk)
+            except requests.RequestException as exc:
+                raise StagingError(f"GET {redact(url)} failed: {_describe(exc)}") from None
+            expected = response.headers.get("Content-Length")
+            encoded = response.headers.get("Content-Encoding", "identity") != "identity"
+            short = expected and expected.isdigit() and dest.stat().st_size != int(expected)
+            if short and not encoded:
+                raise StagingError(f"GET {redact(url)}: the connection ended early")
+
+
+def upload_file(source_fd: int, size: int, url: str, ctx: StagingContext) -> None:
+    if not ctx.options.http_upload:
+        raise StagingError(
+            f"{redact(url)}: uploads over HTTP are disabled on this deployment "
+            "(staging.http_upload)"
+        )
+    timeout = ctx.options.timeout
+    attempts = ctx.options.retries + 1
+    with _session(ctx) as session:
+        for attempt in range(attempts):
+            os.lseek(source_fd, 0, os.SEEK_SET)
+            # closefd=False: the caller owns the descriptor.
+            with open(source_fd, "rb", closefd=False) as body:
+                try:
+                    response = session.put(
+                        url,
+                        data=body,
+                        headers={"Content-Length": str(size)},
+                        timeout=(timeout, timeout),
+                        auth=_auth(url, ctx),
+                    )
+                except requests.RequestException as exc:
+                    if attempt + 1 < attempts:
+                        time.sleep(0.5 * 2**attempt)
+                        continue
+                    raise StagingError(f"PUT {redact(url)} failed: {_describe(exc)}") from None
+            with response:
+                if response.status_code in RETRY_STATUSES and attempt + 1 < attempts:
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                _check_status(response, url, "PUT")
+                return
+
+
+def ensure_directory(url: str, ctx: StagingContext) -> None:
+    """HTTP has no directories: the files of a DIRECTORY output are PUT one by one."""

@@ -1,0 +1,419 @@
+"""Authentication and task owners: modes none, basic (htpasswd, bcrypt) and bearer (JWTs
+checked against a JWKS served over real HTTP), isolation between owners, and the real server
+under gunicorn with py-tes (`token=` and `user=`/`password=`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import tes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from falcon import testing
+
+from bridge.app import create_app
+from bridge.auth import AdminPolicy, AuthError, UserMap
+from bridge.config import Config, ConfigError, load_config
+from bridge.store import Store
+from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, UnixUsers, write_htpasswd
+
+TASK = {"executors": [{"image": "alpine", "command": ["true"]}]}
+API = "/ga4gh/tes/v1"
+
+
+def _config(tmp_path: Path, **overrides: Any) -> Config:
+    return load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={f"auth.{k}": v for k, v in overrides.items()},
+    )
+
+
+def _basic(user: str, password: str) -> dict[str, str]:
+    raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {raw}"}
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def basic_client(tmp_path: Path, sqlite_store: Store, htpasswd: Path) -> testing.TestClient:
+    config = _config(tmp_path, mode="basic", htpasswd_file=str(htpasswd), admin_users=["tesadmin"])
+    return testing.TestClient(create_app(config, store=sqlite_store))
+
+
+def _bearer_config(tmp_path: Path, oidc: OIDC, **extra: Any) -> Config:
+    return _config(
+        tmp_path,
+        mode="bearer",
+        issuer=oidc.issuer,
+        audience=AUDIENCE,
+        jwks_url=oidc.jwks_url,
+        **extra,
+    )
+
+
+@pytest.fixture
+def bearer_client(tmp_path: Path, sqlite_store: Store, oidc: OIDC) -> testing.TestClient:
+    config = _bearer_config(tmp_path, oidc)
+    return testing.TestClient(create_app(config, store=sqlite_store))
+
+
+# ------------------------------------------------------------------------------ mode none
+def test_mode_none_ignores_the_authorization_header(client: testing.TestClient):
+    # py-tes 0.4 sends `Basic None:None` whatever the server wants.
+    headers = _basic("None", "None")
+    created = client.simulate_post(f"{API}/tasks", json=TASK, headers=headers)
+    assert created.status_code == 200
+    task_id = created.json["id"]
+    assert client.simulate_get(f"{API}/tasks/{task_id}", headers=headers).status_code == 200
+    assert client.simulate_get(f"{API}/tasks/{task_id}").status_code == 200
+
+
+def test_site_mode_needs_authentication(tmp_path: Path):
+    with pytest.raises(ConfigError, match="run_as_owner"):
+        load_config(environ={}, overrides={"site.run_as_owner": True})
+    with pytest.raises(ConfigError, match="htpasswd_file"):
+        _config(tmp_path, mode="basic")
+    with pytest.raises(ConfigError, match="issuer and audience"):
+        _config(tmp_path, mode="bearer", issuer="https://x")
+    with pytest.raises(ConfigError, match="asymmetric"):
+        _config(tmp_path, mode="bearer", issuer="https://x", audience="a", algorithms=["HS256"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_refuses_mode_none_on_a_public_address(tmp_path: Path):
+    config = tmp_path / "c.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    argv = [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"]
+    refused = subprocess.run(
+        [*argv, "--bind", f"0.0.0.0:{_free_port()}"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2
+    assert "without authentication" in refused.stderr and "loopback" in refused.stderr
+
+
+# ------------------------------------------------------------------------------ basic
+def test_basic_auth(basic_client: testing.TestClient):
+    missing = basic_client.simulate_get(f"{API}/tasks")
+    assert missing.status_code == 401
+    assert missing.headers["WWW-Authenticate"].startswith("Basic realm=")
+    wrong_password = basic_client.simulate_get(f"{API}/tasks", headers=_basic("tesalice", "x"))
+    unknown_user = basic_client.simulate_get(f"{API}/tasks", headers=_basic("nobody", "x"))
+    # Neither answer tells which part was wrong.
+    assert wrong_password.status_code == unknown_user.status_code == 401
+    assert wrong_password.json == unknown_user.json == missing.json
+    # An entry that is not bcrypt is never compared as plain text.
+    plain = basic_client.simulate_get(f"{API}/tasks", headers=_basic("plainuser", "plaintext"))
+    assert plain.status_code == 401
+    bearer = basic_client.simulate_get(f"{API}/tasks", headers=_bearer("abc"))
+    assert bearer.status_code == 401
+    good = _basic("tesalice", PASSWORDS["tesalice"])
+    assert basic_client.simulate_get(f"{API}/tasks", headers=good).status_code == 200
+    assert basic_client.simulate_post(f"{API}/tasks", json=TASK, headers=good).status_code == 200
+
+
+def test_service_info_and_openapi_stay_public(basic_client: testing.TestClient):
+    for path in (f"{API}/service-info", "/v1/tasks/service-info", f"{API}/openapi.json"):
+        assert basic_client.simulate_get(path).status_code == 200, path
+    assert basic_client.simulate_post(f"{API}/tasks", json=TASK).status_code == 401
+    assert basic_client.simulate_get(f"{API}/tasks/x").status_code == 401
+    assert basic_client.simulate_post(f"{API}/tasks/x:cancel").status_code == 401
+
+
+def test_htpasswd_changes_apply_without_restart(
+    tmp_path: Path, sqlite_store: Store, htpasswd: Path
+):
+    config = _config(tmp_path, mode="basic", htpasswd_file=str(htpasswd))
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    headers = _basic("tesbob", PASSWORDS["tesbob"])
+    assert client.simulate_get(f"{API}/tasks", headers=headers).status_code == 200
+    time.sleep(0.01)
+    write_htpasswd(htpasswd, {"tesalice": PASSWORDS["tesalice"]})
+    assert client.simulate_get(f"{API}/tasks", headers=headers).status_code == 401
+
+
+# ------------------------------------------------------------------------------ bearer
+def _unsigned(claims: dict[str, Any], kid: str) -> str:
+    def part(value: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+    return f"{part({'alg': 'none', 'typ': 'JWT', 'kid': kid})}.{part(claims)}."
+
+
+def test_bearer_tokens(bearer_client: testing.TestClient, oidc: OIDC):
+    def status(token: str) -> int:
+        return bearer_client.simulate_get(f"{API}/tasks", headers=_bearer(token)).status_code
+
+    assert status(oidc.token("tesalice")) == 200
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = int(time.time())
+    claims = {"sub": "tesalice", "aud": AUDIENCE, "iss": oidc.issuer, "exp": now + 300}
+    public_pem = (
+        oidc.key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    refused = {
+        "expired": oidc.token("tesalice", expires_in=-120),
+        "wrong audience": oidc.token("tesalice", audience="another-service"),
+        "wrong issuer": oidc.token("tesalice", issuer="https://evil.example.org"),
+        "wrong signature": oidc.token("tesalice", key=stranger),
+        "alg none": _unsigned(claims, oidc.kid),
+        # The public key used as an HMAC secret (the classic algorithm confusion).
+        "HS256 with the public key": _hs256(claims, public_pem, oidc.kid),
+        "no exp": _without_exp(oidc),
+        "unknown kid": oidc.token("tesalice", key=stranger, kid="nobody-knows"),
+        "not a JWT": "abc.def.ghi",
+    }
+    for what, token in refused.items():
+        answer = bearer_client.simulate_get(f"{API}/tasks", headers=_bearer(token))
+        assert answer.status_code == 401, what
+        assert answer.headers["WWW-Authenticate"].startswith("Bearer realm="), what
+        assert answer.json["message"] == "authentication required", what
+    missing = bearer_client.simulate_get(f"{API}/tasks")
+    assert missing.status_code == 401 and "WWW-Authenticate" in missing.headers
+    basic = bearer_client.simulate_get(f"{API}/tasks", headers=_basic("tesalice", "x"))
+    assert basic.status_code == 401
+
+
+def _hs256(claims: dict[str, Any], secret: str, kid: str) -> str:
+    import hashlib
+    import hmac
+
+    def part(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    header = part(json.dumps({"alg": "HS256", "typ": "JWT", "kid": kid}).encode())
+    body = part(json.dumps(claims).encode())
+    mac = hmac.new(secret.encode(), f"{header}.{body}".encode(), hashlib.sha256).digest()
+    return f"{header}.{body}.{part(mac)}"
+
+
+def _without_exp(oidc: OIDC) -> str:
+    import jwt
+
+    claims = {"sub": "tesalice", "aud": AUDIENCE, "iss": oidc.issuer}
+    return jwt.encode(claims, oidc.key, algorithm="RS256", headers={"kid": oidc.kid})
+
+
+def test_new_signing_keys_are_fetched_and_keys_are_cached(
+    tmp_path: Path, sqlite_store: Store, oidc: OIDC
+):
+    config = _bearer_config(tmp_path, oidc, jwks_refresh_cooldown_seconds=0)
+    bearer_client = testing.TestClient(create_app(config, store=sqlite_store))
+    headers = _bearer(oidc.token("tesalice"))
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=headers).status_code == 200
+    before = len(oidc.jwks_requests)
+    for _ in range(3):
+        assert bearer_client.simulate_get(f"{API}/tasks", headers=headers).status_code == 200
+    assert len(oidc.jwks_requests) == before  # cached
+    key, kid = oidc.rotate()
+    rotated = _bearer(oidc.token("tesalice", key=key, kid=kid))
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=rotated).status_code == 200
+    assert len(oidc.jwks_requests) == before + 1
+
+
+def test_unknown_key_ids_do_not_hammer_the_issuer(bearer_client: testing.TestClient, oidc: OIDC):
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    good = _bearer(oidc.token("tesalice"))
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=good).status_code == 200
+    before = len(oidc.jwks_requests)
+    for i in range(5):
+        forged = _bearer(oidc.token("tesalice", key=stranger, kid=f"forged-{i}"))
+        assert bearer_client.simulate_get(f"{API}/tasks", headers=forged).status_code == 401
+    assert len(oidc.jwks_requests) == before  # within the default 30 s cooldown
+
+
+def test_jwks_url_is_discovered_from_the_issuer(tmp_path: Path, sqlite_store: Store, oidc: OIDC):
+    config = _config(tmp_path, mode="bearer", issuer=oidc.issuer, audience=AUDIENCE)
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    answer = client.simulate_get(f"{API}/tasks", headers=_bearer(oidc.token("tesbob")))
+    assert answer.status_code == 200
+
+
+def test_identity_mapping_file(tmp_path: Path, sqlite_store: Store, oidc: OIDC):
+    mapping = tmp_path / "users.toml"
+    mapping.write_text(
+        '[users]\n"alice@example.org" = { user = "tesalice", account = "lab-a" }\n'
+        '"bob@example.org" = "tesbob"\n'
+    )
+    config = _bearer_config(tmp_path, oidc, user_claim="email", user_map_file=str(mapping))
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    alice = _bearer(oidc.token("x", email="alice@example.org"))
+    created = client.simulate_post(f"{API}/tasks", json=TASK, headers=alice)
+    assert created.status_code == 200
+    assert sqlite_store.get_task(created.json["id"]).owner == "tesalice"
+    unknown = _bearer(oidc.token("x", email="mallory@example.org"))
+    assert client.simulate_get(f"{API}/tasks", headers=unknown).status_code == 401
+    no_claim = _bearer(oidc.token("tesalice"))
+    assert client.simulate_get(f"{API}/tasks", headers=no_claim).status_code == 401
+    users = UserMap.load(mapping)
+    assert users.account_for("tesalice") == "lab-a" and users.account_for("tesbob") is None
+
+
+def test_identities_must_be_user_names_without_a_mapping_file(unix_users: UnixUsers):
+    users = UserMap.load(None)
+    assert users.resolve("tesalice").user == "tesalice"
+    for bad in ("../etc", "-u", "Alice Smith", "a" * 40, ""):
+        with pytest.raises(AuthError):
+            users.resolve(bad)
+    local = UserMap.load(None, require_local=True)
+    assert local.resolve("tesalice").user == "tesalice"
+    with pytest.raises(AuthError):
+        local.resolve("no-such-user-here")
+    with pytest.raises(AuthError):
+        local.resolve("root")  # tasks never run as root
+    admins = AdminPolicy(["tesadmin"], group=unix_users.group)
+    assert admins.is_admin("tesadmin") and admins.is_admin("tesalice")
+    assert not admins.is_admin(unix_users.outsider)
+
+
+# ------------------------------------------------------------------------------ isolation
+def test_owners_see_get_list_and_cancel_only_their_own_tasks(
+    basic_client: testing.TestClient, sqlite_store: Store
+):
+    alice = _basic("tesalice", PASSWORDS["tesalice"])
+    bob = _basic("tesbob", PASSWORDS["tesbob"])
+    admin = _basic("tesadmin", PASSWORDS["tesadmin"])
+    alice_id = basic_client.simulate_post(f"{API}/tasks", json=TASK, headers=alice).json["id"]
+    bob_id = basic_client.simulate_post(f"{API}/tasks", json=TASK, headers=bob).json["id"]
+    assert sqlite_store.get_task(alice_id).owner == "tesalice"
+
+    def listed(headers: dict[str, str]) -> set[str]:
+        answer = basic_client.simulate_get(f"{API}/tasks", headers=headers)
+        return {t["id"] for t in answer.json["tasks"]}
+
+    assert listed(alice) == {alice_id} and listed(bob) == {bob_id}
+    assert listed(admin) == {alice_id, bob_id}
+    # Another owner's task answers exactly as an unknown one: 404, not 403.
+    other = basic_client.simulate_get(f"{API}/tasks/{alice_id}", headers=bob)
+    unknown = basic_client.simulate_get(f"{API}/tasks/no-such-task", headers=bob)
+    assert other.status_code == unknown.status_code == 404
+    assert basic_client.simulate_post(f"{API}/tasks/{alice_id}:cancel", headers=bob).status_code
+    assert sqlite_store.get_task(alice_id).state == "QUEUED"
+    full = basic_client.simulate_get(f"{API}/tasks/{alice_id}?view=FULL", headers=alice)
+    assert full.status_code == 200
+    cancel = basic_client.simulate_post(f"{API}/tasks/{bob_id}:cancel", headers=admin)
+    assert cancel.status_code == 200
+    assert sqlite_store.get_task(bob_id).state == "CANCELED"
+
+
+# ------------------------------------------------------------------------------ real server
+def _serve(tmp_path: Path, auth_toml: str) -> Iterator[str]:
+    port = _free_port()
+    config = tmp_path / "tes-bridge.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[server]\nbind = "127.0.0.1:{port}"\nworkers = 1\n'
+        + auth_toml
+    )
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/ga4gh/tes/v1/service-info", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def bearer_server(tmp_path: Path, oidc: OIDC) -> Iterator[str]:
+    yield from _serve(
+        tmp_path,
+        f'[auth]\nmode = "bearer"\nissuer = "{oidc.issuer}"\naudience = "{AUDIENCE}"\n'
+        f'jwks_url = "{oidc.jwks_url}"\n',
+    )
+
+
+@pytest.fixture
+def basic_server(tmp_path: Path) -> Iterator[str]:
+    htpasswd = write_htpasswd(tmp_path / "htpasswd")
+    yield from _serve(tmp_path, f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n')
+
+
+def _py_tes_round(client: tes.HTTPClient, other: tes.HTTPClient) -> None:
+    task_id = client.create_task(tes.Task(executors=[tes.Executor(image="alpine", command=["x"])]))
+    assert client.get_task(task_id).state == "QUEUED"
+    assert task_id in {t.id for t in client.list_tasks().tasks}
+    assert task_id not in {t.id for t in other.list_tasks().tasks or []}
+    with pytest.raises(requests.HTTPError) as refused:
+        other.get_task(task_id)
+    assert refused.value.response.status_code == 404
+    client.cancel_task(task_id)
+    assert client.get_task(task_id).state == "CANCELED"
+
+
+def test_py_tes_with_a_token(bearer_server: str, oidc: OIDC):
+    alice = tes.HTTPClient(bearer_server, token=oidc.token("tesalice"))
+    bob = tes.HTTPClient(bearer_server, token=oidc.token("tesbob"))
+    _py_tes_round(alice, bob)
+    with pytest.raises(requests.HTTPError) as refused:
+        tes.HTTPClient(bearer_server, token=oidc.token("tesalice", expires_in=-300)).list_tasks()
+    assert refused.value.response.status_code == 401
+    assert tes.HTTPClient(bearer_server).get_service_info().name
+
+
+def test_py_tes_with_user_and_password(basic_server: str):
+    alice = tes.HTTPClient(basic_server, user="tesalice", password=PASSWORDS["tesalice"])
+    bob = tes.HTTPClient(basic_server, user="tesbob", password=PASSWORDS["tesbob"])
+    _py_tes_round(alice, bob)
+    with pytest.raises(requests.HTTPError) as refused:
+        tes.HTTPClient(basic_server, user="tesalice", password="wrong").list_tasks()
+    assert refused.value.response.status_code == 401
+
+
+def test_site_mode_slurm_account_comes_from_the_task_then_the_mapping_then_the_default(
+    tmp_path: Path, sqlite_store: Store, htpasswd: Path
+):
+    from bridge.poller import Poller
+
+    mapping = tmp_path / "users.toml"
+    mapping.write_text('[users]\nalice = { user = "tesalice", account = "lab-a" }\n')
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={
+            "auth.mode": "basic",
+            "auth.htpasswd_file": str(htpasswd),
+            "auth.user_map_file": str(mapping),
+            "site.run_as_owner": True,
+            "site.default_account": "general",
+        },
+    )
+    poller = Poller(config, sqlite_store, slurm_client=None, images=None)  # type: ignore[arg-type]
+    own = {"resources": {"backend_parameters": {"Account": "mine"}}}
+    assert poller._account_args("tesalice", TASK) == ["--account=lab-a"]
+    assert poller._account_args("tesbob", TASK) == ["--account=general"]
+    assert poller._account_args("tesalice", own) == []  # the task's #SBATCH line decides
+    assert poller._account_args(None, TASK) == []

@@ -1,0 +1,339 @@
+"""Site mode on the real cluster: the bridge runs as the service account `tesbridge` (API and
+poller processes, state directory), authenticates with basic auth, and submits, cancels and
+stages as each task's owner through the sudo rule shipped in deploy/sudoers.tes-bridge.
+
+The work directory is `<root>/work`, mode 1733 (owned by the service account): every user may
+create a task directory there, nobody may list it or remove another's. Task directories are
+created by their owner (`bridge.job adopt` through sudo) with mode 0700.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.fixtures.auth import PASSWORDS, UnixUsers, write_htpasswd
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+SUDOERS = REPO / "deploy" / "sudoers.tes-bridge"
+INSTALLED = Path("/etc/sudoers.d/tes-bridge-test")
+TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+#: A virtual environment any user can run, when the test's own Python is private (e.g. a
+#: pyenv under /root): the service account and the task owners run this package with it.
+SITE_VENV = Path("/var/lib/tes-bridge/site-test-venv")
+
+
+def sudoers_for(work_dir: Path, python: str) -> str:
+    """The shipped rule with this machine's paths (the venv's python, the test work dir)."""
+    text = SUDOERS.read_text()
+    assert "/opt/tes-bridge/bin/python" in text and "/var/lib/tes-bridge/work/" in text
+    return text.replace("/opt/tes-bridge/bin/python", python).replace(
+        "/var/lib/tes-bridge/work/", f"{work_dir}/"
+    )
+
+
+def as_user(user: str, *argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["runuser", "-u", user, "--", *argv], capture_output=True, text=True, cwd="/", **kwargs
+    )
+
+
+class Client:
+    def __init__(self, service: BridgeService, user: str):
+        self.service = service
+        self.auth = (user, PASSWORDS.get(user, "x"))
+
+    def post(self, task: dict[str, Any]) -> str:
+        answer = requests.post(f"{self.service.api}/tasks", json=task, auth=self.auth, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["id"]
+
+    def get(self, task_id: str) -> requests.Response:
+        url = f"{self.service.api}/tasks/{task_id}"
+        return requests.get(url, params={"view": "FULL"}, auth=self.auth, timeout=10)
+
+    def cancel(self, task_id: str) -> requests.Response:
+        url = f"{self.service.api}/tasks/{task_id}:cancel"
+        return requests.post(url, json={}, auth=self.auth, timeout=10)
+
+    def wait(self, task_id: str, states: set[str] = TERMINAL, timeout: float = 180) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self.get(task_id)
+            assert answer.status_code == 200, answer.text
+            task = answer.json()
+            if task["state"] in states:
+                return task
+            if time.monotonic() > deadline:
+                log = (self.service.root / "poller.log").read_text()[-3000:]
+                raise AssertionError(f"task {task_id} still {task['state']}:\n{task}\n{log}")
+            time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def site_python(unix_users: UnixUsers) -> str:
+    """A Python with this package that the service account and the owners may run."""
+    probe = [unix_users.service, "-m", "bridge.job", "--help"]
+    if as_user(probe[0], sys.executable, *probe[1:]).returncode == 0:
+        return sys.executable
+    python = SITE_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(SITE_VENV)], check=True)
+    # Editable when the users can read this checkout, else a copy of it, made afresh each run.
+    readable = as_user(probe[0], "test", "-r", str(REPO / "bridge" / "__init__.py"))
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    if readable.returncode == 0:
+        subprocess.run([*pip, "-e", str(REPO)], check=True, timeout=900, capture_output=True)
+    else:
+        subprocess.run([*pip, str(REPO)], check=True, timeout=900, capture_output=True)
+        refresh = [*pip, "--force-reinstall", "--no-deps", str(REPO)]
+        subprocess.run(refresh, check=True, timeout=900, capture_output=True)
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def site_root() -> Iterator[Path]:
+    # /var/tmp and not pytest's tmp_path: that one is private to root, and the service account
+    # and the task owners must traverse it.
+    root = Path(tempfile.mkdtemp(prefix="tes-site-", dir="/var/tmp"))
+    os.chmod(root, 0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def installed_rule(site_root: Path, site_python: str) -> Iterator[Path]:
+    work = site_root / "work"
+    candidate = site_root / "sudoers"
+    candidate.write_text(sudoers_for(work, site_python))
+    check = subprocess.run(["visudo", "-cf", str(candidate)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    shutil.copy(candidate, INSTALLED)
+    os.chmod(INSTALLED, 0o440)
+    yield work
+    INSTALLED.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def site(
+    local_cluster: Any,
+    site_root: Path,
+    installed_rule: Path,
+    unix_users: UnixUsers,
+    site_python: str,
+) -> Iterator[BridgeService]:
+    service_user = unix_users.service
+    uid = unix_users.uid(service_user)
+    gid = int(subprocess.check_output(["id", "-g", service_user], text=True))
+    work = installed_rule
+    work.mkdir(mode=0o755, exist_ok=True)
+    os.chown(work, uid, gid)
+    os.chmod(work, 0o1733)  # create, not list; the sticky bit keeps others' directories safe
+    for private in ("state", "images"):
+        (site_root / private).mkdir(exist_ok=True)
+        os.chown(site_root / private, uid, gid)
+    data = site_root / "data"
+    data.mkdir(exist_ok=True)
+    os.chmod(data, 0o1777)  # the shared filesystem: each user's own files, Unix permissions
+    htpasswd = write_htpasswd(site_root / "htpasswd")
+    os.chmod(htpasswd, 0o644)
+    cluster = local_cluster
+    if as_user("tesalice", "test", "-w", "/dev/fuse").returncode != 0:
+        # Unprivileged Apptainer mounts a SIF with squashfuse, which needs /dev/fuse; where a
+        # user may not open it (some container hosts), the SIF is unpacked to a sandbox instead.
+        flags = [*local_cluster.apptainer_flags, "--unsquash"]
+        cluster = dataclasses.replace(local_cluster, apptainer_flags=flags)
+    service = start_bridge_service(
+        cluster,
+        site_root,
+        extra_toml=f"""
+[auth]
+mode = "basic"
+htpasswd_file = "{htpasswd}"
+admin_users = ["tesadmin"]
+[site]
+run_as_owner = true
+""",
+        env={
+            "TES_BRIDGE_WORK_DIR": str(work),
+            "HOME": unix_users.home(service_user),
+            "USER": service_user,
+            "LOGNAME": service_user,
+        },
+        user=service_user,
+        python=site_python,
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def _sacct_user(job_id: str, task_id: str) -> str:
+    """The job's user in accounting, once slurmdbd has the job's own record (it first holds a
+    placeholder named "allocation" with user root; see bridge/slurm.py)."""
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(
+            ["sacct", "-n", "-P", "-X", f"--jobs={job_id}", "--format=JobName,User"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        name, _, user = out.partition("|")
+        if name == f"tes-{task_id}" or time.monotonic() > deadline:
+            return user
+        time.sleep(1)
+
+
+def test_the_shipped_sudo_rule_is_valid_and_narrow(
+    installed_rule: Path, unix_users: UnixUsers, site_python: str
+):
+    assert subprocess.run(["visudo", "-cf", str(SUDOERS)], capture_output=True).returncode == 0
+    listing = as_user(unix_users.service, "sudo", "-n", "-l")
+    assert listing.returncode == 0, listing.stderr
+    # Never as root, nor as a user outside tes-users, nor any other command.
+    for user, argv in [
+        ("root", ["/usr/bin/sbatch", "--parsable", "/bin/true"]),
+        (unix_users.outsider, ["/usr/bin/sbatch", "--parsable", "/bin/true"]),
+        ("tesalice", ["/bin/sh", "-c", "id"]),
+        ("tesalice", ["/usr/bin/scancel", "--user=tesbob"]),
+        ("tesalice", [sys.executable, "-c", "print(1)"]),
+        ("tesalice", [sys.executable, "-m", "bridge.job", "stage-in", "--task-dir", "/tmp"]),
+        ("tesalice", [sys.executable, "-m", "bridge.job", "adopt", "--task-dir", "/tmp/x"]),
+    ]:
+        refused = as_user(unix_users.service, "sudo", "-n", "-u", user, "--", *argv)
+        assert refused.returncode != 0, (user, argv)
+        assert "not allowed" in refused.stderr or "password is required" in refused.stderr
+    # And the commands it needs work.
+    allowed = as_user(
+        unix_users.service,
+        "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
+        "read-records", "--tail-bytes", "10",
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout == "{}"
+    removed = as_user(
+        unix_users.service,
+        "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
+        "remove", "--task-dir", f"{installed_rule}/no-such-task",
+    )  # fmt: skip
+    assert removed.returncode == 0, removed.stderr
+    # Outside the work directory the rule does not apply.
+    elsewhere = as_user(
+        unix_users.service,
+        "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
+        "remove", "--task-dir", "/home/tesalice",
+    )  # fmt: skip
+    assert elsewhere.returncode != 0 and os.path.isdir("/home/tesalice")
+
+
+def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):
+    """The job runs as the owner (sacct's User), writes outputs the owner owns, in a task
+    directory the owner owns and nobody else can read; the service processes are not root."""
+    api_pid = site.processes["api"].pid
+    assert os.stat(f"/proc/{api_pid}").st_uid != 0
+    assert os.stat(f"/proc/{site.processes['poller'].pid}").st_uid != 0
+    alice = Client(site, "tesalice")
+    out_dir = site.data_dir / "alice-out"
+    task_id = alice.post(
+        {
+            "executors": [
+                {
+                    "image": "alpine",
+                    "command": ["sh", "-c", "id -u > /out/uid.txt; echo hello from $(id -u)"],
+                }
+            ],
+            "outputs": [{"path": "/out/uid.txt", "url": f"file://{out_dir}/uid.txt"}],
+        }
+    )
+    task = alice.wait(task_id)
+    assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+    uid = str(pwd.getpwnam("tesalice").pw_uid)
+    assert task["logs"][-1]["logs"][0]["stdout"].strip() == f"hello from {uid}"
+    job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
+    assert _sacct_user(job_id, task_id) == "tesalice"
+    output = out_dir / "uid.txt"
+    assert output.read_text().strip() == uid
+    assert output.stat().st_uid == int(uid)
+    info = os.stat(site.root / "work" / task_id)
+    assert info.st_uid == int(uid) and stat.S_IMODE(info.st_mode) == 0o700
+    # Other users cannot list the work directory; neither they nor the service account can
+    # enter the task directory.
+    work = site.root / "work"
+    assert as_user("tesbob", "ls", str(work)).returncode != 0
+    for other in ("tesbob", "tesbridge"):
+        assert as_user(other, "ls", str(work / task_id)).returncode != 0
+        assert as_user(other, "cat", str(work / task_id / "task.json")).returncode != 0
+
+
+def test_owners_see_only_their_tasks(site: BridgeService):
+    alice, bob, admin = Client(site, "tesalice"), Client(site, "tesbob"), Client(site, "tesadmin")
+    task_id = alice.post(
+        {"executors": [{"image": "alpine", "command": ["sleep", "600"]}], "name": "alice-sleeps"}
+    )
+    assert bob.get(task_id).status_code == 404
+    assert bob.cancel(task_id).status_code == 404
+    listed = requests.get(f"{site.api}/tasks", auth=bob.auth, timeout=10).json()["tasks"]
+    assert task_id not in {t["id"] for t in listed}
+    assert admin.get(task_id).status_code == 200
+    alice.wait(task_id, {"RUNNING"}, timeout=120)
+    job_id = alice.get(task_id).json()["logs"][-1]["metadata"]["slurm_job_id"]
+    # The owner's cancel reaches Slurm as the owner's scancel.
+    assert alice.cancel(task_id).status_code == 200
+    deadline = time.monotonic() + 60
+    while True:
+        state = subprocess.run(
+            ["squeue", "-h", "--states=all", f"--jobs={job_id}", "-o", "%T"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        if state in ("CANCELLED", "") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert state in ("CANCELLED", ""), state
+    assert alice.get(task_id).json()["state"] == "CANCELED"
+
+
+def test_staging_obeys_the_owners_unix_permissions(site: BridgeService):
+    """A file only tesalice may read stages for her and not for tesbob, although both URLs
+    are under an allowed directory: stage-in runs as the owner inside the job."""
+    secret = site.data_dir / "alice-only.txt"
+    secret.write_text("alice's secret\n")
+    os.chown(secret, pwd.getpwnam("tesalice").pw_uid, -1)
+    os.chmod(secret, 0o600)
+    task = {
+        "inputs": [{"path": "/in/secret.txt", "url": f"file://{secret}"}],
+        "executors": [{"image": "alpine", "command": ["cat", "/in/secret.txt"]}],
+    }
+    alice, bob = Client(site, "tesalice"), Client(site, "tesbob")
+    bob_task = bob.wait(bob.post(task))
+    assert bob_task["state"] == "SYSTEM_ERROR", bob_task
+    assert "alice's secret" not in json.dumps(bob_task)
+    assert "Permission denied" in json.dumps(bob_task["logs"]), bob_task["logs"]
+    alice_task = alice.wait(alice.post(task))
+    assert alice_task["state"] == "COMPLETE", alice_task
+    assert alice_task["logs"][-1]["logs"][0]["stdout"] == "alice's secret\n"
+
+
+def test_unauthenticated_requests_are_refused(site: BridgeService):
+    answer = requests.get(f"{site.api}/tasks", timeout=10)
+    assert answer.status_code == 401
+    assert answer.headers["WWW-Authenticate"].startswith("Basic")
+    assert requests.get(f"{site.api}/service-info", timeout=10).status_code == 200
