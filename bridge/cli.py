@@ -88,12 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `job` options (including its --help) belong to the job side's own parser.
+    args, extra = parser.parse_known_args(argv)
     if args.command == "job":
         # The job side has its own parser and must not need the login node's configuration.
         from bridge.job.cli import main as job_main
 
-        return job_main(args.job_args)
+        return job_main([*extra, *args.job_args])
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     setup_logging(args.log_level)
     try:

@@ -1,0 +1,76 @@
+"""The `tes-bridge` command: help, argument errors, and the commands that need no server."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge.cli import build_parser
+
+README = (Path(__file__).parents[2] / "README.md").read_text()
+
+
+def tes_bridge(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bridge", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def commands() -> list[str]:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    return list(subparsers.choices)
+
+
+def test_help_lists_every_command_and_the_readme_documents_them():
+    result = tes_bridge("--help")
+    assert result.returncode == 0
+    for command in commands():
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
+        assert re.search(rf"^\s+{command}\b", README, re.M), f"README lacks `{command}`"
+
+
+@pytest.mark.parametrize("command", ["serve", "poller", "init-db", "show-config", "job"])
+def test_every_command_has_help(command):
+    result = tes_bridge(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_job_subcommands_are_documented_in_the_readme():
+    result = tes_bridge("job", "--help")
+    listed = re.search(r"\{([a-z,-]+)\}", result.stdout).group(1).split(",")
+    for sub in listed:
+        assert sub in README, f"README lacks `job {sub}`"
+
+
+def test_unknown_argument_is_an_error():
+    result = tes_bridge("serve", "--no-such-option")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --no-such-option" in result.stderr
+
+
+def test_bad_config_is_reported_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nworkers = 0\n")
+    result = tes_bridge("--config", str(bad), "show-config")
+    assert result.returncode == 2
+    assert "server.workers" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_init_db_and_show_config(tmp_path):
+    env = {"TES_BRIDGE_STATE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = tes_bridge("init-db", env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "tes-bridge.db").is_file()
+    shown = json.loads(tes_bridge("show-config", env=env).stdout)
+    assert shown["state_dir"] == str(tmp_path)
