@@ -2,7 +2,9 @@
 
 It rejects any field and any state it does not know, so it guards the wire format: no TES 1.1
 defaults added to tasks, the old service-info shape at /v1/tasks/service-info, logs it can
-read. It runs in a virtual environment of its own, next to the current py-tes of the suite.
+read. It runs in a virtual environment of its own, next to the current py-tes of the suite,
+against a bridge of its own: a task is returned as its client sent it, so py-tes 0.4 cannot
+list tasks that newer clients sent with TES 1.1 fields (such as `ignore_error`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.service import BridgeService, start_bridge_service
 
 pytestmark = pytest.mark.cluster
 
@@ -61,7 +66,17 @@ def old_py_tes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv / "bin" / "python"
 
 
-def test_py_tes_0_4_2_runs_a_task_end_to_end(bridge_service, old_py_tes):
+@pytest.fixture(scope="module")
+def old_clients_service(local_cluster, tmp_path_factory) -> Iterator[BridgeService]:
+    service = start_bridge_service(local_cluster, tmp_path_factory.mktemp("old-clients"))
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_py_tes_0_4_2_runs_a_task_end_to_end(old_clients_service, old_py_tes):
+    bridge_service = old_clients_service
     result = subprocess.run(
         [str(old_py_tes), "-c", CLIENT_SCRIPT, bridge_service.url],
         capture_output=True,
