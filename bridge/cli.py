@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "poller per store.",
     )
     poller.add_argument("--once", action="store_true", help="run one cycle and exit")
+    poller.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the poller as a child and start it again whenever it dies (what serve does)",
+    )
 
     commands.add_parser(
         "init-db",
@@ -115,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _init_store(config)
         print(f"database ready: {_redact(config.database_url)}")
         return 0
+    if args.command == "poller" and args.supervise:
+        argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
+        return supervise(argv + (["--once"] if args.once else []))
     if args.command == "poller":
         from bridge.poller import run_poller
 
@@ -192,37 +200,37 @@ def _gunicorn_logconfig(level: str) -> dict[str, Any]:
     }
 
 
-class PollerSupervisor:
-    """Runs the poller beside the gunicorn master and starts it again if it dies."""
+def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
+    """Run the poller (`argv`) and start it again whenever it dies, until SIGTERM or SIGINT.
 
-    def __init__(self, argv: list[str], *, max_delay: float = 60.0):
-        self.argv = argv
-        self.max_delay = max_delay
-        self.process: subprocess.Popen[bytes] | None = None
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+    This runs as a process of its own, started by `serve` before gunicorn: starting children
+    from a thread of gunicorn's master races with its forks of workers (a worker inherits the
+    pipe Popen waits on, and the wait never ends), and the master reaps every child it has.
+    """
+    stopping = threading.Event()
+    current: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._watch, name="poller-supervisor", daemon=True)
-        self._thread.start()
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.set()
+        if current and current[-1].poll() is None:
+            current[-1].send_signal(signal.SIGTERM)
 
-    def _watch(self) -> None:
-        delay = 1.0
-        while not self._stopping.is_set():
-            started = time.monotonic()
-            self.process = subprocess.Popen(self.argv)
-            log.info("poller started", extra={"pid": self.process.pid})
-            code = self.process.wait()
-            if self._stopping.is_set():
-                return
-            # A poller that ran for a while gets restarted at once; one that keeps dying backs off.
-            delay = 1.0 if time.monotonic() - started > 60 else min(delay * 2, self.max_delay)
-            log.error("poller exited with %s; starting it again in %.0f s", code, delay)
-            self._stopping.wait(delay)
-
-    def stop(self) -> subprocess.Popen[bytes] | None:
-        self._stopping.set()
-        return self.process
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    delay = 1.0
+    while not stopping.is_set():
+        started = time.monotonic()
+        process = subprocess.Popen(argv)
+        current[:] = [process]
+        log.info("poller started", extra={"pid": process.pid})
+        code = process.wait()
+        if stopping.is_set():
+            break
+        # A poller that ran for a while starts again at once; one that keeps dying backs off.
+        delay = 1.0 if time.monotonic() - started > 60 else min(delay * 2, max_delay)
+        log.error("poller exited with %s; starting it again in %.0f s", code, delay)
+        stopping.wait(delay)
+    return 0
 
 
 def serve(
@@ -239,22 +247,22 @@ def serve(
         return 2
     _init_store(config)
     run_poller = poller and config.server.run_poller
-    supervisor = PollerSupervisor(
-        [sys.executable, "-m", "bridge", "--log-level", log_level, "poller"]
-    )
+    supervisor: subprocess.Popen[bytes] | None = None
+    if run_poller:
+        # Started before gunicorn forks anything; it keeps a poller running (see supervise).
+        argv = [sys.executable, "-m", "bridge", "--log-level", log_level, "poller", "--supervise"]
+        supervisor = subprocess.Popen(argv)
 
-    def start_poller(arbiter: Any) -> None:
-        if run_poller:
-            supervisor.start()
-
-    def stop_poller(arbiter: Any) -> None:
-        process = supervisor.stop()
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    def stop_poller(arbiter: Any = None) -> None:
+        if supervisor is None or supervisor.poll() is not None:
+            return
+        supervisor.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        # Polled: gunicorn's master may reap the process itself, and then wait() never returns.
+        while supervisor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if supervisor.poll() is None:
+            supervisor.kill()
 
     class Application(BaseApplication):  # type: ignore[misc]
         def load_config(self) -> None:
@@ -263,7 +271,6 @@ def serve(
                 "workers": workers or config.server.workers,
                 "accesslog": None,
                 "logconfig_dict": _gunicorn_logconfig(log_level),
-                "when_ready": start_poller,
                 "on_exit": stop_poller,
                 "proc_name": "tes-bridge",
                 "timeout": 60,
@@ -276,5 +283,8 @@ def serve(
             # Runs in each worker after the fork: every worker opens its own database connection.
             return create_app(config, store=Store.from_url(config.database_url))
 
-    Application().run()
+    try:
+        Application().run()
+    finally:
+        stop_poller()  # also when gunicorn could not start (e.g. the port is taken)
     return 0

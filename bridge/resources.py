@@ -13,7 +13,7 @@ import falcon
 from bridge import __version__
 from bridge.config import Config
 from bridge.openapi import openapi_document
-from bridge.store import InvalidPageToken, Store, TaskFilter
+from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
 from bridge.tes import (
     Limits,
     TaskValidationError,
@@ -121,22 +121,22 @@ class Tasks:
             raise RequestError(
                 falcon.HTTP_400, f"page_token: {exc}", [("page_token", str(exc))]
             ) from None
-        result: dict[str, Any] = {
-            "tasks": [
-                render_task(
-                    task_id=r.id,
-                    state=r.state,
-                    document=r.document,
-                    creation_time=r.creation_time,
-                    logs=r.logs,
-                    view=view,
-                )
-                for r in records
-            ]
-        }
+        result: dict[str, Any] = {"tasks": [_wire(record, view) for record in records]}
         if next_token:
             result["next_page_token"] = next_token
         resp.media = result
+
+
+def _wire(record: TaskRecord, view: View) -> dict[str, Any]:
+    """A stored task as GET and list answer it, in `view`."""
+    return render_task(
+        task_id=record.id,
+        state=record.state,
+        document=record.document,
+        creation_time=record.creation_time,
+        logs=record.logs,
+        view=view,
+    )
 
 
 def _tag_pairs(req: falcon.Request) -> list[tuple[str, str | None]]:
@@ -179,14 +179,7 @@ class Task:
         record = self.store.get_task(task_id, owner=owner, full=view is not View.MINIMAL)
         if record is None:
             raise _not_found(task_id)
-        resp.media = render_task(
-            task_id=record.id,
-            state=record.state,
-            document=record.document,
-            creation_time=record.creation_time,
-            logs=record.logs,
-            view=view,
-        )
+        resp.media = _wire(record, view)
 
     def on_post_cancel(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
         # The body is ignored (the compliance suite sends `{}`).

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import hmac
 import json
+import operator
 import secrets
 import time
 import uuid
@@ -300,10 +301,18 @@ class Store:
             query = query.where(TaskRow.state == task_filter.state)
         if task_filter.name_prefix:
             query = query.where(self._prefix_condition(task_filter.name_prefix))
+        tag_sets = []
         for key, value in task_filter.tags:
             tag = TagRow.select(TagRow.task_seq).where(TagRow.key == key)
             if value is not None:
                 tag = tag.where(TagRow.value == value)
+            tag_sets.append(tag)
+        if self.is_sqlite and tag_sets:
+            # One INTERSECT of the pairs: with an IN per pair SQLite looks up every task of the
+            # first pair (14,000 for a common tag) whatever the others match. PostgreSQL plans
+            # the INs better than the INTERSECT.
+            tag_sets = [functools.reduce(operator.and_, tag_sets)]
+        for tag in tag_sets:
             query = query.where(TaskRow.seq.in_(tag))
         rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
         more = len(rows) > page_size

@@ -171,4 +171,16 @@ def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
         assert "bridge" in Path(f"/proc/{second}/cmdline").read_text()
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        process.wait(timeout=60)
+    # Stopping serve stops its poller too.
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{second}").exists() and "zombie" not in _status(second):
+        assert time.monotonic() < deadline, "the poller outlived `tes-bridge serve`"
+        time.sleep(0.2)
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"

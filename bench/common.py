@@ -1,0 +1,262 @@
+"""Shared helpers of the benchmarks: machine description, results, servers, a filled store."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PYTHON = sys.executable
+SLURM_ENV = {"SLURM_CONF": "/etc/slurm/slurm.conf"}
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    return {
+        "nproc": os.cpu_count(),
+        "memory_gib": round(mem_kb / 1024**2, 1),
+        "cpu": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_1min_when_written": os.getloadavg()[0],
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
+    print(f"-> {out.relative_to(REPO)}")
+    return out
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(c) for c in header]] + [
+        [f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for n, row in enumerate(cells):
+        line = (
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        print("  ".join(line))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if requests.get(url, timeout=2).status_code < 500:
+                return
+        except requests.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout} s")
+        time.sleep(0.1)
+
+
+def log_file(path: Path) -> IO[bytes]:
+    """A log file for a child process (kept open for the child's lifetime)."""
+    return open(path, "wb")
+
+
+def stop(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def scratch(name: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix=f"tes-bench-{name}-", dir="/var/tmp"))
+    return root
+
+
+# ------------------------------------------------------------------------------ PostgreSQL
+def _as_postgres(*argv: str) -> None:
+    prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    subprocess.run([*prefix, *argv], check=True, capture_output=True, text=True, timeout=120)
+
+
+@contextmanager
+def postgres() -> Iterator[str]:
+    """A private PostgreSQL server on a free loopback port (Debian's binaries), as in the tests.
+
+    synchronous_commit=off: a commit is not flushed to disk before it is acknowledged, the same
+    durability as the SQLite default (WAL with synchronous=NORMAL)."""
+    existing = os.environ.get("TES_BRIDGE_BENCH_POSTGRES_URL")
+    if existing:
+        yield existing
+        return
+    bindirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+    if not bindirs:
+        raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
+    bindir = bindirs[-1]
+    datadir = tempfile.mkdtemp(prefix="tes-bench-pg-")
+    if os.geteuid() == 0:
+        shutil.chown(datadir, "postgres", "postgres")
+    port = free_port()
+    _as_postgres(f"{bindir}/initdb", "-D", datadir, "-A", "trust", "-U", "postgres", "-E",
+                 "UTF8", "--locale", "C.UTF-8")  # fmt: skip
+    options = (
+        f"-p {port} -k {datadir} -c listen_addresses=127.0.0.1 -c synchronous_commit=off "
+        "-c shared_buffers=256MB"
+    )
+    _as_postgres(f"{bindir}/pg_ctl", "-D", datadir, "-w", "-l", f"{datadir}/server.log",
+                 "-o", options, "start")  # fmt: skip
+    try:
+        _as_postgres(f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U",
+                     "postgres", "tes")  # fmt: skip
+        yield f"postgresql://postgres@127.0.0.1:{port}/tes"
+    finally:
+        _as_postgres(f"{bindir}/pg_ctl", "-D", datadir, "-m", "fast", "stop")
+        shutil.rmtree(datadir, ignore_errors=True)
+
+
+@contextmanager
+def databases(
+    root: Path, which: Sequence[str] = ("sqlite", "postgresql")
+) -> Iterator[Iterator[tuple[str, str]]]:
+    """Yields an iterator of (label, url); PostgreSQL is started lazily."""
+
+    def gen() -> Iterator[tuple[str, str]]:
+        if "sqlite" in which:
+            yield "sqlite", f"sqlite:///{root}/tasks.db"
+        if "postgresql" in which:
+            with postgres() as url:
+                yield "postgresql", url
+
+    yield gen()
+
+
+def write_config(root: Path, database_url: str, extra: str = "", workers: int = 2) -> Path:
+    port = free_port()
+    path = root / "tes-bridge.toml"
+    path.write_text(
+        f'database = "{database_url}"\nstate_dir = "{root / "state"}"\n'
+        f'[server]\nbind = "127.0.0.1:{port}"\nworkers = {workers}\n{extra}\n'
+    )
+    return path
+
+
+def bridge_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")}
+    env.update(SLURM_ENV)
+    return env
+
+
+# ------------------------------------------------------------------------------ filled store
+STATES = (
+    ["COMPLETE"] * 90 + ["EXECUTOR_ERROR"] * 4 + ["SYSTEM_ERROR"] + ["CANCELED"] * 2
+    + ["RUNNING", "QUEUED", "INITIALIZING"]
+)  # fmt: skip
+
+
+LOG = {"logs": [{"exit_code": 0, "stdout": "ok\n"}], "outputs": [], "metadata": {"node": "vm"}}
+
+
+def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> float:
+    """Insert `count` tasks in bulk (same schema as the API writes); the first
+    len(active_job_ids) of them are RUNNING with those Slurm job ids. Returns seconds taken."""
+    from bridge.store import Store, TagRow, TaskRow
+
+    started = time.perf_counter()
+    store = Store.from_url(url)
+    store.init_schema("bench")
+    rng = random.Random(6)
+    base = datetime(2026, 1, 1, tzinfo=UTC)
+    batch = 2000
+    with store.db.connection_context():
+        for start in range(0, count, batch):
+            rows = []
+            tags = []
+            for i in range(start, min(count, start + batch)):
+                sample = f"s{i % 1000}"
+                project = f"p{i % 7}"
+                document = {
+                    "name": f"sample-{i % 1000}-align",
+                    "executors": [
+                        {"image": "alpine", "command": ["sh", "-c", f"echo {i} > /out/x"]}
+                    ],
+                    "outputs": [{"url": f"s3://bucket/{i}/x", "path": "/out/x", "type": "FILE"}],
+                    "resources": {"cpu_cores": 1, "ram_gb": 1},
+                    "tags": {"project": project, "sample": sample},
+                }
+                active = i < len(active_job_ids)
+                state = "RUNNING" if active else rng.choice(STATES)
+                if not active and state in ("RUNNING", "QUEUED", "INITIALIZING"):
+                    state = "COMPLETE"  # only the given jobs are active
+                rows.append(
+                    {
+                        "id": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+                        "state": state,
+                        "name": document["name"],
+                        "creation_time": (base + timedelta(seconds=i)).strftime(
+                            "%Y-%m-%dT%H:%M:%SZ"
+                        ),
+                        "document": json.dumps(document, separators=(",", ":")),
+                        "logs": json.dumps([LOG]),
+                        "job_id": active_job_ids[i] if active else str(10_000_000 + i),
+                        "attempt": 1,
+                        "updated_at": time.time(),
+                        "cleaned": not active,
+                    }
+                )
+            with store.db.atomic():
+                TaskRow.insert_many(rows).execute()
+                seqs = {
+                    r.id: r.seq
+                    for r in TaskRow.select(TaskRow.seq, TaskRow.id).where(
+                        TaskRow.id.in_([r["id"] for r in rows])
+                    )
+                }
+                for r in rows:
+                    document = json.loads(r["document"])
+                    for key, value in document["tags"].items():
+                        tags.append({"task_seq": seqs[r["id"]], "key": key, "value": value})
+                TagRow.insert_many(tags).execute()
+        store.db.execute_sql("ANALYZE")
+    store.db.close()
+    return time.perf_counter() - started

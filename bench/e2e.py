@@ -1,0 +1,199 @@
+"""End to end on the local cluster: 200 trivial tasks (`alpine echo`) through the bridge against
+the same 200 jobs submitted directly with sbatch running the same Apptainer command on the same
+SIF image (the one the bridge pulled) with the same Slurm resources; makespan ratio. Then the
+single-task latency, POST to COMPLETE against sbatch to the job leaving squeue (median of 3).
+The bridge runs as `tes-bridge serve` (API and poller) with the default poll interval (1 s);
+both sides are watched every 0.1 s.
+
+    python -m bench e2e
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+from bench.common import (
+    PYTHON,
+    SLURM_ENV,
+    bridge_env,
+    log_file,
+    scratch,
+    stop,
+    table,
+    wait_http,
+    write_config,
+    write_result,
+)
+
+TASKS = int(os.environ.get("BENCH_E2E_TASKS", "200"))
+SINGLE = 3
+CLUSTER_ENV = Path("/var/lib/tes-bridge/local-cluster/cluster.env")
+TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+
+
+def cluster() -> dict[str, str]:
+    values = {}
+    for line in CLUSTER_ENV.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key.strip()] = value.strip()
+    return values
+
+
+def slurm(*argv: str) -> str:
+    env = {**os.environ, **SLURM_ENV}
+    return subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+
+
+def wait_queue_empty(timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while slurm("squeue", "-h").strip():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Slurm queue did not empty (other jobs running)")
+        time.sleep(1)
+
+
+def raw_jobs(count: int, script: Path, directives: list[str]) -> float:
+    """Makespan of `count` sbatch jobs: first submission to the last one leaving squeue."""
+    started = time.perf_counter()
+    ids = [
+        slurm("sbatch", "--parsable", f"--job-name=bench-raw-{i}", "-o", "/dev/null",
+              *directives, str(script)).strip().split(";")[0]
+        for i in range(count)
+    ]  # fmt: skip
+    joined = ",".join(ids)
+    while True:
+        env = {**os.environ, **SLURM_ENV}
+        out = subprocess.run(["squeue", "-h", f"--jobs={joined}", "-o", "%i"], env=env,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        if not out.strip():
+            break
+        time.sleep(0.1)
+    elapsed = time.perf_counter() - started
+    failed = [
+        line for line in slurm("sacct", "-n", "-X", "-P", f"--jobs={joined}", "-o",
+                               "JobID,State").splitlines()
+        if "COMPLETED" not in line
+    ]  # fmt: skip
+    assert not failed, failed[:5]
+    return elapsed
+
+
+def bridge_tasks(api: str, count: int) -> float:
+    run = uuid.uuid4().hex
+    task = {
+        "executors": [{"image": "alpine", "command": ["echo", "hello"]}],
+        "tags": {"bench": run},
+    }
+    session = requests.Session()
+    started = time.perf_counter()
+    for _ in range(count):
+        session.post(f"{api}/tasks", data=json.dumps(task)).raise_for_status()
+    while True:
+        tasks = []
+        token = None
+        while True:
+            params = {"tag_key": "bench", "tag_value": run, "page_size": "2047"}
+            if token:
+                params["page_token"] = token
+            page = session.get(f"{api}/tasks", params=params).json()
+            tasks += page.get("tasks", [])
+            token = page.get("next_page_token")
+            if not token:
+                break
+        if len(tasks) == count and all(t["state"] in TERMINAL for t in tasks):
+            break
+        time.sleep(0.1)
+    elapsed = time.perf_counter() - started
+    bad = [t for t in tasks if t["state"] != "COMPLETE"]
+    assert not bad, bad[:3]
+    return elapsed
+
+
+def main() -> dict[str, object]:
+    info = cluster()
+    root = scratch("e2e")
+    os.chmod(root, 0o755)
+    registry = info["LOCAL_CLUSTER_REGISTRY"]
+    flags = json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())
+    extra = f"""
+[container]
+runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
+default_registry = "{registry}"
+insecure_registries = ["{registry}"]
+extra_flags = {flags}
+cache_dir = "{root / "images"}"
+"""
+    config = write_config(root, f"sqlite:///{root}/tasks.db", extra=extra)
+    bind = config.read_text().split('bind = "')[1].split('"')[0]
+    api = f"http://{bind}/ga4gh/tes/v1"
+    server = subprocess.Popen(
+        [PYTHON, "-m", "bridge", "--config", str(config), "--log-level", "WARNING", "serve"],
+        env=bridge_env(), stderr=log_file(root / "serve.log"),
+    )  # fmt: skip
+    try:
+        wait_http(f"{api}/service-info")
+        wait_queue_empty()
+        # Warm-up: the bridge pulls the image once; raw sbatch then uses the same SIF.
+        assert bridge_tasks(api, 1) > 0
+        sif = next((root / "images").rglob("*.sif"))
+        script = next((root / "state" / "work").glob("*/job.sh")).read_text()
+        directives = [
+            line.split(None, 1)[1]
+            for line in script.splitlines()
+            if line.startswith("#SBATCH") and line.split(None, 1)[1].startswith(
+                ("--cpus", "--mem", "--time", "--partition", "--nodes", "--ntasks")
+            )
+        ]  # fmt: skip
+        raw_script = root / "raw.sh"
+        runtime = info["LOCAL_CLUSTER_APPTAINER"]
+        raw_script.write_text(
+            f"#!/bin/sh\nexec {runtime} exec {info['LOCAL_CLUSTER_APPTAINER_FLAGS']} "
+            f"{sif} echo hello\n"
+        )
+        single_raw, single_bridge = [], []
+        for _ in range(SINGLE):
+            wait_queue_empty()
+            single_raw.append(raw_jobs(1, raw_script, directives))
+            wait_queue_empty()
+            single_bridge.append(bridge_tasks(api, 1))
+        wait_queue_empty()
+        raw = raw_jobs(TASKS, raw_script, directives)
+        wait_queue_empty()
+        ours = bridge_tasks(api, TASKS)
+    finally:
+        stop(server)
+    one_raw, one_bridge = statistics.median(single_raw), statistics.median(single_bridge)
+    rows = [
+        [f"{TASKS} tasks, makespan s", ours, raw, f"{ours / raw:.2f}"],
+        ["1 task, POST->COMPLETE vs sbatch->end, s", one_bridge, one_raw,
+         f"+{one_bridge - one_raw:.2f} s"],
+    ]  # fmt: skip
+    print(f"end to end on the local cluster (alpine echo; sbatch {' '.join(directives)})")
+    table(["measure", "bridge", "raw sbatch", "ratio / added"], rows)
+    data = {
+        "tasks": TASKS,
+        "directives": directives,
+        "makespan_bridge_s": ours,
+        "makespan_raw_s": raw,
+        "makespan_ratio": ours / raw,
+        "single_bridge_s": single_bridge,
+        "single_raw_s": single_raw,
+        "single_added_s": one_bridge - one_raw,
+    }
+    write_result("e2e", data)
+    shutil.rmtree(root, ignore_errors=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Poll cost: Slurm commands per poll cycle and cycle wall time with 1,000 and 10,000 active jobs
+(among 100,000 stored tasks, SQLite).
+
+- real: 1,000 held jobs (`sbatch --hold`) on the local Slurm cluster, canceled afterwards;
+- stand-in: bench/fakeslurm (squeue and sacct scripts that print Slurm 22.05's format for the
+  ids they are asked about; 1% of the jobs have left the queue and are COMPLETED in sacct) for
+  1,000 and 10,000 jobs.
+
+The poller runs in-process (`Poller.cycle()`), its Slurm commands are wrappers that log each
+invocation: the counts are the commands actually run. The first cycle moves every task (and
+the 1% of ended jobs) to a new state; the following ones are steady state.
+
+    python -m bench poll
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from bench.common import REPO, SLURM_ENV, fill_store, scratch, table, write_result
+
+STORED = int(os.environ.get("BENCH_TASKS", "100000"))
+CYCLES = 5
+FAKE = REPO / "bench" / "fakeslurm"
+
+
+def wrappers(root: Path, log: Path, real: bool) -> dict[str, str]:
+    paths = {}
+    for tool in ("sbatch", "squeue", "sacct", "scancel"):
+        if real:
+            path = root / tool
+            target = shutil.which(tool) or f"/usr/bin/{tool}"
+            path.write_text(f'#!/bin/sh\necho {tool} >> "{log}"\nexec {target} "$@"\n')
+            path.chmod(0o755)
+        else:
+            path = FAKE / tool
+        paths[tool] = str(path)
+    return paths
+
+
+def submit_held(count: int) -> list[str]:
+    ids = []
+    env = {**os.environ, **SLURM_ENV}
+    for i in range(count):
+        out = subprocess.run(
+            ["sbatch", "--hold", "--parsable", f"--job-name=tes-bench-held-{i}", "-o",
+             "/dev/null", "--wrap", "true"],
+            capture_output=True, text=True, check=True, env=env,
+        ).stdout  # fmt: skip
+        ids.append(out.strip().split(";")[0])
+    return ids
+
+
+def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
+    from bridge.config import Config
+    from bridge.poller import build_poller
+    from bridge.store import Store
+
+    root = scratch("poll")
+    url = f"sqlite:///{root}/tasks.db"
+    fill_store(url, max(STORED, len(job_ids)), active_job_ids=job_ids)
+    log = root / "slurm-calls.log"
+    log.touch()
+    os.environ["BENCH_SLURM_LOG"] = str(log)
+    os.environ.update(SLURM_ENV)
+    config = Config(state_dir=root / "state", database=url, slurm=wrappers(root, log, real))
+    store = Store.from_url(url)
+    poller = build_poller(config, store)
+    poller._last_cleanup = time.time()  # the hourly directory cleanup is not part of a cycle
+    cycles = []
+    for _ in range(CYCLES + 1):
+        before = len(log.read_text().splitlines())
+        started = time.perf_counter()
+        stats = poller.cycle()
+        seconds = time.perf_counter() - started
+        calls = log.read_text().splitlines()[before:]
+        which = [c.split()[0] for c in calls]
+        cycles.append(
+            {"seconds": seconds, "commands": len(calls), "which": which, "updated": stats.updated}
+        )
+    store.db.close()
+    shutil.rmtree(root, ignore_errors=True)
+    steady = cycles[1:]
+    return {
+        "source": "real Slurm (held jobs)" if real else "stand-in (bench/fakeslurm)",
+        "active_jobs": len(job_ids),
+        "first_cycle": cycles[0],
+        "steady_seconds_median": statistics.median(c["seconds"] for c in steady),
+        "steady_commands_max": max(c["commands"] for c in steady),
+        "cycles": cycles,
+        "label": label,
+    }
+
+
+def main() -> dict[str, object]:
+    results: dict[str, object] = {}
+    held: list[str] = []
+    try:
+        if shutil.which("sbatch") and os.environ.get("BENCH_POLL_REAL", "1") == "1":
+            started = time.perf_counter()
+            held = submit_held(1000)
+            print(f"submitted 1000 held jobs in {time.perf_counter() - started:.0f} s")
+            results["real-1000"] = run_case("real-1000", held, real=True)
+    finally:
+        if held:
+            env = {**os.environ, **SLURM_ENV}
+            subprocess.run(["scancel", *held], check=False, env=env)
+    for n in (1000, 10000):
+        ids = [str(200_000 + i) for i in range(n)]
+        results[f"standin-{n}"] = run_case(f"standin-{n}", ids, real=False)
+    rows = []
+    for r in results.values():
+        first = r["first_cycle"]
+        rows.append([r["source"], r["active_jobs"], first["commands"], first["seconds"],
+                     r["steady_commands_max"], r["steady_seconds_median"]])  # fmt: skip
+    print(f"poll cycle, {STORED} tasks stored (SQLite); steady = median of {CYCLES} cycles")
+    table(["Slurm", "active jobs", "1st: cmds", "1st: s", "steady: cmds", "steady: s"], rows)
+    write_result("poll", {"stored_tasks": STORED, **results})
+    return results
+
+
+if __name__ == "__main__":
+    main()
