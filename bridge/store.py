@@ -445,6 +445,10 @@ class Store:
         )
         return [_record(row, True) for row in rows]
 
+    def newest_seq(self) -> int | None:
+        """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
+        return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
+
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
         """Apply poller changes; a terminal task's state never changes.
 

@@ -452,3 +452,33 @@ def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
     assert [e["stdout"] for e in record.logs[0]["logs"]] == ["one\n"]
     assert all(isinstance(e["exit_code"], int) for e in record.logs[0]["logs"])
     assert "end_time" not in record.logs[0]
+
+
+def test_quick_check_submits_new_tasks_without_calling_squeue(env):
+    poller, store, slurm, _ = env
+    poller.cycle()
+    assert poller.quick_check() is None
+    task = store.create_task(ECHO)
+    assert poller.quick_check() == "submit"
+    slurm.calls.clear()
+    poller.submit_new()
+    assert slurm.calls == ["sbatch"]
+    assert store.get_task(task.id).job_id is not None
+    assert poller.quick_check() is None
+
+
+def test_quick_check_asks_for_a_cycle_when_a_job_recorded_its_outcome(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
+    poller.cycle()
+    assert poller.quick_check() is None
+    records = poller.task_dir(task.id) / "records" / job_id
+    records.mkdir(parents=True)
+    (records / "outcome").write_text("complete\n")
+    assert poller.quick_check() == "cycle"
+    poller.cycle()
+    assert store.get_task(task.id).state == "COMPLETE"
+    assert poller.quick_check() is None  # a finished task is not watched any more
