@@ -37,19 +37,6 @@ def sh(script: str) -> dict[str, Any]:
     return {"image": "alpine", "command": ["sh", "-c", script]}
 
 
-def url_for(servers: StorageServers, protocol: str, name: str) -> str:
-    return {
-        "http": f"{servers.http}/{name}",
-        "s3": f"s3://{BUCKET}/{name}",
-        "ftp": f"{servers.ftp}/{name}",
-    }[protocol]
-
-
-def server_path(servers: StorageServers, protocol: str, name: str) -> Path:
-    root = {"http": servers.http_root, "s3": servers.bucket_dir, "ftp": servers.ftp_root}
-    return root[protocol] / name
-
-
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -67,13 +54,13 @@ def test_file_directory_and_wildcard_staging_keeps_every_byte(
     storage_servers.put(protocol, f"{base}/in/tree/a.txt", b"a\n")
     b_bin = storage_servers.put(protocol, f"{base}/in/tree/sub/b.bin", os.urandom(40_000))
     inputs = [
-        {"path": "/in/data.bin", "url": url_for(storage_servers, protocol, f"{base}/in/data.bin")}
+        {"path": "/in/data.bin", "url": storage_servers.url_for(protocol, f"{base}/in/data.bin")}
     ]
     if protocol != "http":  # plain HTTP cannot list a directory (see the next test)
         inputs.append(
             {
                 "path": "/in/tree",
-                "url": url_for(storage_servers, protocol, f"{base}/in/tree"),
+                "url": storage_servers.url_for(protocol, f"{base}/in/tree"),
                 "type": "DIRECTORY",
             }
         )
@@ -91,17 +78,17 @@ def test_file_directory_and_wildcard_staging_keeps_every_byte(
             "outputs": [
                 {
                     "path": "/out/data.bin",
-                    "url": url_for(storage_servers, protocol, f"{base}/out/data.bin"),
+                    "url": storage_servers.url_for(protocol, f"{base}/out/data.bin"),
                 },
                 {
                     "path": "/out/tree",
-                    "url": url_for(storage_servers, protocol, f"{base}/out/tree"),
+                    "url": storage_servers.url_for(protocol, f"{base}/out/tree"),
                     "type": "DIRECTORY",
                 },
                 {
                     "path": "/out/logs/*.log",
                     "path_prefix": "/out/logs",
-                    "url": url_for(storage_servers, protocol, f"{base}/out/logs"),
+                    "url": storage_servers.url_for(protocol, f"{base}/out/logs"),
                 },
             ],
             "executors": [
@@ -114,7 +101,7 @@ def test_file_directory_and_wildcard_staging_keeps_every_byte(
         }
     )
     assert task["state"] == "COMPLETE", system_logs(task)
-    out = lambda name: server_path(storage_servers, protocol, f"{base}/out/{name}")  # noqa: E731
+    out = lambda name: storage_servers.server_path(protocol, f"{base}/out/{name}")  # noqa: E731
     assert digest(out("data.bin")) == digest(source)
     if protocol != "http":
         assert digest(out("tree/sub/b.bin")) == digest(b_bin)
@@ -133,7 +120,7 @@ def test_file_directory_and_wildcard_staging_keeps_every_byte(
     for path, entry in uploaded.items():
         name = path.removeprefix("/out/")
         assert entry["size_bytes"] == str(out(name).stat().st_size), path
-        assert entry["url"] == url_for(storage_servers, protocol, f"{base}/out/{name}")
+        assert entry["url"] == storage_servers.url_for(protocol, f"{base}/out/{name}")
 
 
 def test_directory_input_over_http_is_a_system_error(staging_service, storage_servers):

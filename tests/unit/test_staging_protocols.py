@@ -36,19 +36,6 @@ def context(servers: StorageServers, notes: list[str] | None = None, **overrides
     return StagingContext(options=options, log=log)
 
 
-def url_for(servers: StorageServers, protocol: str, name: str) -> str:
-    return {
-        "http": f"{servers.http}/{name}",
-        "s3": f"s3://{BUCKET}/{name}",
-        "ftp": f"{servers.ftp}/{name}",
-    }[protocol]
-
-
-def server_path(servers: StorageServers, protocol: str, name: str) -> Path:
-    root = {"http": servers.http_root, "s3": servers.bucket_dir, "ftp": servers.ftp_root}
-    return root[protocol] / name
-
-
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -75,16 +62,16 @@ def test_file_in_and_out_keeps_every_byte(storage_servers, tmp_path, protocol):
         protocol, f"unit-{protocol}/in.bin", os.urandom(3 * 1024 * 1024 + 17)
     )
     dest = tmp_path / "in.bin"
-    url = url_for(storage_servers, protocol, f"unit-{protocol}/in.bin")
+    url = storage_servers.url_for(protocol, f"unit-{protocol}/in.bin")
     backend_for(url).download(url, dest, "FILE", context(storage_servers))
     assert sha256(dest) == sha256(source)
 
     # Above the 8 MiB multipart threshold of the test config, for S3.
     local = tmp_path / "out.bin"
     local.write_bytes(os.urandom(9 * 1024 * 1024 + 5))
-    out_url = url_for(storage_servers, protocol, f"unit-{protocol}/deep/er/out.bin")
+    out_url = storage_servers.url_for(protocol, f"unit-{protocol}/deep/er/out.bin")
     upload(storage_servers, local, out_url)
-    assert sha256(server_path(storage_servers, protocol, f"unit-{protocol}/deep/er/out.bin")) == (
+    assert sha256(storage_servers.server_path(protocol, f"unit-{protocol}/deep/er/out.bin")) == (
         sha256(local)
     )
 
@@ -95,7 +82,7 @@ def test_directory_input_copies_the_whole_tree(storage_servers, tmp_path, protoc
     for name, data in files.items():
         storage_servers.put(protocol, f"tree-{protocol}/{name}", data)
     dest = tmp_path / "tree"
-    url = url_for(storage_servers, protocol, f"tree-{protocol}")
+    url = storage_servers.url_for(protocol, f"tree-{protocol}")
     backend_for(url).download(url, dest, "DIRECTORY", context(storage_servers))
     got = {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
     assert got == files
@@ -109,7 +96,7 @@ def test_directory_input_over_http_is_a_clear_error(storage_servers, tmp_path):
 
 @pytest.mark.parametrize("protocol", LISTING)
 def test_empty_or_missing_directory_input_fails(storage_servers, tmp_path, protocol):
-    url = url_for(storage_servers, protocol, "no-such-tree")
+    url = storage_servers.url_for(protocol, "no-such-tree")
     with pytest.raises(StagingError):
         backend_for(url).download(url, tmp_path / "d", "DIRECTORY", context(storage_servers))
 
@@ -121,7 +108,7 @@ def test_empty_or_missing_directory_input_fails(storage_servers, tmp_path, proto
     ("protocol", "reason"), [("http", "HTTP 404"), ("s3", "does not exist"), ("ftp", "550")]
 )
 def test_missing_input_names_the_url_and_the_reason(storage_servers, tmp_path, protocol, reason):
-    url = url_for(storage_servers, protocol, "missing/nothing.txt")
+    url = storage_servers.url_for(protocol, "missing/nothing.txt")
     with pytest.raises(StagingError) as caught:
         backend_for(url).download(url, tmp_path / "x", "FILE", context(storage_servers))
     assert reason in str(caught.value)
@@ -283,19 +270,19 @@ def test_stage_out_uploads_files_trees_and_wildcards(storage_servers, tmp_path, 
         storage_servers,
         {
             "outputs": [
-                {"path": "/out/one.txt", "url": url_for(storage_servers, protocol, f"{base}/1")},
+                {"path": "/out/one.txt", "url": storage_servers.url_for(protocol, f"{base}/1")},
                 {
                     "path": "/out/tree",
-                    "url": url_for(storage_servers, protocol, f"{base}/tree"),
+                    "url": storage_servers.url_for(protocol, f"{base}/tree"),
                     "type": "DIRECTORY",
                 },
                 {
                     "path": "/out/w/*.log",
                     "path_prefix": "/out/w",
-                    "url": url_for(storage_servers, protocol, f"{base}/logs"),
+                    "url": storage_servers.url_for(protocol, f"{base}/logs"),
                 },
-                {"path": "/out/gone", "url": url_for(storage_servers, protocol, f"{base}/g")},
-                {"path": "/out/link", "url": url_for(storage_servers, protocol, f"{base}/l")},
+                {"path": "/out/gone", "url": storage_servers.url_for(protocol, f"{base}/g")},
+                {"path": "/out/link", "url": storage_servers.url_for(protocol, f"{base}/l")},
             ]
         },
     )
@@ -323,17 +310,15 @@ def test_stage_out_uploads_files_trees_and_wildcards(storage_servers, tmp_path, 
         f"{base}/logs/y.log": files["/out/w/y.log"],
     }
     for name, data in expected.items():
-        assert server_path(storage_servers, protocol, name).read_bytes() == data, name
+        assert storage_servers.server_path(protocol, name).read_bytes() == data, name
     for absent in ("l", "g", "tree/escape", "logs/skip.txt"):
-        assert not server_path(storage_servers, protocol, f"{base}/{absent}").exists()
+        assert not storage_servers.server_path(protocol, f"{base}/{absent}").exists()
     records = task.read()
     outputs = {o["path"]: o for o in records.outputs}
     assert set(outputs) == set(files)
     for path, data in files.items():
         assert outputs[path]["size_bytes"] == str(len(data))
-    assert outputs["/out/w/y.log"]["url"] == url_for(
-        storage_servers, protocol, f"{base}/logs/y.log"
-    )
+    assert outputs["/out/w/y.log"]["url"] == storage_servers.url_for(protocol, f"{base}/logs/y.log")
     logs = "\n".join(records.system_logs)
     assert "/out/gone" in logs and "not found after the executors ran" in logs
     assert "/out/link" in logs and "escape is a symbolic link" in logs
@@ -342,7 +327,7 @@ def test_stage_out_uploads_files_trees_and_wildcards(storage_servers, tmp_path, 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_stage_in_failure_names_the_url_and_leaks_no_secret(storage_servers, tmp_path, protocol):
     storage_servers.put("s3", "ok.txt", b"fine\n")
-    url = url_for(storage_servers, protocol, "absent/input.txt")
+    url = storage_servers.url_for(protocol, "absent/input.txt")
     task = TaskDir(
         tmp_path,
         storage_servers,
@@ -372,7 +357,7 @@ def test_stage_in_directory_inputs_from_every_listing_protocol(storage_servers, 
             "inputs": [
                 {
                     "path": f"/in/{p}",
-                    "url": url_for(storage_servers, p, "si-tree"),
+                    "url": storage_servers.url_for(p, "si-tree"),
                     "type": "DIRECTORY",
                 }
                 for p in LISTING
