@@ -118,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "init-db":
         _init_store(config)
-        print(f"database ready: {_redact(config.database_url)}")
+        from bridge.job.staging import redact
+
+        print(f"database ready: {redact(config.database_url)}")
         return 0
     if args.command == "poller" and args.supervise:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
@@ -138,16 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.error(f"unknown command {args.command}")
     return 2
-
-
-def _redact(url: str) -> str:
-    """A database URL without its password, for messages."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        credentials, host = rest.rsplit("@", 1)
-        user = credentials.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}"
-    return url
 
 
 def _init_store(config: Config) -> None:

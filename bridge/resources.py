@@ -71,14 +71,9 @@ class Tasks:
     def __init__(self, config: Config, store: Store):
         self.config = config
         self.store = store
-        limits = config.limits
+        # Every document limit comes from the config's [limits] of the same name.
         self.limits = Limits(
-            max_executors=limits.max_executors,
-            max_inputs=limits.max_inputs,
-            max_outputs=limits.max_outputs,
-            max_volumes=limits.max_volumes,
-            max_tags=limits.max_tags,
-            max_content_bytes=limits.max_content_bytes,
+            **{name: getattr(config.limits, name) for name in Limits.__dataclass_fields__}
         )
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
