@@ -237,6 +237,14 @@ node_hardware() {
   local reserve=$((total_mb / 8))
   ((reserve > 1024)) && reserve=1024
   REAL_MEMORY=$((total_mb - reserve))
+  # Node-local scratch as a real node declares it: TmpFS is where `sbatch --tmp` space lives,
+  # TmpDisk what a job may ask for there (half the filesystem, at most 100 GiB). slurmd drains a
+  # node whose TmpFS is smaller than its TmpDisk, so it is derived from the disk, never guessed.
+  NODE_TMPFS=/tmp
+  local tmp_mb
+  tmp_mb=$(df -Pm "$NODE_TMPFS" | awk 'NR == 2 {print $2}')
+  TMP_DISK=$((tmp_mb / 2))
+  ((TMP_DISK > 102400)) && TMP_DISK=102400
   # Jobs without --mem get a share small enough that OVERSUBSCRIBE jobs per CPU fit.
   DEF_MEM_PER_CPU=$((REAL_MEMORY / (CPUS * OVERSUBSCRIBE)))
 }
@@ -288,7 +296,8 @@ AccountingStoragePass=$MUNGE_SOCKET
 # Keep --comment in the accounting database, so sacct can show it after the job ends.
 AccountingStoreFlags=job_comment
 JobCompType=jobcomp/none
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY State=UNKNOWN
+TmpFS=$NODE_TMPFS
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN
 # Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE
 EOF
