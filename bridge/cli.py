@@ -122,6 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"database ready: {redact(config.database_url)}")
         return 0
+    if args.command in ("serve", "poller"):
+        problem = refuse_root(config, os.geteuid())
+        if problem:
+            print(f"tes-bridge: {problem}", file=sys.stderr)
+            return 2
     if args.command == "poller" and args.supervise:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
         return supervise(argv + (["--once"] if args.once else []))
@@ -149,6 +154,18 @@ def _init_store(config: Config) -> None:
     store = Store.from_url(config.database_url)
     store.init_schema(__version__)
     store.db.close()
+
+
+def refuse_root(config: Config, euid: int) -> str | None:
+    """Why the service must not start as user `euid` (None when it may)."""
+    if euid != 0 or config.container.allow_root:
+        return None
+    return (
+        "refusing to run as root: jobs submitted by root run their executors as root, which "
+        "is host root behind the container's user namespace. Run tes-bridge as an unprivileged "
+        "service account (deploy/quickstart.sh creates `tesbridge`), or, knowing the risk, set "
+        "container.allow_root = true."
+    )
 
 
 def unsafe_bind(config: Config, bind: str) -> str | None:

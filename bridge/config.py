@@ -125,6 +125,14 @@ class ContainerConfig(_Section):
     #: Flags for every `exec`; `--userns` is needed where the runtime cannot use setuid.
     exec_flags: list[str] = Field(default_factory=lambda: ["--cleanenv", "--contain"])
     extra_flags: list[str] = Field(default_factory=list)
+    #: Least privilege for every executor: no capabilities and no setuid (`--no-privs`), and a
+    #: PID namespace of its own (`--pid`) so no other task's processes or argv are visible.
+    #: Empty only for a runtime that lacks these flags.
+    isolation_flags: list[str] = Field(default_factory=lambda: ["--no-privs", "--pid"])
+    #: DANGEROUS. Let `serve` and `poller` run as root, and jobs run executors as root. An
+    #: executor of root is host root behind a user namespace: it can write host files such as
+    #: /proc/sys/kernel/core_pattern. Run the bridge as an unprivileged account instead.
+    allow_root: bool = False
     #: Registry used for unqualified names such as `alpine` or `ubuntu:22.04`.
     default_registry: str = "docker.io"
     #: Registries reached over plain HTTP (e.g. a local mirror `127.0.0.1:5000`).
@@ -220,8 +228,20 @@ class JobConfig(_Section):
     python: str = sys.executable
     #: How much of each executor's stdout/stderr is kept in the task log (the tail).
     log_tail_bytes: int = Field(default=10 * 1024, ge=0)
+    #: Where each job attempt makes the disk-backed directory bound on /tmp and /var/tmp in its
+    #: executors, on the compute node (e.g. a node-local disk); None: Slurm's $TMPDIR of the job,
+    #: else the task directory.
+    scratch_dir: Path | None = None
     retention_days: float = Field(default=7.0, ge=0)
     failed_retention_days: float = Field(default=30.0, ge=0)
+
+    @field_validator("scratch_dir")
+    @classmethod
+    def _plain_scratch(cls, value: Path | None) -> Path | None:
+        # It becomes the source of `--bind SRC:/tmp`, where `:` and `,` are separators.
+        if value is not None and (not value.is_absolute() or any(c in str(value) for c in ":,\n")):
+            raise ValueError("must be an absolute path without ':', ',' or a newline")
+        return value
 
 
 class AuthConfig(_Section):

@@ -68,6 +68,11 @@ BACKEND_PARAMETERS: dict[str, tuple[str, re.Pattern[str]]] = {
 #: Container paths that cannot be bind targets: the runtime owns them.
 _RESERVED = ("/proc", "/sys", "/dev")
 
+#: Bound from the attempt's scratch directory on disk: with `--contain` the runtime would
+#: otherwise give the container a RAM tmpfs there, charged to the job's memory.
+#: container path -> subdirectory of the scratch directory (see templates/job.sh.j2).
+SCRATCH_TARGETS = {"/tmp": "tmp", "/var/tmp": "var-tmp"}
+
 
 def _text(value: Any, where: str) -> str:
     """A task string that can be written into the script (UTF-8, no NUL)."""
@@ -244,6 +249,9 @@ class BindPlan:
     bound_inputs: list[int]
     #: Inputs that may be hardlinked (file_input_mode "hardlink"): those that stay read-only.
     linkable_inputs: list[int]
+    #: Of /tmp and /var/tmp, those that get the attempt's disk-backed scratch directory: each
+    #: one the task mounts nothing at, under or above.
+    scratch_targets: list[str]
 
 
 def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -> BindPlan:
@@ -321,8 +329,15 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         )
         if not covered and bind not in keep:
             keep.append(bind)
+    task_paths = [b.container for b in wanted]
+    scratch = [
+        target
+        for target in SCRATCH_TARGETS
+        if not any(_under(p, target) or _under(target, p) for p in task_paths)
+    ]
     return BindPlan(
         binds=keep,
+        scratch_targets=scratch,
         mkdirs=sorted({b.container for b in keep if not b.readonly}),
         bound_inputs=bound,
         linkable_inputs=linkable if config.storage.file_input_mode == "hardlink" else [],
@@ -389,6 +404,7 @@ def _executor_context(
     *,
     config: Config,
     binds: list[str],
+    scratch_targets: list[str],
     image_paths: dict[str, str],
 ) -> dict[str, Any]:
     where = f"executors[{index}]"
@@ -405,12 +421,20 @@ def _executor_context(
     global_flags = config.container.global_flags
     groups = [
         [runtime, *global_flags, "exec", *config.container.exec_flags],
+        config.container.isolation_flags,
         config.container.extra_flags,
     ]
     groups += [binds[i : i + 2] for i in range(0, len(binds), 2)]
     if executor.get("workdir") is not None:
         groups.append(["--pwd", _path(executor["workdir"], f"{where}.workdir")])
     groups += [[sif], argv]
+    call = [" ".join(shlex.quote(arg) for arg in group) for group in groups if group]
+    # The scratch directory is made by the job on the node: the script expands $EXEC_TMP (its
+    # path is checked there for the `:` and `,` that --bind takes as separators).
+    scratch = [
+        f'--bind "$EXEC_TMP/{SCRATCH_TARGETS[target]}:{target}"' for target in scratch_targets
+    ]
+    call[-2:-2] = scratch
     env = executor.get("env") or {}
     if not isinstance(env, dict):
         raise RenderError(f"{where}.env: expected an object")
@@ -428,7 +452,7 @@ def _executor_context(
         "index": index,
         "ignore_error": executor.get("ignore_error") is True,
         "env": assignments,
-        "call": [" ".join(shlex.quote(arg) for arg in group) for group in groups if group],
+        "call": call,
     }
 
 
@@ -468,7 +492,8 @@ def render_script(
     executors = task.get("executors")
     if not isinstance(executors, list) or not executors:
         raise RenderError("executors: expected a non-empty list")
-    flags = bind_args(compute_binds(task, config=config, layout=layout).binds)
+    plan = compute_binds(task, config=config, layout=layout)
+    flags = bind_args(plan.binds)
     context = {
         "directives": directives,
         "task_dir": str(layout.task_dir),
@@ -477,8 +502,17 @@ def render_script(
         "job_module": JOB_MODULE,
         "prologue": config.slurm.prologue,
         "epilogue": config.slurm.epilogue,
+        "scratch_dir": str(config.job.scratch_dir or ""),
+        "scratch_prefix": f"tes-tmp-{task['id']}",
         "executors": [
-            _executor_context(i, ex, config=config, binds=flags, image_paths=image_paths)
+            _executor_context(
+                i,
+                ex,
+                config=config,
+                binds=flags,
+                scratch_targets=plan.scratch_targets,
+                image_paths=image_paths,
+            )
             for i, ex in enumerate(executors)
         ],
     }
@@ -501,6 +535,7 @@ def job_settings(
         mkdirs=plan.mkdirs,
         bound_inputs=plan.bound_inputs,
         linkable_inputs=plan.linkable_inputs,
+        allow_root=config.container.allow_root,
         staging=config.staging.job_options(),
     )
 

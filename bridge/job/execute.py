@@ -18,6 +18,7 @@ from pathlib import Path
 from bridge.job import safepath
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
 from bridge.job.records import RecordsWriter, executor_dir
+from bridge.job.settings import read_settings
 
 #: Exit code when the executor could not be started (its stdio could not be opened).
 EXIT_CANNOT_START = 125
@@ -50,6 +51,15 @@ def run_executor(task_dir: Path, records_dir: Path, index: int, argv: Sequence[s
     edir = executor_dir(records_dir, index)
     edir.mkdir(mode=0o700, parents=True, exist_ok=True)
     executor = _executor(layout, index)
+    if os.geteuid() == 0 and not read_settings(layout.job_config).allow_root:
+        # Root in the job is root on the host behind the runtime's user namespace.
+        message = (
+            f"executor {index}: refusing to run as root; run the bridge as an unprivileged "
+            "account (or set container.allow_root, which is dangerous)"
+        )
+        RecordsWriter(records_dir).system_log(message)
+        os.write(2, f"tes-bridge: {message}\n".encode())
+        return EXIT_CANNOT_START
     fds: dict[int, int] = {}
     try:
         # stderr first, so that a problem with the others can be reported in it.

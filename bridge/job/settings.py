@@ -34,6 +34,8 @@ class JobSettings:
     #: With file_input_mode "hardlink": inputs that stay read-only in the container and may
     #: therefore share their inode with the source; every other input is copied.
     linkable_inputs: list[int] = field(default_factory=list)
+    #: container.allow_root: executors may run as root (refused otherwise, see bridge.job.execute).
+    allow_root: bool = False
     #: `[staging]` options for the protocol modules (bridge.job.staging.StagingOptions): endpoint
     #: names and paths of credential files only, never a secret.
     staging: dict[str, Any] = field(default_factory=dict)

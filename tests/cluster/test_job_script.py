@@ -114,6 +114,7 @@ def env(local_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Env:
                 "default_registry": local_cluster.registry,
                 "insecure_registries": [local_cluster.registry],
                 "cache_dir": str(base / "images"),
+                "allow_root": os.geteuid() == 0,  # the suite runs as root
             },
             "storage": {"allowed_dirs": [str(shared)]},
             "job": {"python": sys.executable, "log_tail_bytes": 10240},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -74,3 +75,34 @@ def test_init_db_and_show_config(tmp_path):
     assert (tmp_path / "tes-bridge.db").is_file()
     shown = json.loads(tes_bridge("show-config", env=env).stdout)
     assert shown["state_dir"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["poller", "--once"], ["poller", "--supervise"]])
+def test_root_is_refused_without_allow_root(tmp_path, command):
+    """As root (the suite's own user), serve and poller stop before doing anything and say
+    what to do; nothing is created in the state directory."""
+    from bridge.cli import refuse_root
+    from bridge.config import load_config
+
+    state = tmp_path / "state"
+    env = {"TES_BRIDGE_STATE_DIR": str(state), "PATH": "/usr/bin:/bin"}
+    config = load_config(environ=env)
+    assert refuse_root(config, 1000) is None
+    assert "container.allow_root" in (refuse_root(config, 0) or "")
+    if os.geteuid() != 0:
+        pytest.skip("the process-level check needs root; refuse_root is checked above")
+    result = tes_bridge(*command, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "refusing to run as root" in result.stderr
+    assert "unprivileged service account" in result.stderr
+    assert "container.allow_root = true" in result.stderr
+    assert not state.exists()
+
+
+def test_allow_root_lets_root_start(tmp_path):
+    config_file = tmp_path / "root.toml"
+    config_file.write_text(f'state_dir = "{tmp_path / "state"}"\n[container]\nallow_root = true\n')
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": "/nonexistent"}
+    result = tes_bridge("--config", str(config_file), "poller", "--once", env=env)
+    assert "refusing to run as root" not in result.stderr
+    assert (tmp_path / "state" / "tes-bridge.db").is_file()

@@ -48,6 +48,7 @@ class Task:
             "runtime": "sh",
             "allowed_dirs": [str(self.allowed)],
             "mkdirs": [],
+            "allow_root": True,  # the suite runs as root
             **settings,
         }
         self.layout.job_config.write_text(JobSettings(**values).to_json())
@@ -568,7 +569,7 @@ def run_job(tmp_path: Path, task: dict[str, Any], **storage: Any) -> tuple[int, 
     config = Config.model_validate(
         {
             "state_dir": str(tmp_path / "state"),
-            "container": {"runtime": str(runtime)},
+            "container": {"runtime": str(runtime), "allow_root": True},
             "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
         }
     )
@@ -627,3 +628,15 @@ def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Pat
     assert (code, records.outcome) == (1, "system_error")
     code, records = run_job(tmp_path / "b", {**task, "executors": [sh("exit 1")]})
     assert (code, records.outcome) == (0, "executor_error")
+
+
+def test_exec_refuses_to_run_an_executor_as_root(tmp_path: Path, monkeypatch) -> None:
+    """A job of root (a submission that bypassed the service's own check) runs no executor
+    unless container.allow_root was set when the task was rendered."""
+    marker = tmp_path / "ran"
+    task = Task(tmp_path, {}, allow_root=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    code = run_executor(task.layout.task_dir, task.records, 0, ["touch", str(marker)])
+    assert code == EXIT_CANNOT_START
+    assert not marker.exists()
+    assert "refusing to run as root" in task.read().system_logs[0]

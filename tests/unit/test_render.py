@@ -208,7 +208,7 @@ def test_site_directives_come_last_and_prologue_epilogue_are_placed(tmp_path: Pa
     script = render(tmp_path, make_task(), slurm=slurm)
     assert directives(script)[-2:] == ["--nodes=1", "--export=NONE"]
     assert script.index("SITE-PROLOGUE") < script.index("start_records()")
-    assert "trap 'set +eu; site_epilogue' EXIT" in script
+    assert "trap 'set +eu; remove_exec_tmp; site_epilogue' EXIT" in script
     bash_syntax_ok(script, tmp_path)
 
 
@@ -405,7 +405,7 @@ def test_hostile_values_reach_the_runtime_exactly_and_run_nothing(tmp_path: Path
     runtime = tmp_path / "fake-apptainer"
     runtime.write_text(FAKE_RUNTIME.format(python=sys.executable))
     runtime.chmod(0o755)
-    config = make_config(tmp_path, container={"runtime": str(runtime)})
+    config = make_config(tmp_path, container={"runtime": str(runtime), "allow_root": True})
     task = hostile_task()
     image = tmp_path / "alpine.sif"
     image.write_text("not really an image")
@@ -532,3 +532,42 @@ def test_template_variables_must_exist(tmp_path: Path) -> None:
     (site / "job.sh.j2").write_text("{{ no_such_value }}\n")
     with pytest.raises(jinja2.UndefinedError):
         render(tmp_path, make_task(), job={"template_dir": str(site)})
+
+
+def test_executors_drop_privileges_and_get_their_own_pid_namespace(tmp_path: Path) -> None:
+    script = render(tmp_path, make_task())
+    call = script[script.index("executor_0() {") :]
+    assert "--no-privs --pid" in call
+    assert call.index("--no-privs") < call.index("/cache/alpine.sif")
+
+
+@pytest.mark.parametrize(
+    ("fields", "bound"),
+    [
+        ({}, ["/tmp", "/var/tmp"]),
+        ({"volumes": ["/tmp"]}, ["/var/tmp"]),
+        ({"inputs": [{"path": "/tmp/in.txt", "content": "x"}]}, ["/var/tmp"]),
+        ({"outputs": [{"path": "/var/tmp/o.txt", "url": "file:///d/o.txt"}]}, ["/tmp"]),
+        ({"volumes": ["/var"]}, ["/tmp"]),
+        ({"volumes": ["/data/tmp"]}, ["/tmp", "/var/tmp"]),
+    ],
+)
+def test_tmp_and_var_tmp_come_from_the_scratch_directory_unless_the_task_mounts_there(
+    tmp_path: Path, fields: dict[str, Any], bound: list[str]
+) -> None:
+    script = render(tmp_path, make_task(**fields))
+    call = script[script.index("executor_0() {") :]
+    for target, sub in (("/tmp", "tmp"), ("/var/tmp", "var-tmp")):
+        flag = f'--bind "$EXEC_TMP/{sub}:{target}"'
+        assert (flag in call) == (target in bound), (target, call)
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_scratch_dir_setting(tmp_path: Path) -> None:
+    script = render(tmp_path, make_task(), job={"scratch_dir": "/local/disk"})
+    assert "SCRATCH=/local/disk\n" in script
+    default = render(tmp_path, make_task())
+    assert 'SCRATCH="${TMPDIR:-$TASK_DIR/tmp}"' in default
+    assert default.index("SCRATCH=") < default.index('export TMPDIR="$TASK_DIR/tmp"')
+    with pytest.raises(Exception, match="scratch_dir"):
+        make_config(tmp_path, job={"scratch_dir": "/a:b"})
