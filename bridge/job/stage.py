@@ -305,7 +305,16 @@ def _upload_tree(
         for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
             rel_dir = os.path.normpath(dirpath)
             rel_dir = "" if rel_dir == "." else rel_dir + "/"
-            for name in dirnames:
+            for name in list(dirnames):
+                # fwalk lists a link to a directory among the directories (and does not enter
+                # it): say that it is skipped rather than upload an empty directory.
+                if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    dirnames.remove(name)
+                    log.system_log(
+                        f"{label}: {base}/{rel_dir}{name} is a symbolic link to a directory; "
+                        "not followed, not uploaded"
+                    )
+                    continue
                 if ensure_directory:
                     try:
                         ensure_directory(_join_url(url, rel_dir + name), ctx)

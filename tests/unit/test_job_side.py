@@ -358,6 +358,29 @@ def test_symlink_planted_by_an_executor_never_uploads_the_host_file(tmp_path: Pa
     assert "symbolic link" in logs
 
 
+def test_directory_output_logs_a_link_to_a_directory_and_does_not_follow_it(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("host secret")
+    task = Task(
+        tmp_path, {"outputs": [{"path": "/out/d", "url": f"{shared}/d", "type": "DIRECTORY"}]}
+    )
+    task.host("/out/d/sub").mkdir(parents=True)
+    task.host("/out/d/sub/ok.txt").write_text("fine")
+    task.host("/out/d/sub/linked").symlink_to(elsewhere)
+    assert task.stage_out() == STAGE_OK
+    assert (shared / "d" / "sub" / "ok.txt").read_text() == "fine"
+    assert not os.path.lexists(shared / "d" / "sub" / "linked")  # not even an empty directory
+    logs = task.read().system_logs
+    assert any(
+        "/out/d/sub/linked is a symbolic link to a directory" in line and "not uploaded" in line
+        for line in logs
+    ), logs
+
+
 def test_fifo_output_is_skipped_without_hanging(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     task = Task(
