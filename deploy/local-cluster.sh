@@ -569,6 +569,15 @@ install_apptainer() {
 
 # Finds the exec flags this machine needs (plain exec fails as root on VMs that withhold a
 # capability; --userns works there) and checks that a container really runs.
+# Unprivileged Apptainer mounts SIF images with squashfuse, which opens /dev/fuse. A Debian host
+# with udev makes it 0666 (udev's own rule); some virtual machines and containers leave it 0600,
+# and then only root could run containers. Jobs here run as unprivileged users, as at a site.
+open_fuse() {
+  if [[ -c /dev/fuse ]] && [[ $(stat -c %a /dev/fuse) != 666 ]]; then
+    chmod 0666 /dev/fuse
+  fi
+}
+
 verify_apptainer() {
   local sif=$CACHE/images/alpine.sif
   if [[ ! -s $sif ]]; then
@@ -729,6 +738,7 @@ cmd_up() {
   write_configs
   start_daemons
   install_apptainer
+  open_fuse
   publish_image alpine library/alpine latest
   publish_image python library/python 3-slim
   verify_apptainer

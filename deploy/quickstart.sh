@@ -8,12 +8,15 @@
 #   TES_BRIDGE_PREFIX     where the virtual environment goes   (/opt/tes-bridge)
 #   TES_BRIDGE_STATE_DIR  database, task directories, logs    (/var/lib/tes-bridge)
 #   TES_BRIDGE_BIND       address:port of the API             (127.0.0.1:8000)
+#   TES_BRIDGE_USER       the unprivileged account the service, and so every job and
+#                         executor, runs as (tesbridge; created when missing)
 # Running it again upgrades the installation from this checkout and restarts the service.
 set -Eeuo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PREFIX=${TES_BRIDGE_PREFIX:-/opt/tes-bridge}
 STATE_DIR=${TES_BRIDGE_STATE_DIR:-/var/lib/tes-bridge}
 BIND=${TES_BRIDGE_BIND:-127.0.0.1:8000}
+ACCOUNT=${TES_BRIDGE_USER:-tesbridge}
 CONFIG=$STATE_DIR/tes-bridge.toml
 PIDFILE=$STATE_DIR/serve.pid
 LOG=$STATE_DIR/serve.log
@@ -64,6 +67,34 @@ allowed_dirs = ["$STATE_DIR/data"]
 TOML
 }
 
+# The service account: never root, so jobs and their executors never run as root.
+make_account() {
+  [[ $ACCOUNT != root ]] || die "TES_BRIDGE_USER must not be root"
+  if ! id -u "$ACCOUNT" >/dev/null 2>&1; then
+    say "service account $ACCOUNT"
+    useradd --system --create-home --shell /usr/sbin/nologin "$ACCOUNT"
+  fi
+  [[ $(id -u "$ACCOUNT") -ne 0 ]] || die "$ACCOUNT has uid 0"
+}
+
+# The state directory holds the local cluster's own state too: hand over only the bridge's.
+own_state() {
+  local group
+  group=$(id -gn "$ACCOUNT")
+  mkdir -p "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images"
+  chown "$ACCOUNT:$group" "$STATE_DIR"
+  chmod 0755 "$STATE_DIR"
+  chown -R "$ACCOUNT:$group" "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images"
+  local file
+  for file in "$STATE_DIR"/tes-bridge.db* "$STATE_DIR"/poller.lock "$LOG"; do
+    [[ -e $file ]] && chown "$ACCOUNT:$group" "$file"
+  done
+  chown "root:$group" "$CONFIG"
+  chmod 0640 "$CONFIG"
+  # The service and its jobs run the virtual environment as the account.
+  chmod -R go+rX "$PREFIX"
+}
+
 start() {
   [[ $(id -u) -eq 0 ]] || die "run as root (it installs packages and starts Slurm)"
   export DEBIAN_FRONTEND=noninteractive
@@ -78,11 +109,17 @@ start() {
   [[ -x $PREFIX/bin/python ]] || python3 -m venv "$PREFIX"
   "$PREFIX/bin/python" -m pip install -q --upgrade pip
   "$PREFIX/bin/python" -m pip install -q "$REPO[postgresql]"
-  mkdir -p "$STATE_DIR/data"
+  make_account
+  mkdir -p "$STATE_DIR"
   write_config
   stop
-  say "starting tes-bridge on $URL (log: $LOG)"
-  TES_BRIDGE_CONFIG=$CONFIG setsid "$PREFIX/bin/tes-bridge" serve >>"$LOG" 2>&1 < /dev/null &
+  touch "$LOG"
+  own_state
+  say "starting tes-bridge as $ACCOUNT on $URL (log: $LOG)"
+  # setpriv execs (no process stays in between): the pid file names the service itself.
+  (cd / && exec setsid setpriv --reuid="$ACCOUNT" --regid="$(id -g "$ACCOUNT")" --init-groups \
+      --reset-env env TES_BRIDGE_CONFIG="$CONFIG" "$PREFIX/bin/tes-bridge" serve) \
+    >>"$LOG" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"
   for _ in $(seq 1 150); do
     curl -fsS "$URL/ga4gh/tes/v1/service-info" >/dev/null 2>&1 && break
@@ -92,7 +129,7 @@ start() {
   curl -fsS "$URL/ga4gh/tes/v1/service-info" >/dev/null || die "tes-bridge does not answer on $URL; see $LOG"
   cat <<MSG
 
-tes-bridge is running on $URL (pid $(<"$PIDFILE"); config $CONFIG; log $LOG).
+tes-bridge is running as $ACCOUNT on $URL (pid $(<"$PIDFILE"); config $CONFIG; log $LOG).
 Submit a first task and read its output:
 
   id=\$(curl -s -X POST $URL/ga4gh/tes/v1/tasks -H 'Content-Type: application/json' \\
