@@ -402,7 +402,8 @@ class Poller:
     def _as_owner(self, owner: str, args: list[str], stdin: str | None = None) -> str:
         """`python -m bridge.job ARGS` as `owner`, through the sudo rule; returns stdout."""
         argv = [self.config.site.sudo, "-n", "-u", owner, "--", self.config.job.python]
-        argv += ["-m", "bridge.job", *args]
+        # The sudo rule pins --work-dir right after the subcommand.
+        argv += ["-m", "bridge.job", args[0], "--work-dir", str(self.config.work_dir), *args[1:]]
         try:
             proc = subprocess.run(
                 argv,

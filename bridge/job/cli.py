@@ -36,8 +36,14 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task-dir", type=Path, required=True, help="the task directory")
-    parser.add_argument("--records", type=Path, required=True, help="this job's records directory")
+    from bridge.job.owner import Once
+
+    parser.add_argument(
+        "--task-dir", type=Path, required=True, action=Once, help="the task directory"
+    )
+    parser.add_argument(
+        "--records", type=Path, required=True, action=Once, help="this job's records directory"
+    )
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -50,11 +56,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     _common(stage_out)
     stage_out.set_defaults(job_func=_stage_out)
 
+    from bridge.job.owner import Once
+
     run = subparsers.add_parser(
         "exec", help="(used by job.sh) run one executor's runtime call with safe stdio"
     )
     _common(run)
-    run.add_argument("--index", type=int, required=True, help="the executor's index")
+    run.add_argument("--index", type=int, required=True, action=Once, help="the executor's index")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- runtime argv...")
     run.set_defaults(job_func=_exec)
 

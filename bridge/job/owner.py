@@ -4,14 +4,17 @@ In site mode task directories belong to the task's owner and stay private (0700)
 running as the service account, never touches them itself. It calls, through the narrow rule in
 deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
 
-- ``adopt --task-dir DIR``: create DIR (0700) as the owner and write the rendered task.json,
-  job-config.json and job.sh into it, read as one JSON object from stdin;
-- ``read-records --tail-bytes N DIR:JOBID...``: the records of those jobs, as JSON on stdout
-  (one call per owner and poll cycle, for all of that owner's running tasks);
-- ``remove --task-dir DIR``: remove an old task directory.
+- ``adopt --work-dir WORK --task-dir DIR``: create DIR (0700) as the owner and write the
+  rendered task.json, job-config.json and job.sh into it, read as one JSON object from stdin;
+- ``read-records --work-dir WORK --tail-bytes N DIR:JOBID...``: the records of those jobs, as
+  JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks);
+- ``remove --work-dir WORK --task-dir DIR``: remove an old task directory.
 
 These run as the owner, not as root, so the worst a wrong argument can do is what the owner
-could do; still every path is checked (absolute, normalised, a plain task id as its name).
+could do; still they refuse anything but a task directory directly inside WORK (the sudo rule
+pins WORK): every DIR must be absolute, normalised, named by a plain task id, and WORK/<id>
+once links are resolved. An option given twice is an error (argparse would keep the last one,
+and a sudo wildcard could append one).
 """
 
 from __future__ import annotations
@@ -41,12 +44,22 @@ class OwnerError(Exception):
     pass
 
 
-def _task_dir(value: str) -> Path:
-    if not value.startswith("/") or os.path.normpath(value) != value:
+def _absolute(value: str) -> str:
+    if not value.startswith("/") or value.startswith("//") or os.path.normpath(value) != value:
         raise OwnerError(f"{value!r} is not an absolute, normalised path")
-    path = Path(value)
+    return value
+
+
+def _task_dir(value: str, work_dir: str) -> Path:
+    """`value` if it is `work_dir/<task id>`, also once links are resolved."""
+    path = Path(_absolute(value))
     if not _TASK_ID.fullmatch(path.name) or path.name in {".", ".."}:
         raise OwnerError(f"{path.name!r} is not a task id")
+    work = _absolute(work_dir)
+    if str(path.parent) != work:
+        raise OwnerError(f"{value} is not a task directory in the work directory {work}")
+    if os.path.realpath(path) != os.path.join(os.path.realpath(work), path.name):
+        raise OwnerError(f"{value} leads outside the work directory {work} (a link)")
     return path
 
 
@@ -120,14 +133,14 @@ def records_from_json(data: dict[str, Any]) -> JobRecords:
     )
 
 
-def read_many(pairs: list[str], tail_bytes: int) -> dict[str, Any]:
+def read_many(pairs: list[str], tail_bytes: int, work_dir: str) -> dict[str, Any]:
     """`DIR:JOBID` pairs -> {"DIR:JOBID": records}; an unreadable directory is left out."""
     result: dict[str, Any] = {}
     for pair in pairs:
         directory, sep, job_id = pair.rpartition(":")
         if not sep:
             raise OwnerError(f"{pair!r} is not DIR:JOBID")
-        task_dir = _task_dir(directory)
+        task_dir = _task_dir(directory, work_dir)
         try:
             _own_dir(task_dir)
             result[pair] = records_to_json(read_records(task_dir, job_id, tail_bytes=tail_bytes))
@@ -141,17 +154,17 @@ def _adopt(args: argparse.Namespace) -> int:
     files = json.load(sys.stdin)
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise OwnerError("stdin must be a JSON object of file texts")
-    adopt(_task_dir(args.task_dir), files)
+    adopt(_task_dir(args.task_dir, args.work_dir), files)
     return 0
 
 
 def _remove(args: argparse.Namespace) -> int:
-    remove(_task_dir(args.task_dir))
+    remove(_task_dir(args.task_dir, args.work_dir))
     return 0
 
 
 def _read_records(args: argparse.Namespace) -> int:
-    json.dump(read_many(args.pairs, args.tail_bytes), sys.stdout)
+    json.dump(read_many(args.pairs, args.tail_bytes, args.work_dir), sys.stdout)
     return 0
 
 
@@ -166,22 +179,46 @@ def _guarded(func: Any) -> Any:
     return run
 
 
+class Once(argparse.Action):
+    """An option that may be given once: argparse would silently keep the last of several."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        seen: set[str] = getattr(namespace, "_options_seen", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given more than once")
+        seen.add(self.dest)
+        namespace._options_seen = seen
+        setattr(namespace, self.dest, values)
+
+
+WORK_DIR_HELP = "the work directory (job.work_dir); every task directory must be in it"
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     adopt_cmd = subparsers.add_parser(
         "adopt", help="(site mode, as the owner) create a task directory from stdin"
     )
-    adopt_cmd.add_argument("--task-dir", required=True)
+    adopt_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
+    adopt_cmd.add_argument("--task-dir", required=True, action=Once)
     adopt_cmd.set_defaults(job_func=_guarded(_adopt))
 
     remove_cmd = subparsers.add_parser(
         "remove", help="(site mode, as the owner) remove an old task directory"
     )
-    remove_cmd.add_argument("--task-dir", required=True)
+    remove_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
+    remove_cmd.add_argument("--task-dir", required=True, action=Once)
     remove_cmd.set_defaults(job_func=_guarded(_remove))
 
     read = subparsers.add_parser(
         "read-records", help="(site mode, as the owner) job records as JSON on stdout"
     )
-    read.add_argument("--tail-bytes", type=int, required=True)
+    read.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
+    read.add_argument("--tail-bytes", type=int, required=True, action=Once)
     read.add_argument("pairs", nargs="*", metavar="DIR:JOBID")
     read.set_defaults(job_func=_guarded(_read_records))

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -43,9 +44,11 @@ SITE_VENV = Path("/var/lib/tes-bridge/site-test-venv")
 def sudoers_for(work_dir: Path, python: str) -> str:
     """The shipped rule with this machine's paths (the venv's python, the test work dir)."""
     text = SUDOERS.read_text()
-    assert "/opt/tes-bridge/bin/python" in text and "/var/lib/tes-bridge/work/" in text
+    assert "/opt/tes-bridge/bin/python" in text and "/var/lib/tes-bridge/work" in text
+    # The work directory stands in regular expressions: escape what POSIX ERE treats specially.
+    work = re.sub(r"([.\[\](){}*+?|^$\\#])", r"\\\1", str(work_dir))
     return text.replace("/opt/tes-bridge/bin/python", python).replace(
-        "/var/lib/tes-bridge/work/", f"{work_dir}/"
+        "/var/lib/tes-bridge/work", work
     )
 
 
@@ -222,26 +225,72 @@ def test_the_shipped_sudo_rule_is_valid_and_narrow(
         assert refused.returncode != 0, (user, argv)
         assert "not allowed" in refused.stderr or "password is required" in refused.stderr
     # And the commands it needs work.
+    work = str(installed_rule)
     allowed = as_user(
         unix_users.service,
         "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
-        "read-records", "--tail-bytes", "10",
+        "read-records", "--work-dir", work, "--tail-bytes", "10", f"{work}/no-such-task:12",
     )  # fmt: skip
     assert allowed.returncode == 0, allowed.stderr
     assert allowed.stdout == "{}"
     removed = as_user(
         unix_users.service,
         "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
-        "remove", "--task-dir", f"{installed_rule}/no-such-task",
+        "remove", "--work-dir", work, "--task-dir", f"{work}/no-such-task",
     )  # fmt: skip
     assert removed.returncode == 0, removed.stderr
     # Outside the work directory the rule does not apply.
     elsewhere = as_user(
         unix_users.service,
         "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job",
-        "remove", "--task-dir", "/home/tesalice",
+        "remove", "--work-dir", work, "--task-dir", "/home/tesalice",
     )  # fmt: skip
     assert elsewhere.returncode != 0 and os.path.isdir("/home/tesalice")
+
+
+def test_the_sudo_rule_and_the_job_commands_keep_remove_inside_the_work_dir(
+    installed_rule: Path, unix_users: UnixUsers, site_python: str
+):
+    """sudo's `*` matches spaces and argparse keeps the last of repeated options: neither may
+    turn an allowed `remove` into one of a directory outside the work directory."""
+    victim = Path("/home/tesalice/tes-victim")
+    if victim.exists():
+        shutil.rmtree(victim)
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    shutil.chown(victim, "tesalice", "tesalice")
+    shutil.chown(victim / "precious.txt", "tesalice", "tesalice")
+    work = str(installed_rule)
+    # A link inside the work directory, planted by the owner, leading to her home.
+    installed_rule.mkdir(exist_ok=True)
+    link = installed_rule / "linked-task"
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    os.lchown(link, unix_users.uid("tesalice"), -1)
+    attempts = [
+        # what the former rule `remove --task-dir <work>/*` let through
+        ["remove", "--task-dir", f"{work}/x", "--task-dir", str(victim)],
+        ["remove", "--work-dir", work, "--task-dir", f"{work}/x", "--task-dir", str(victim)],
+        ["remove", "--work-dir", work, "--task-dir", f"{work}/x --task-dir {victim}"],
+        ["remove", "--work-dir", work, "--task-dir", f"{work}/../../../home/tesalice/tes-victim"],
+        ["remove", "--work-dir", work, "--task-dir", f"{work}/x", "--work-dir", "/home/tesalice"],
+        ["remove", "--work-dir", work, "--task-dir", str(link)],
+        ["adopt", "--work-dir", work, "--task-dir", str(link)],
+        ["read-records", "--work-dir", work, "--tail-bytes", "9", f"{victim}:1"],
+    ]
+    try:
+        for argv in attempts:
+            tried = as_user(
+                unix_users.service,
+                "sudo", "-n", "-u", "tesalice", "--", site_python, "-m", "bridge.job", *argv,
+                input="{}",
+            )  # fmt: skip
+            assert tried.returncode != 0, (argv, tried.stdout, tried.stderr)
+            assert (victim / "precious.txt").read_text() == "keep me", argv
+        assert link.is_symlink()
+    finally:
+        link.unlink(missing_ok=True)
+        shutil.rmtree(victim, ignore_errors=True)
 
 
 def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):

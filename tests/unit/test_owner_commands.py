@@ -1,0 +1,114 @@
+"""Site mode's job-side commands (`python -m bridge.job adopt|read-records|remove`), run through
+sudo as a task's owner: only task directories directly inside the work directory, each option
+once (a sudo wildcard matches spaces, and argparse keeps the last of repeated options)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bridge.job", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    (work / "t1").mkdir(parents=True)
+    return work
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "home" / "t2"
+    victim.mkdir(parents=True)
+    (victim / "precious.txt").write_text("keep me")
+    return victim
+
+
+FILES = json.dumps({"task.json": "{}", "job-config.json": "{}", "job.sh": "#!/bin/sh\n"})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["remove", "--work-dir", "{work}", "--task-dir", "{work}/t1", "--task-dir", "{victim}"],
+        ["remove", "--work-dir", "{work}", "--task-dir", "{work}/t1", "--task-dir={victim}"],
+        ["remove", "--work-dir", "{work}", "--task-dir", "{victim}", "--work-dir", "{home}"],
+        ["adopt", "--work-dir", "{work}", "--task-dir", "{work}/t1", "--task-dir", "{victim}"],
+        ["read-records", "--work-dir", "{work}", "--tail-bytes", "1", "--work-dir", "{home}"],
+        ["read-records", "--work-dir", "{work}", "--tail-bytes", "1", "--tail-bytes", "2"],
+    ],
+)
+def test_repeated_options_are_refused(work: Path, victim: Path, argv: list[str]) -> None:
+    values = {"work": str(work), "victim": str(victim), "home": str(victim.parent)}
+    result = job(*(a.format(**values) for a in argv), stdin=FILES)
+    assert result.returncode == 2, result.stderr
+    assert "given more than once" in result.stderr
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert not (victim / "task.json").exists()
+
+
+@pytest.mark.parametrize(
+    "task_dir",
+    [
+        "{victim}",  # outside
+        "{work}/../home/t2",  # not normalised
+        "{work}/t1/../../home/t2",
+        "{work}//t2",
+        "{work}/sub/t2",  # not directly inside
+        "{work}/linked",  # a link leading outside
+        "{work}",
+        "relative/t2",
+    ],
+)
+@pytest.mark.parametrize("command", ["remove", "adopt"])
+def test_paths_outside_the_work_dir_are_refused(
+    work: Path, victim: Path, task_dir: str, command: str
+) -> None:
+    (work / "sub").mkdir()
+    (work / "sub" / "t2").symlink_to(victim)
+    (work / "linked").symlink_to(victim)
+    path = task_dir.format(work=work, victim=victim)
+    result = job(command, "--work-dir", str(work), "--task-dir", path, stdin=FILES)
+    assert result.returncode == 1, result.stderr
+    assert "bridge.job:" in result.stderr
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert not (victim / "task.json").exists()
+    assert (work / "linked").is_symlink()
+
+
+def test_read_records_refuses_pairs_outside_the_work_dir(work: Path, victim: Path) -> None:
+    (victim / "records" / "7").mkdir(parents=True)
+    (victim / "records" / "7" / "outcome").write_text("complete\n")
+    result = job("read-records", "--work-dir", str(work), "--tail-bytes", "10", f"{victim}:7")
+    assert result.returncode == 1 and "not a task directory" in result.stderr
+    (work / "linked").symlink_to(victim)
+    result = job("read-records", "--work-dir", str(work), "--tail-bytes", "10", f"{work}/linked:7")
+    assert result.returncode == 1 and "leads outside" in result.stderr
+
+
+def test_commands_work_inside_the_work_dir(work: Path) -> None:
+    adopted = job("adopt", "--work-dir", str(work), "--task-dir", f"{work}/t3", stdin=FILES)
+    assert adopted.returncode == 0, adopted.stderr
+    assert (work / "t3" / "job.sh").read_text() == "#!/bin/sh\n"
+    read = job("read-records", "--work-dir", str(work), "--tail-bytes", "10", f"{work}/t3:5")
+    assert read.returncode == 0, read.stderr
+    assert f"{work}/t3:5" in json.loads(read.stdout)
+    removed = job("remove", "--work-dir", str(work), "--task-dir", f"{work}/t3")
+    assert removed.returncode == 0, removed.stderr
+    assert not (work / "t3").exists()
