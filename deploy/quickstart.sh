@@ -106,7 +106,9 @@ start() {
   say "local Slurm cluster, Apptainer and registry"
   "$REPO/deploy/local-cluster.sh" up
   say "tes-bridge into $PREFIX"
-  [[ -x $PREFIX/bin/python ]] || python3 -m venv "$PREFIX"
+  # Debian's own Python (the one python3-venv is for): the service account must be able to run
+  # it, which a Python under /root (pyenv) is not.
+  [[ -x $PREFIX/bin/python ]] || /usr/bin/python3 -m venv "$PREFIX"
   "$PREFIX/bin/python" -m pip install -q --upgrade pip
   "$PREFIX/bin/python" -m pip install -q "$REPO[postgresql]"
   make_account

@@ -1,0 +1,389 @@
+"""Least privilege on the real cluster (issue 11's executor privilege test, issue 10's /tmp).
+
+The service is the one `deploy/quickstart.sh` installs and starts, run for real with its own
+prefix, state directory and port: it runs as the unprivileged account `tesbridge`, so its jobs
+and executors do too. Checked from the host and from inside executors: no root, no capability,
+no other task's processes in /proc, /tmp and /var/tmp on disk and private to one task attempt,
+inputs that cannot be changed in any file_input_mode.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pwd
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.fixtures.service import start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "deploy" / "quickstart.sh"
+ACCOUNT = "tesbridge"
+TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+GIB = 1 << 30
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Quickstart:
+    root: Path
+    prefix: Path
+    state: Path
+    url: str
+    env: dict[str, str]
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/ga4gh/tes/v1"
+
+    def pid(self) -> int:
+        return int((self.state / "serve.pid").read_text())
+
+    def create(self, task: dict[str, Any]) -> str:
+        answer = requests.post(f"{self.api}/tasks", json=task, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["id"]
+
+    def get(self, task_id: str) -> dict[str, Any]:
+        answer = requests.get(f"{self.api}/tasks/{task_id}", params={"view": "FULL"}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def cancel(self, task_id: str) -> None:
+        assert requests.post(f"{self.api}/tasks/{task_id}:cancel", json={}, timeout=10).ok
+
+    def wait(self, task_id: str, states: set[str] = TERMINAL, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            task = self.get(task_id)
+            if task["state"] in states:
+                return task
+            if time.monotonic() > deadline:
+                log = (self.state / "serve.log").read_text()[-3000:]
+                raise AssertionError(f"task {task_id} still {task['state']}:\n{task}\n{log}")
+            time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def quickstart(local_cluster: Any) -> Iterator[Quickstart]:
+    """deploy/quickstart.sh, for real, into a private prefix and state directory."""
+    root = Path(tempfile.mkdtemp(prefix="tes-quickstart-", dir="/var/tmp"))
+    os.chmod(root, 0o755)  # the account must reach its state directory and the venv
+    port = _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")},
+        "TES_BRIDGE_PREFIX": str(root / "opt"),
+        "TES_BRIDGE_STATE_DIR": str(root / "state"),
+        "TES_BRIDGE_BIND": f"127.0.0.1:{port}",
+    }
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(QUICKSTART)], env=env, capture_output=True, text=True, timeout=1500, check=False
+    )
+    print(f"quickstart.sh took {time.monotonic() - started:.0f} s")
+    service = Quickstart(root, root / "opt", root / "state", f"http://127.0.0.1:{port}", env)
+    try:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"running as {ACCOUNT}" in result.stdout
+        yield service
+    finally:
+        subprocess.run([str(QUICKSTART), "stop"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _uids(pid: int) -> set[int]:
+    """Real, effective, saved and filesystem uid of a process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+    return {int(value) for value in line.split()[1:]}
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _processes_with(text: str) -> dict[int, set[int]]:
+    """pid -> uids of every host process whose argv contains `text`."""
+    found: dict[int, set[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found[int(entry.name)] = _uids(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.3)
+
+
+def _sacct(job_id: str, fields: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["sacct", "-n", "-P", f"--jobs={job_id}", f"--format={fields}"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line.split("|") for line in out.splitlines() if line.strip()]
+
+
+def _bytes(rss: str) -> int:
+    match = re.fullmatch(r"([\d.]+)([KMGT]?)", rss)
+    assert match, rss
+    return int(float(match[1]) * 1024 ** " KMGT".index(match[2] or " "))
+
+
+def _scratch_dirs(task_id: str) -> list[str]:
+    # Slurm gives jobs TMPDIR=/tmp here; the job makes tes-tmp-<task id>-<job id>.XXXXXX in it.
+    return glob.glob(f"/tmp/tes-tmp-{task_id}-*")
+
+
+def sh(script: str, *args: str, **fields: Any) -> dict[str, Any]:
+    return {"image": "alpine", "command": ["sh", "-c", script, *args], **fields}
+
+
+# --------------------------------------------------------------------------- the account
+
+
+def test_the_quickstart_service_and_its_jobs_run_as_the_account(quickstart: Quickstart):
+    uid = pwd.getpwnam(ACCOUNT).pw_uid
+    assert uid != 0
+    pid = quickstart.pid()
+    assert "tes-bridge" in Path(f"/proc/{pid}/cmdline").read_text()
+    processes = [pid, *_descendants(pid)]
+    assert len(processes) >= 3, processes  # gunicorn master, workers, poller supervisor
+    for process in processes:
+        assert _uids(process) == {uid}, (process, Path(f"/proc/{process}/cmdline").read_bytes())
+    # What it owns: its state, not the local cluster's.
+    assert quickstart.state.stat().st_uid == uid
+    for name in ("data", "work", "images", "tes-bridge.db"):
+        assert (quickstart.state / name).stat().st_uid == uid, name
+    task = quickstart.wait(quickstart.create({"executors": [sh("busybox id -u")]}))
+    assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+    assert task["logs"][-1]["logs"][0]["stdout"].strip() == str(uid)
+    job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
+    # slurmdbd first holds a placeholder record of user root named "allocation".
+    user = _wait_for(
+        lambda: next(
+            (r[1] for r in _sacct(job_id, "JobName,User") if r[0] == f"tes-{task['id']}"), None
+        ),
+        60,
+        "the job's accounting record",
+    )
+    assert user == ACCOUNT
+
+
+# --------------------------------------------------------------------------- executors
+
+
+def test_executors_have_no_root_no_capability_and_see_no_other_task(quickstart: Quickstart):
+    uid = pwd.getpwnam(ACCOUNT).pw_uid
+    secret = f"secret-{uuid.uuid4().hex}"
+    # Another task, running, with a secret in its argv.
+    other = quickstart.create({"executors": [sh("sleep 300; true", secret)]})
+    try:
+        quickstart.wait(other, {"RUNNING"})
+        seen = _wait_for(lambda: _processes_with(secret), 60, "the other executor's processes")
+        # On the host, the executor's processes belong to the account, never to root.
+        assert all(uids == {uid} for uids in seen.values()), seen
+        probe = sh(
+            "grep CapEff /proc/self/status; echo uid=$(busybox id -u); "
+            "if ( exec 3>>/proc/sys/kernel/core_pattern ) 2>/dev/null; "
+            "then echo core_pattern=writable; else echo core_pattern=refused; fi; "
+            "for f in /proc/[0-9]*/cmdline; do cat $f; echo; done"
+        )
+        task = quickstart.wait(quickstart.create({"executors": [probe]}))
+        assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+        out = task["logs"][-1]["logs"][0]["stdout"]
+        assert re.search(r"^CapEff:\s+0000000000000000$", out, re.M), out
+        assert f"uid={uid}\n" in out
+        assert "core_pattern=refused" in out
+        assert "sleep 300; true" not in out and secret not in out, out
+    finally:
+        quickstart.cancel(other)
+    assert Path("/proc/sys/kernel/core_pattern").read_text().strip() != ""
+
+
+# --------------------------------------------------------------------------- /tmp on disk
+
+
+def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
+    quickstart: Quickstart,
+):
+    uid = pwd.getpwnam(ACCOUNT).pw_uid
+    writer = sh(
+        "dd if=/dev/zero of=/tmp/big bs=1M count=2048 2>/dev/null && "
+        "echo fs=$(stat -f -c %T /tmp) && echo shared > /var/tmp/marker"
+    )
+    reader = sh(
+        "echo size=$(stat -c %s /tmp/big); cat /var/tmp/marker; "
+        "echo fs=$(stat -f -c %T /var/tmp); ls /var/tmp; sleep 20"
+    )
+    task_id = quickstart.create({"executors": [writer, reader]})
+    # While it runs: one directory of the account, 0700, holding the 2 GiB on disk.
+    found = _wait_for(
+        lambda: [d for d in _scratch_dirs(task_id) if os.path.exists(f"{d}/var-tmp/marker")],
+        240,
+        "the task's scratch directory",
+    )
+    assert len(found) == 1, found
+    info = os.stat(found[0])
+    assert info.st_uid == uid and stat.S_IMODE(info.st_mode) == 0o700
+    assert os.stat(f"{found[0]}/tmp/big").st_size == 2 * GIB
+    # Another task, meanwhile, has its own /tmp and /var/tmp.
+    other = quickstart.wait(quickstart.create({"executors": [sh("ls -a /tmp /var/tmp")]}))
+    assert other["state"] == "COMPLETE", json.dumps(other["logs"])
+    assert "big" not in other["logs"][-1]["logs"][0]["stdout"]
+    assert "marker" not in other["logs"][-1]["logs"][0]["stdout"]
+
+    task = quickstart.wait(task_id)
+    assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+    first, second = (log["stdout"] for log in task["logs"][-1]["logs"])
+    assert "fs=tmpfs" not in first and "fs=" in first, first
+    assert f"size={2 * GIB}" in second and "shared" in second, second
+    assert "fs=tmpfs" not in second, second
+    # Gone with the job.
+    _wait_for(lambda: not _scratch_dirs(task_id), 30, "the scratch directory's removal")
+    # The 2 GiB never were the job's memory.
+    job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
+    rss = _wait_for(
+        lambda: [_bytes(r[1]) for r in _sacct(job_id, "JobID,MaxRSS") if r[1]],
+        60,
+        "MaxRSS in sacct",
+    )
+    print(f"job {job_id}: sacct MaxRSS {max(rss) / 2**20:.0f} MiB after writing 2 GiB to /tmp")
+    assert max(rss) < 512 * 2**20, rss
+
+
+def test_tmp_is_removed_when_the_job_fails_or_is_cancelled(quickstart: Quickstart):
+    failing = quickstart.create({"executors": [sh("echo x > /tmp/f; exit 3")]})
+    running = quickstart.create({"executors": [sh("echo x > /tmp/f; sleep 300")]})
+    task = quickstart.wait(failing)
+    assert task["state"] == "EXECUTOR_ERROR", json.dumps(task["logs"])
+    _wait_for(lambda: not _scratch_dirs(failing), 30, "removal after a failure")
+    _wait_for(lambda: _scratch_dirs(running), 240, "the running task's scratch directory")
+    quickstart.cancel(running)
+    _wait_for(lambda: not _scratch_dirs(running), 60, "removal after a cancel")
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+ATTACK = """
+for f in /in/src.txt /in/dir/f.txt /vol/v.txt; do
+  mount -o remount,rw $f; mount -o remount,rw,bind $f
+  echo hacked > $f; echo hacked >> $f; true > $f; chmod 0777 $f
+done
+mount -o remount,rw /in/dir; mount -o remount,rw,bind /in/dir
+echo new > /in/dir/new.txt; rm -f /in/dir/f.txt; mv /in/dir/f.txt /in/dir/g.txt
+echo done
+"""
+
+
+@pytest.mark.parametrize(
+    ("user", "mode"),
+    [
+        ("root", "copy"),
+        ("root", "hardlink"),
+        ("root", "bind"),
+        (ACCOUNT, "hardlink"),
+        (ACCOUNT, "bind"),
+    ],
+)
+def test_an_executor_cannot_change_an_input_source(
+    local_cluster: Any, quickstart: Quickstart, user: str, mode: str
+):
+    """Write, append, truncate, chmod, remount read-write, remove: the sources stay as they
+    were. As root too (container.allow_root), where only dropped capabilities stop a remount."""
+    root = Path(tempfile.mkdtemp(prefix="tes-inputs-", dir="/var/tmp"))
+    os.chmod(root, 0o755)
+    as_account = user != "root"
+    owner = pwd.getpwnam(user)
+    for name in ("state", "images", "data", "data/dir"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        os.chown(root / name, owner.pw_uid, owner.pw_gid)
+    data = root / "data"
+    sources = [data / "src.txt", data / "dir" / "f.txt", data / "v.txt"]
+    for source in sources:
+        source.write_text("original\n")
+        os.chmod(source, 0o644)
+        os.chown(source, owner.pw_uid, owner.pw_gid)  # the executor's own files: worst case
+    service = start_bridge_service(
+        local_cluster,
+        root,
+        storage_toml=f'file_input_mode = "{mode}"',
+        user=user if as_account else None,
+        python=str(quickstart.prefix / "bin" / "python") if as_account else sys.executable,
+        env={"HOME": owner.pw_dir, "USER": user, "LOGNAME": user} if as_account else None,
+    )
+    try:
+        task = service.run(
+            {
+                "inputs": [
+                    {"path": "/in/src.txt", "url": f"file://{data}/src.txt"},
+                    {"path": "/in/dir", "url": f"file://{data}/dir", "type": "DIRECTORY"},
+                    {"path": "/vol/v.txt", "url": f"file://{data}/v.txt"},
+                ],
+                "volumes": ["/vol"],
+                "executors": [sh(ATTACK)],
+            },
+            timeout=240,
+        )
+        assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+        assert "done" in task["logs"][-1]["logs"][0]["stdout"]
+        for source in sources:
+            assert source.read_text() == "original\n", (mode, source)
+            assert stat.S_IMODE(source.stat().st_mode) == 0o644, (mode, source)
+        assert sorted(p.name for p in (data / "dir").iterdir()) == ["f.txt"]
+        staged = service.work_dir / task["id"] / "root" / "in" / "src.txt"
+        if mode == "hardlink":  # the input really shared its inode with the source
+            assert staged.stat().st_ino == sources[0].stat().st_ino
+        if mode == "bind":  # bound straight from the source: only a mount point was staged
+            assert staged.stat().st_size == 0
+    finally:
+        service.stop()
+        shutil.rmtree(root, ignore_errors=True)
