@@ -27,6 +27,9 @@ as Apptainer/Singularity containers.
 Configuration: a TOML file (--config FILE or TES_BRIDGE_CONFIG; see
 deploy/tes-bridge.example.toml), overridden by TES_BRIDGE_DATABASE (a database URL),
 TES_BRIDGE_STATE_DIR and TES_BRIDGE_WORK_DIR.
+
+serve and poller refuse to run as root (jobs, and so executors, would run as root) unless
+container.allow_root = true; run them as an unprivileged service account.
 """
 
 
