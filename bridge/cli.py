@@ -28,8 +28,9 @@ Configuration: a TOML file (--config FILE or TES_BRIDGE_CONFIG; see
 deploy/tes-bridge.example.toml), overridden by TES_BRIDGE_DATABASE (a database URL),
 TES_BRIDGE_STATE_DIR and TES_BRIDGE_WORK_DIR.
 
-serve and poller refuse to run as root (jobs, and so executors, would run as root) unless
-container.allow_root = true; run them as an unprivileged service account.
+The poller (poller, or serve without --no-poller) refuses to run as root (its jobs, and so
+executors, would run as root) unless container.allow_root = true; run it as an unprivileged
+service account.
 """
 
 
@@ -125,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"database ready: {redact(config.database_url)}")
         return 0
-    if args.command in ("serve", "poller"):
+    # The poller submits the jobs, which run as the user it runs as: the API alone runs none.
+    submits = args.command == "poller" or (
+        args.command == "serve" and not args.no_poller and config.server.run_poller
+    )
+    if submits:
         problem = refuse_root(config, os.geteuid())
         if problem:
             print(f"tes-bridge: {problem}", file=sys.stderr)

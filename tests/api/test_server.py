@@ -143,9 +143,13 @@ def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
     port = free_port()
     lock = tmp_path / "poller.lock"
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(tmp_path)}
+    # The suite runs as root: a poller started as root must be allowed to.
+    config = tmp_path / "root.toml"
+    config.write_text(f"[container]\nallow_root = {str(os.geteuid() == 0).lower()}\n")
+    bind = f"127.0.0.1:{port}"
     with open(tmp_path / "serve.log", "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bridge", "serve", "--bind", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--bind", bind],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
