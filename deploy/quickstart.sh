@@ -50,6 +50,8 @@ write_config() {
 # tes-slurm-bridge configuration written by deploy/quickstart.sh; every key is described in
 # deploy/tes-bridge.example.toml. Edit and run deploy/quickstart.sh again to restart.
 state_dir = "$STATE_DIR"
+# In a directory of the service account's own: $STATE_DIR stays root's.
+database = "sqlite:///$STATE_DIR/db/tes-bridge.db"
 
 [server]
 bind = "$BIND"
@@ -77,18 +79,25 @@ make_account() {
   [[ $(id -u "$ACCOUNT") -ne 0 ]] || die "$ACCOUNT has uid 0"
 }
 
-# The state directory holds the local cluster's own state too: hand over only the bridge's.
+# The state directory holds the local cluster's state too, which root's scripts use: it stays
+# root's, and the account gets only its own subdirectories (and the poller's lock file).
 own_state() {
   local group
   group=$(id -gn "$ACCOUNT")
-  mkdir -p "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images"
-  chown "$ACCOUNT:$group" "$STATE_DIR"
+  mkdir -p "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images" "$STATE_DIR/db"
+  chown root:root "$STATE_DIR"
   chmod 0755 "$STATE_DIR"
-  chown -R "$ACCOUNT:$group" "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images"
-  local file
-  for file in "$STATE_DIR"/tes-bridge.db* "$STATE_DIR"/poller.lock "$LOG"; do
-    [[ -e $file ]] && chown "$ACCOUNT:$group" "$file"
-  done
+  # An installation from before the account: its database moves into db/.
+  if ! grep -q '^database' "$CONFIG"; then
+    sed -i "s|^state_dir = .*|&\ndatabase = \"sqlite:///$STATE_DIR/db/tes-bridge.db\"|" "$CONFIG"
+    local old
+    for old in "$STATE_DIR"/tes-bridge.db*; do
+      [[ -e $old && ! -e $STATE_DIR/db/${old##*/} ]] && mv "$old" "$STATE_DIR/db/"
+    done
+  fi
+  touch "$STATE_DIR/poller.lock"
+  chown -R "$ACCOUNT:$group" "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images" "$STATE_DIR/db"
+  chown "$ACCOUNT:$group" "$STATE_DIR/poller.lock"
   chown "root:$group" "$CONFIG"
   chmod 0640 "$CONFIG"
   # The service and its jobs run the virtual environment as the account.
