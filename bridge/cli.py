@@ -17,6 +17,7 @@ from typing import Any
 from bridge import __version__
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.logs import JsonFormatter, setup_logging
+from bridge.proc import die_with_parent
 
 log = logging.getLogger("bridge.cli")
 
@@ -212,7 +213,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
     delay = 1.0
     while not stopping.is_set():
         started = time.monotonic()
-        process = subprocess.Popen(argv)
+        # Killed with us: a supervisor killed -9 leaves no poller holding the lock.
+        process = subprocess.Popen(argv, preexec_fn=die_with_parent())
         current[:] = [process]
         log.info("poller started", extra={"pid": process.pid})
         code = process.wait()
@@ -243,7 +245,9 @@ def serve(
     if run_poller:
         # Started before gunicorn forks anything; it keeps a poller running (see supervise).
         argv = [sys.executable, "-m", "bridge", "--log-level", log_level, "poller", "--supervise"]
-        supervisor = subprocess.Popen(argv)
+        # Killed with this process (gunicorn's master), even by kill -9: an orphaned
+        # supervisor would keep a poller holding the lock against the next `serve`.
+        supervisor = subprocess.Popen(argv, preexec_fn=die_with_parent())
 
     def stop_poller(arbiter: Any = None) -> None:
         if supervisor is None or supervisor.poll() is not None:

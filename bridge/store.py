@@ -445,6 +445,10 @@ class Store:
         )
         return [_record(row, True) for row in rows]
 
+    def cancels_pending(self) -> int:
+        """How many tasks have a cancel the poller has not carried out yet."""
+        return TaskRow.select().where(TaskRow.cancel_pending == True).count()  # noqa: E712
+
     def newest_seq(self) -> int | None:
         """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
         return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()

@@ -170,7 +170,7 @@ def test_pending_job_is_queued_with_its_reason():
         current=State.QUEUED,
     )
     assert decision.state is State.QUEUED
-    assert decision.messages == ["Slurm job 1 is pending (Resources)"]
+    assert decision.condition == "Slurm job 1 is pending (Resources)"
 
 
 @pytest.mark.parametrize(
