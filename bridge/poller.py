@@ -280,6 +280,8 @@ class Poller:
         self._facts_pending: dict[str, tuple[str, int, float]] = {}
         #: Tasks with a cancel to carry out, as of the last cycle (see quick_check).
         self._cancels_seen = 0
+        #: Why the last task that could not be submitted waits.
+        self._wait_reason: str | None = None
 
     # ------------------------------------------------------------------------------ cycle
     def cycle(self) -> CycleStats:
@@ -384,7 +386,8 @@ class Poller:
         now = self.clock()
         if now < self._submissions_paused_until:
             return
-        for task in self.store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE):
+        tasks = self.store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
+        for index, task in enumerate(tasks):
             try:
                 if self._submit(task, stats):
                     stats.submitted += 1
@@ -392,7 +395,20 @@ class Poller:
                 log.exception("submitting task %s failed unexpectedly", task.id)
                 self._fail(task, "internal error while submitting the task; see the poller log")
             if self.clock() < self._submissions_paused_until:
+                # The tasks that wait behind it wait for the same reason: say so.
+                self._tell_waiting(tasks[index + 1 :], self._wait_reason)
                 break
+
+    def _tell_waiting(self, tasks: list[TaskRecord], reason: str | None) -> None:
+        if reason is None:
+            return
+        for task in tasks:
+            logs = json.loads(json.dumps(task.logs or []))
+            entry = _attempt_log(logs, task.attempt + 1)
+            before = list(entry.get("system_logs", []))
+            set_condition(entry, reason)
+            if entry.get("system_logs") != before:
+                self.store.update_task(task.id, logs=logs)
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         try:
@@ -498,6 +514,7 @@ class Poller:
     ) -> None:
         """Keep the task QUEUED, saying why (in the log of `log_attempt`), and try it again
         after `delay` seconds."""
+        self._wait_reason = reason
         logs = json.loads(json.dumps(task.logs or []))
         set_condition(_attempt_log(logs, max(log_attempt, 1)), reason)
         self.store.update_task(task.id, next_submit_at=self.clock() + delay, logs=logs, **changes)
