@@ -63,6 +63,8 @@ QUICK_CHECK_MAX_JOBS = 64
 #: job recorded its outcome before slurmdbd had its final record, they are read again on the
 #: following cycles, for at most this long.
 FINAL_FACTS_GRACE = 300.0
+#: After the job's final record, how long its MaxRSS is waited for.
+FINAL_RSS_WAIT = 15.0
 #: Errors while preparing a task directory that pass by themselves (a full or over-quota
 #: filesystem, a file server away): the task waits in QUEUED and is tried again with back-off.
 TRANSIENT_ERRNOS = frozenset(
@@ -649,7 +651,10 @@ class Poller:
                     logs = task.logs or []
                     _slurm_facts(logs[attempt - 1].setdefault("metadata", {}), job)
                     self.store.update_task(task_id, allow_terminal=True, logs=logs)
-                if job.max_rss_bytes is not None:
+                # A step's MaxRSS can land in slurmdbd a moment after the job's own record;
+                # a job too short for any accounting sample never gets one.
+                ended_ago = now - job.end_time.timestamp() if job.end_time else 0.0
+                if job.max_rss_bytes is not None or ended_ago > FINAL_RSS_WAIT:
                     self._facts_pending.pop(task_id, None)
                     continue
             if now - since > FINAL_FACTS_GRACE:
