@@ -193,7 +193,7 @@ def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
                 break
             assert time.monotonic() < deadline, tasks
             time.sleep(1)
-        time.sleep(12)  # more sbatch failures: the line is replaced, not piled up
+        time.sleep(8)  # more sbatch failures: the line is replaced, not piled up
         for task_id in ids:
             task = bridge_service.get(task_id)
             assert task["state"] == "QUEUED", task
@@ -283,6 +283,7 @@ def test_finished_tasks_carry_the_final_slurm_facts(bridge_service):
         assert int(metadata["slurm_max_rss_bytes"]) > 0
         assert int(metadata["slurm_elapsed_seconds"]) >= 6
         assert metadata["slurm_node"]
+        assert not condition_lines(task, "is pending"), task  # honest states (defect 15)
 
 
 # ----------------------------------------------------------------- the fault test (issue 11)
