@@ -326,7 +326,7 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
     seed = int(os.environ.get("FAULT_SEED", time.time_ns() % 100_000))
     print(f"fault test seed: {seed} (rerun with FAULT_SEED={seed})")
     rng = random.Random(seed)
-    wrapper = slow_sbatch(tmp_path, before=0.5, after=0.5)
+    wrapper = slow_sbatch(tmp_path, before=0.2, after=0.2)
     service = start_bridge_service(
         local_cluster,
         tmp_path,
@@ -338,10 +338,14 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
     try:
         for i in range(30):
             ids.append(service.create({"executors": [executor("sh", "-c", f"echo {i}")]}))
-        ended = time.monotonic() + 90
+        ended = time.monotonic() + 100
         while time.monotonic() < ended:
-            time.sleep(rng.uniform(1.0, 6.0))
-            what = rng.choice(["master", "worker", "poller", "poller"])
+            time.sleep(rng.uniform(0.5, 4.0))
+            what = rng.choice(["master", "worker", "poller", "submit", "submit"])
+            if what == "submit":
+                # A poller killed inside a slow sbatch: longer than the poller takes to restart.
+                kills.append(f"submit:{_kill_inside_sbatch(service, tmp_path, rng)}")
+                continue
             victims = _serve_processes(service).get(what) or []
             if not victims:
                 continue
@@ -352,10 +356,10 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
                 # As an operator (or systemd) would: start it again once it is gone.
                 service.processes.pop("serve").wait(timeout=10)
                 service.start("serve", "serve")
-            if all(_state(service, t) not in (None, "QUEUED") for t in ids[-3:]):
+            if all(_state(service, t) not in (None, "QUEUED") for t in ids):
                 break
         print(f"kills: {kills}")
-        assert kills, "no process was killed"
+        assert any(k.startswith("submit:") and "no sbatch" not in k for k in kills), kills
         tasks = {}
         for task_id in ids:
             tasks[task_id] = _wait_through_restarts(service, task_id)
@@ -365,6 +369,36 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
         assert_one_job_per_attempt(tasks)
     finally:
         service.stop()
+    # Nothing of this service survives its stop (an orphaned supervisor or poller would).
+    time.sleep(1)
+    left = [pid for pid in _all_pids() if str(service.config_path) in _cmdline(pid)]
+    assert not left, [(pid, _cmdline(pid)) for pid in left]
+
+
+def _all_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _kill_inside_sbatch(service: BridgeService, root: Path, rng: random.Random) -> str:
+    set_delays(root, before=5, after=1)
+    log = root / "sbatch.log"
+    seen = log.read_text().count("start ") if log.exists() else 0
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            if log.exists() and log.read_text().count("start ") > seen:
+                break
+            time.sleep(0.05)
+        else:
+            return "no sbatch"
+        offset = rng.uniform(0.0, 6.5)
+        time.sleep(offset)
+        victims = _serve_processes(service)["poller"]
+        for pid in victims:
+            _kill(pid)
+        return f"{victims} at {offset:.1f}s"
+    finally:
+        set_delays(root, before=0.2, after=0.2)
 
 
 def _state(service: BridgeService, task_id: str) -> str | None:
