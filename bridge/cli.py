@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the TES API under gunicorn, and the poller beside it",
         description="Run the TES API (gunicorn workers) and, unless --no-poller, the poller "
-        "that submits tasks to Slurm and follows them. Logs are JSON lines on stderr.",
+        "that submits tasks to Slurm and follows them (restarted if it dies; it dies with "
+        "serve, even with kill -9). Logs are JSON lines on stderr.",
     )
     serve.add_argument(
         "--bind", help="address:port to listen on (default: server.bind, 127.0.0.1:8000)"
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     poller.add_argument(
         "--supervise",
         action="store_true",
-        help="run the poller as a child and start it again whenever it dies (what serve does)",
+        help="run the poller as a child and start it again whenever it dies (what serve "
+        "does); the poller dies with this process",
     )
 
     commands.add_parser(

@@ -586,7 +586,8 @@ class Poller:
                 log.warning("cannot read the records of %s's jobs: %s", owner, _short(exc))
 
     def _backoff(self) -> float:
-        """Doubles with each unreachable answer in a row, up to `slurm.submit_backoff_max`."""
+        """Doubles with each failed submission in a row (Slurm away, a full work filesystem),
+        up to `slurm.submit_backoff_max`; a submission that succeeds starts it afresh."""
         self._unreachable_count += 1
         cfg = self.config.slurm
         exponent = min(self._unreachable_count - 1, 16)
@@ -613,7 +614,6 @@ class Poller:
         except SlurmError as exc:
             log.warning("squeue failed; keeping the last known states: %s", _short(exc))
             return
-        self._unreachable_count = 0
         if self.site:
             pending = {j for j, info in queue.items() if info.tes_state == State.QUEUED.value}
             self._read_owner_records([t for t in tasks if t.job_id not in pending])

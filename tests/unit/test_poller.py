@@ -667,3 +667,29 @@ def test_quick_check_asks_for_a_cycle_when_a_cancel_arrives(env):
     poller.cycle()
     assert slurm.calls[-1] == "scancel"
     assert poller.quick_check() is None
+
+
+def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answers(
+    env, monkeypatch
+):
+    import errno
+
+    poller, store, _, _ = env
+    running = store.create_task(ECHO)
+    poller.cycle()  # one job to follow: squeue answers every cycle
+    assert store.get_task(running.id).job_id
+    waiting = store.create_task(ECHO)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("bridge.poller.prepare_task_dir", full)
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    delays = []
+    for _ in range(4):
+        poller.cycle()
+        record = store.get_task(waiting.id)
+        delays.append(record.next_submit_at - now[0])
+        now[0] = record.next_submit_at + 0.1
+    assert delays == [2.0, 4.0, 8.0, 16.0]
