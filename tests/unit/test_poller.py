@@ -690,6 +690,6 @@ def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answe
     for _ in range(4):
         poller.cycle()
         record = store.get_task(waiting.id)
-        delays.append(record.next_submit_at - now[0])
+        delays.append(round(record.next_submit_at - now[0], 6))
         now[0] = record.next_submit_at + 0.1
     assert delays == [2.0, 4.0, 8.0, 16.0]
