@@ -355,9 +355,8 @@ class Poller:
             return
         # An sbatch dies with the poller and is killed at its time-out, but slurmctld may still
         # act on a request it received: "no job" is believed only once that time has passed.
-        settled_before = (
-            self.clock() - self.config.slurm.command_timeout - (self.config.slurm.submit_settle)
-        )
+        slurm_cfg = self.config.slurm
+        settled_before = self.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
         for name, task in names.items():
             jobs = sorted(found.get(name, []), key=lambda j: int(j.job_id.split("_")[0]))
             if jobs:
