@@ -358,7 +358,15 @@ class Poller:
         slurm_cfg = self.config.slurm
         settled_before = self.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
         for name, task in names.items():
-            jobs = sorted(found.get(name, []), key=lambda j: int(j.job_id.split("_")[0]))
+            # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name.
+            earlier = {
+                (entry.get("metadata") or {}).get("slurm_job_id")
+                for entry in (task.logs or [])[: max(task.attempt - 1, 0)]
+            }
+            jobs = sorted(
+                (j for j in found.get(name, []) if j.job_id not in earlier),
+                key=lambda j: int(j.job_id.split("_")[0]),
+            )
             if jobs:
                 job = jobs[-1]
                 log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)

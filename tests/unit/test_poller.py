@@ -693,3 +693,23 @@ def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answe
         delays.append(round(record.next_submit_at - now[0], 6))
         now[0] = record.next_submit_at + 0.1
     assert delays == [2.0, 4.0, 8.0, 16.0]
+
+
+def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    first = store.get_task(task.id).job_id
+    slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL", exit_code=0)
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: JobRecords(job_id=first))
+    poller.cycle()  # lost node: a second attempt is due
+    record = store.get_task(task.id)
+    assert record.job_id is None and record.state == "QUEUED"
+    # The poller dies during the second sbatch, before it reached slurmctld.
+    store.update_task(task.id, submit_started_at=1.0, attempt=2)
+    poller.cycle()
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.job_id not in (None, first), record
+    assert record.attempt == 2 and record.state == "QUEUED"
+    assert slurm.calls.count("sbatch") == 2
