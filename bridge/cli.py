@@ -17,7 +17,7 @@ from typing import Any
 from bridge import __version__
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.logs import JsonFormatter, setup_logging
-from bridge.proc import die_with_parent
+from bridge.proc import die_with_parent, set_parent_death_signal
 
 log = logging.getLogger("bridge.cli")
 
@@ -270,6 +270,11 @@ def serve(
                 "accesslog": None,
                 "logconfig_dict": _gunicorn_logconfig(log_level),
                 "on_exit": stop_poller,
+                # A worker whose master was killed -9 would keep the port for up to
+                # `timeout` / 2 before it notices: end it (gracefully) at once instead.
+                "post_fork": lambda arbiter, worker: set_parent_death_signal(
+                    signal.SIGTERM, arbiter.pid
+                ),
                 "proc_name": "tes-bridge",
                 "timeout": 60,
                 "graceful_timeout": 20,

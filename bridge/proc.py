@@ -19,16 +19,21 @@ PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
+def set_parent_death_signal(sig: int, parent: int) -> None:
+    """From now on, this process gets `sig` when `parent` (its parent) dies."""
+    # Async-signal-safe enough for a preexec_fn: one system call, no allocation, no lock.
+    _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    # The parent may have died before prctl: then nobody would signal us.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A ``preexec_fn`` for :class:`subprocess.Popen`: the child gets `sig` when we die."""
     parent = os.getpid()
 
     def preexec() -> None:
-        # Async-signal-safe enough: one system call, no allocation, no lock.
-        _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        # The parent may have died between fork and prctl: then nobody would signal us.
-        if os.getppid() != parent:
-            os._exit(1)
+        set_parent_death_signal(sig, parent)
 
     return preexec
 

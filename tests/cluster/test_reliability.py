@@ -341,6 +341,7 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
         ended = time.monotonic() + 100
         while time.monotonic() < ended:
             time.sleep(rng.uniform(0.5, 4.0))
+            _restart_if_gone(service)
             what = rng.choice(["master", "worker", "poller", "submit", "submit"])
             if what == "submit":
                 # A poller killed inside a slow sbatch: longer than the poller takes to restart.
@@ -409,9 +410,16 @@ def _state(service: BridgeService, task_id: str) -> str | None:
         return None
 
 
+def _restart_if_gone(service: BridgeService) -> None:
+    """As systemd's Restart=always would: a serve that exited is started again."""
+    if service.processes["serve"].poll() is not None:
+        service.start("serve", "serve")
+
+
 def _wait_through_restarts(service: BridgeService, task_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 240
     while True:
+        _restart_if_gone(service)
         try:
             task = service.get(task_id)
             if task["state"] in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"):

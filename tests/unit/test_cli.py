@@ -106,12 +106,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _serve(tmp_path: Path, log_name: str) -> subprocess.Popen[bytes]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def _serve(tmp_path: Path, log_name: str, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
     with open(tmp_path / log_name, "wb") as log:
         argv = [sys.executable, "-m", "bridge", "serve", "--bind", f"127.0.0.1:{port}"]
@@ -132,7 +127,12 @@ def _poller_of(master: int, timeout: float = 30) -> tuple[int, int]:
 
 
 def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
-    first = _serve(tmp_path, "first.log")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    first = _serve(tmp_path, "first.log", port)
     second = None
     supervisor = poller = 0
     try:
@@ -142,14 +142,16 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
         while not (lock.exists() and lock.read_text().strip() == str(poller)):
             assert time.monotonic() < deadline, "the poller never took its lock"
             time.sleep(0.1)
+        workers = [p for p in _children(first.pid) if p != supervisor]
+        assert workers
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while _alive(supervisor) or _alive(poller):
-            assert time.monotonic() < deadline, "supervisor or poller outlived the serve master"
+        while any(_alive(p) for p in [supervisor, poller, *workers]):
+            assert time.monotonic() < deadline, "a child outlived the serve master"
             time.sleep(0.1)
-        # gunicorn workers notice their master is gone on their own; a new serve gets the lock.
-        second = _serve(tmp_path, "second.log")
+        # The port and the poller lock are free: a new serve gets both.
+        second = _serve(tmp_path, "second.log", port)
         _, new_poller = _poller_of(second.pid)
         deadline = time.monotonic() + 30
         while lock.read_text().strip() != str(new_poller):
@@ -157,6 +159,7 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
             time.sleep(0.1)
         time.sleep(1.5)
         assert _alive(new_poller), (tmp_path / "second.log").read_text()[-2000:]
+        assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
     finally:
         for process in (first, second):
             if process is not None and process.poll() is None:
