@@ -17,6 +17,7 @@ from typing import Any
 from bridge import __version__
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.logs import JsonFormatter, setup_logging
+from bridge.proc import die_with_parent, set_parent_death_signal
 
 log = logging.getLogger("bridge.cli")
 
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the TES API under gunicorn, and the poller beside it",
         description="Run the TES API (gunicorn workers) and, unless --no-poller, the poller "
-        "that submits tasks to Slurm and follows them. Logs are JSON lines on stderr.",
+        "that submits tasks to Slurm and follows them (restarted if it dies; it dies with "
+        "serve, even with kill -9). Logs are JSON lines on stderr.",
     )
     serve.add_argument(
         "--bind", help="address:port to listen on (default: server.bind, 127.0.0.1:8000)"
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     poller.add_argument(
         "--supervise",
         action="store_true",
-        help="run the poller as a child and start it again whenever it dies (what serve does)",
+        help="run the poller as a child and start it again whenever it dies (what serve "
+        "does); the poller dies with this process",
     )
 
     commands.add_parser(
@@ -237,7 +240,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
     delay = 1.0
     while not stopping.is_set():
         started = time.monotonic()
-        process = subprocess.Popen(argv)
+        # Killed with us: a supervisor killed -9 leaves no poller holding the lock.
+        process = subprocess.Popen(argv, preexec_fn=die_with_parent())
         current[:] = [process]
         log.info("poller started", extra={"pid": process.pid})
         code = process.wait()
@@ -268,7 +272,9 @@ def serve(
     if run_poller:
         # Started before gunicorn forks anything; it keeps a poller running (see supervise).
         argv = [sys.executable, "-m", "bridge", "--log-level", log_level, "poller", "--supervise"]
-        supervisor = subprocess.Popen(argv)
+        # Killed with this process (gunicorn's master), even by kill -9: an orphaned
+        # supervisor would keep a poller holding the lock against the next `serve`.
+        supervisor = subprocess.Popen(argv, preexec_fn=die_with_parent())
 
     def stop_poller(arbiter: Any = None) -> None:
         if supervisor is None or supervisor.poll() is not None:
@@ -289,6 +295,11 @@ def serve(
                 "accesslog": None,
                 "logconfig_dict": _gunicorn_logconfig(log_level),
                 "on_exit": stop_poller,
+                # A worker whose master was killed -9 would keep the port for up to
+                # `timeout` / 2 before it notices: end it (gracefully) at once instead.
+                "post_fork": lambda arbiter, worker: set_parent_death_signal(
+                    signal.SIGTERM, arbiter.pid
+                ),
                 "proc_name": "tes-bridge",
                 "timeout": 60,
                 "graceful_timeout": 20,

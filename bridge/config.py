@@ -115,6 +115,10 @@ class SlurmConfig(_Section):
     retries: int = Field(default=2, ge=0)
     submit_backoff_initial: float = Field(default=2.0, gt=0)
     submit_backoff_max: float = Field(default=300.0, gt=0)
+    #: After an interrupted sbatch (a poller killed mid-submit, a time-out), how long
+    #: slurmctld may still act on a request it already received; only then is the task
+    #: submitted again when no job of its name exists. About twice Slurm's MessageTimeout.
+    submit_settle: float = Field(default=20.0, ge=0)
 
 
 class ContainerConfig(_Section):

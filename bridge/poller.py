@@ -15,10 +15,12 @@ Run exactly one poller per store: it holds a lock file in the state directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,6 +59,30 @@ QUICK_CHECK_INTERVAL = 0.2
 #: Finished jobs are looked for between cycles only while at most this many are active.
 QUICK_CHECK_MAX_JOBS = 64
 
+#: A finished task's Slurm facts (final state, node, elapsed, MaxRSS) come from sacct; when the
+#: job recorded its outcome before slurmdbd had its final record, they are read again on the
+#: following cycles, for at most this long.
+FINAL_FACTS_GRACE = 300.0
+#: After the job's final record, how long its MaxRSS is waited for.
+FINAL_RSS_WAIT = 15.0
+#: Errors while preparing a task directory that pass by themselves (a full or over-quota
+#: filesystem, a file server away): the task waits in QUEUED and is tried again with back-off.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOMEM, errno.EMFILE,
+     errno.ENFILE, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
+)  # fmt: skip
+#: system_logs lines that describe a passing condition. A task has at most one: a new one
+#: replaces the last, and it goes when the task moves on (a finished task never says
+#: "pending").
+_CONDITION = re.compile(
+    r"^(Slurm job \S+ is (pending|suspended|stopped)\b|cannot reach Slurm to submit|waiting: )"
+)
+
+#: sbatch errors that mean it never reached slurmctld, so no job was created.
+_NEVER_CONNECTED = re.compile(
+    r"Unable to contact slurm controller|Connection refused|Munge encode failed", re.I
+)
+
 OUTCOME_STATES = {
     "complete": State.COMPLETE,
     "executor_error": State.EXECUTOR_ERROR,
@@ -85,6 +111,8 @@ class Decision:
     retry: bool = False
     #: The job must be canceled (it can never start).
     cancel_job: bool = False
+    #: What the task waits for now (replaces the last such line; None clears it).
+    condition: str | None = None
 
 
 def decide(
@@ -132,9 +160,9 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
                 cancel_job=True,
             )
         reason = f"Slurm job {job.job_id} is pending ({job.reason})" if job.reason else None
-        return Decision(State.QUEUED, [reason] if reason else [])
+        return Decision(State.QUEUED, condition=reason)
     if tes_state == State.PAUSED.value:
-        return Decision(State.PAUSED, [f"Slurm job {job.job_id} is {job.state.lower()}"])
+        return Decision(State.PAUSED, condition=f"Slurm job {job.job_id} is {job.state.lower()}")
     if tes_state in (State.INITIALIZING.value, State.RUNNING.value):
         if records.phase and (records.phase.startswith("running") or records.phase == "uploading"):
             return Decision(State.RUNNING)
@@ -156,6 +184,28 @@ def _add_system_logs(entry: dict[str, Any], lines: list[str]) -> None:
     for line in lines:
         if line and line not in existing:
             existing.append(line)
+
+
+def set_condition(entry: dict[str, Any], line: str | None) -> None:
+    """Make `line` the attempt's one condition line (see _CONDITION); None removes it."""
+    existing = entry.get("system_logs")
+    kept = [x for x in existing or [] if not _CONDITION.match(x)]
+    if line:
+        kept.append(line)
+    if kept or existing is not None:
+        entry["system_logs"] = kept
+
+
+def _slurm_facts(metadata: dict[str, Any], job: JobInfo) -> None:
+    for key, value in (
+        ("slurm_state", job.state),
+        ("slurm_node", job.node),
+        ("slurm_partition", job.partition),
+        ("slurm_elapsed_seconds", job.elapsed_seconds),
+        ("slurm_max_rss_bytes", job.max_rss_bytes),
+    ):
+        if value not in (None, ""):
+            metadata[key] = str(value)
 
 
 def _fill_attempt_log(
@@ -186,16 +236,14 @@ def _fill_attempt_log(
     _add_system_logs(entry, records.system_logs)
     metadata = entry.setdefault("metadata", {})
     metadata["slurm_job_id"] = records.job_id
-    if job is not None:
-        for key, value in (
-            ("slurm_state", job.state),
-            ("slurm_node", job.node),
-            ("slurm_partition", job.partition),
-            ("slurm_elapsed_seconds", job.elapsed_seconds),
-            ("slurm_max_rss_bytes", job.max_rss_bytes),
-        ):
-            if value not in (None, ""):
-                metadata[key] = str(value)
+    if final and (job is None or not job.ended):
+        # The job recorded its outcome before Slurm ended it: squeue's RUNNING is not a final
+        # fact. sacct's final record is read on a following cycle (Poller._refresh_facts).
+        metadata.pop("slurm_state", None)
+        if job is not None and job.node:
+            metadata["slurm_node"] = job.node
+    elif job is not None:
+        _slurm_facts(metadata, job)
 
 
 class Poller:
@@ -229,6 +277,13 @@ class Poller:
         #: wait for sbatch's own retries, about 10 s, and fail the same way).
         self._submissions_paused_until = 0.0
         self._unreachable_count = 0
+        #: Finished tasks whose final Slurm facts sacct did not have yet:
+        #: task id -> (job id, attempt, since).
+        self._facts_pending: dict[str, tuple[str, int, float]] = {}
+        #: Tasks with a cancel to carry out, as of the last cycle (see quick_check).
+        self._cancels_seen = 0
+        #: Why the last task that could not be submitted waits.
+        self._wait_reason: str | None = None
 
     # ------------------------------------------------------------------------------ cycle
     def cycle(self) -> CycleStats:
@@ -245,7 +300,9 @@ class Poller:
             self._active_jobs = [
                 (t.id, t.job_id) for t in active if t.job_id and t.id not in self._finished
             ]
-            self._carry_out_cancels([t for t in in_flight if t.cancel_pending], stats)
+            cancels = [t for t in in_flight if t.cancel_pending]
+            self._carry_out_cancels(cancels, stats)
+            self._cancels_seen = self.store.cancels_pending()
             if self.clock() - self._last_cleanup > CLEANUP_INTERVAL:
                 self._last_cleanup = self.clock()
                 self._clean_task_dirs()
@@ -260,9 +317,12 @@ class Poller:
         outcome, else None. Costs one query and a few stats; no Slurm command."""
         with self.store.db.connection_context():
             newest = self.store.newest_seq()
+            cancels = self.store.cancels_pending()
         if newest != self._newest_seq:
             self._newest_seq = newest
             return "submit"
+        if cancels > self._cancels_seen:
+            return "cycle"  # a cancel arrived: its job is scanceled now, not a cycle later
         if len(self._active_jobs) <= QUICK_CHECK_MAX_JOBS:
             for task_id, job_id in self._active_jobs:
                 try:
@@ -293,14 +353,34 @@ class Poller:
         except SlurmError as exc:
             log.warning("cannot look for interrupted submissions yet: %s", exc)
             return
+        # An sbatch dies with the poller and is killed at its time-out, but slurmctld may still
+        # act on a request it received: "no job" is believed only once that time has passed.
+        slurm_cfg = self.config.slurm
+        settled_before = self.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
         for name, task in names.items():
-            jobs = sorted(found.get(name, []), key=lambda j: int(j.job_id.split("_")[0]))
+            # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name.
+            earlier = {
+                (entry.get("metadata") or {}).get("slurm_job_id")
+                for entry in (task.logs or [])[: max(task.attempt - 1, 0)]
+            }
+            jobs = sorted(
+                (j for j in found.get(name, []) if j.job_id not in earlier),
+                key=lambda j: int(j.job_id.split("_")[0]),
+            )
             if jobs:
                 job = jobs[-1]
                 log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
+                canceled = task.state == State.CANCELED.value
                 self.store.update_task(
-                    task.id, allow_terminal=True, job_id=job.job_id, submit_started_at=None
+                    task.id,
+                    allow_terminal=True,
+                    job_id=job.job_id,
+                    submit_started_at=None,
+                    # Canceled while its sbatch ran: the job is scanceled this cycle.
+                    **({"cancel_pending": True} if canceled else {}),
                 )
+            elif (task.submit_started_at or 0.0) > settled_before:
+                log.info("interrupted submission of task %s: no job yet, looking again", task.id)
             else:
                 # sbatch never created a job: the task may be submitted again.
                 self.store.update_task(
@@ -315,7 +395,8 @@ class Poller:
         now = self.clock()
         if now < self._submissions_paused_until:
             return
-        for task in self.store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE):
+        tasks = self.store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
+        for index, task in enumerate(tasks):
             try:
                 if self._submit(task, stats):
                     stats.submitted += 1
@@ -323,7 +404,20 @@ class Poller:
                 log.exception("submitting task %s failed unexpectedly", task.id)
                 self._fail(task, "internal error while submitting the task; see the poller log")
             if self.clock() < self._submissions_paused_until:
+                # The tasks that wait behind it wait for the same reason: say so.
+                self._tell_waiting(tasks[index + 1 :], self._wait_reason)
                 break
+
+    def _tell_waiting(self, tasks: list[TaskRecord], reason: str | None) -> None:
+        if reason is None:
+            return
+        for task in tasks:
+            logs = json.loads(json.dumps(task.logs or []))
+            entry = _attempt_log(logs, task.attempt + 1)
+            before = list(entry.get("system_logs", []))
+            set_condition(entry, reason)
+            if entry.get("system_logs") != before:
+                self.store.update_task(task.id, logs=logs)
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         try:
@@ -344,6 +438,19 @@ class Poller:
                 script = self._adopt(owner, document, image_paths)
             else:
                 script = prepare_task_dir(document, config=self.config, image_paths=image_paths)
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                self._fail(task, f"cannot prepare the task directory: {exc}")
+                return False
+            # Every task would meet the same full disk: all submissions wait for the back-off.
+            delay = self._pause_submissions()
+            self._wait(
+                task, task.attempt + 1, f"waiting: cannot prepare the task directory ({exc})", delay
+            )
+            log.warning(
+                "cannot prepare the directory of task %s, retry in %.0fs: %s", task.id, delay, exc
+            )
+            return False
         except RenderError as exc:
             self._fail(task, f"cannot run this task here: {exc}")
             return False
@@ -372,20 +479,28 @@ class Poller:
             )
             return False
         except SlurmError as exc:
-            # Maybe the job exists anyway (a timeout): the next cycle looks for it by name.
-            delay = self._backoff()
-            self._submissions_paused_until = self.clock() + delay
-            logs = task.logs or []
-            _add_system_logs(
-                _attempt_log(logs, max(attempt, 1)),
-                [f"cannot reach Slurm to submit the job ({_short(exc)}); retrying with back-off"],
+            # Maybe the job exists anyway (a time-out): recovery looks for it by name. This
+            # sbatch has ended (its process group was killed on a time-out), so only the
+            # settle time is left to wait: `submit_started_at` is moved back accordingly.
+            delay = self._pause_submissions()
+            if _NEVER_CONNECTED.search(exc.stderr):
+                # sbatch never reached slurmctld: no job can exist, nothing to look for.
+                settle: dict[str, Any] = {"submit_started_at": None, "attempt": task.attempt}
+            else:
+                settle = {"submit_started_at": self.clock() - self.config.slurm.command_timeout}
+            self._wait(
+                task,
+                attempt,
+                f"cannot reach Slurm to submit the job ({_short(exc)}); retrying with back-off",
+                delay,
+                **settle,
             )
-            self.store.update_task(task.id, next_submit_at=self.clock() + delay, logs=logs)
             log.warning("sbatch for task %s failed, retry in %.0fs: %s", task.id, delay, exc)
             return False
         self._unreachable_count = 0
         logs = task.logs or []
         entry = _attempt_log(logs, attempt)
+        set_condition(entry, None)
         entry.setdefault("metadata", {})["slurm_job_id"] = job_id
         self.store.update_task(
             task.id,
@@ -396,7 +511,27 @@ class Poller:
             logs=logs,
         )
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
+        now = self.store.get_task(task.id)
+        if now is not None and now.state == State.CANCELED.value:
+            # Canceled while sbatch ran (the API saw no job yet): scancel before it can start.
+            self.store.update_task(task.id, allow_terminal=True, cancel_pending=True)
+            self._carry_out_cancels([now], stats)
         return True
+
+    def _wait(
+        self, task: TaskRecord, log_attempt: int, reason: str, delay: float, **changes: Any
+    ) -> None:
+        """Keep the task QUEUED, saying why (in the log of `log_attempt`), and try it again
+        after `delay` seconds."""
+        self._wait_reason = reason
+        logs = json.loads(json.dumps(task.logs or []))
+        set_condition(_attempt_log(logs, max(log_attempt, 1)), reason)
+        self.store.update_task(task.id, next_submit_at=self.clock() + delay, logs=logs, **changes)
+
+    def _pause_submissions(self) -> float:
+        delay = self._backoff()
+        self._submissions_paused_until = self.clock() + delay
+        return delay
 
     # ------------------------------------------------------------------------------ site mode
     def _as_owner(self, owner: str, args: list[str], stdin: str | None = None) -> str:
@@ -459,7 +594,8 @@ class Poller:
                 log.warning("cannot read the records of %s's jobs: %s", owner, _short(exc))
 
     def _backoff(self) -> float:
-        """Doubles with each unreachable answer in a row, up to `slurm.submit_backoff_max`."""
+        """Doubles with each failed submission in a row (Slurm away, a full work filesystem),
+        up to `slurm.submit_backoff_max`; a submission that succeeds starts it afresh."""
         self._unreachable_count += 1
         cfg = self.config.slurm
         exponent = min(self._unreachable_count - 1, 16)
@@ -475,20 +611,24 @@ class Poller:
 
     # ------------------------------------------------------------------------------ follow
     def _follow_jobs(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
-        if not tasks:
+        if not tasks and not self._facts_pending:
             return
         job_ids = [t.job_id for t in tasks if t.job_id]
+        queue: dict[str, JobInfo] = {}
         try:
-            stats.slurm_calls += 1
-            queue = self.slurm.queue(job_ids)
+            if job_ids:
+                stats.slurm_calls += 1
+                queue = self.slurm.queue(job_ids)
         except SlurmError as exc:
             log.warning("squeue failed; keeping the last known states: %s", _short(exc))
             return
-        self._unreachable_count = 0
         if self.site:
             pending = {j for j, info in queue.items() if info.tes_state == State.QUEUED.value}
             self._read_owner_records([t for t in tasks if t.job_id not in pending])
         left = [j for j in job_ids if j not in queue or queue[j].ended]
+        # Finished tasks still waiting for their final Slurm facts ride on the same sacct call.
+        refresh = dict(self._facts_pending)
+        left += [job_id for job_id, _, _ in refresh.values() if job_id not in left]
         accounting: dict[str, JobInfo] = {}
         if left:
             try:
@@ -504,6 +644,30 @@ class Poller:
                     stats.updated += 1
             except Exception:
                 log.exception("updating task %s failed unexpectedly", task.id)
+        self._refresh_facts(refresh, accounting)
+
+    def _refresh_facts(
+        self, refresh: dict[str, tuple[str, int, float]], accounting: dict[str, JobInfo]
+    ) -> None:
+        """Write sacct's final record into finished tasks that were missing it."""
+        now = self.clock()
+        for task_id, (job_id, attempt, since) in refresh.items():
+            job = accounting.get(job_id)
+            if job is not None and job.ended:
+                task = self.store.get_task(task_id)
+                if task is not None and len(task.logs or []) >= attempt:
+                    logs = task.logs or []
+                    _slurm_facts(logs[attempt - 1].setdefault("metadata", {}), job)
+                    self.store.update_task(task_id, allow_terminal=True, logs=logs)
+                # A step's MaxRSS can land in slurmdbd a moment after the job's own record;
+                # a job too short for any accounting sample never gets one.
+                ended_ago = now - job.end_time.timestamp() if job.end_time else 0.0
+                if job.max_rss_bytes is not None or ended_ago > FINAL_RSS_WAIT:
+                    self._facts_pending.pop(task_id, None)
+                    continue
+            if now - since > FINAL_FACTS_GRACE:
+                log.warning("sacct has no final record of job %s (task %s)", job_id, task_id)
+                self._facts_pending.pop(task_id, None)
 
     def _update_task(self, task: TaskRecord, job: JobInfo | None) -> bool:
         assert task.job_id is not None
@@ -543,6 +707,9 @@ class Poller:
         if not job_pending:
             _fill_attempt_log(entry, records, job, final=final or decision.retry)
         _add_system_logs(entry, decision.messages)
+        set_condition(entry, None if final or decision.retry else decision.condition)
+        if final and (job is None or not job.ended or job.max_rss_bytes is None):
+            self._facts_pending[task.id] = (task.job_id, max(task.attempt, 1), now)
         changes: dict[str, Any] = {}
         if decision.retry:
             changes.update(job_id=None, submit_started_at=None, next_submit_at=None)

@@ -43,6 +43,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from bridge.proc import die_with_parent, kill_group
+
 log = logging.getLogger(__name__)
 
 # --- state table -----------------------------------------------------------------------------
@@ -477,13 +479,18 @@ class SlurmClient:
         env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
         env["SLURM_TIME_FORMAT"] = "standard"
         try:
-            proc = subprocess.run(
+            # Its own process group, killed whole on a time-out (a wrapper's children too), and
+            # SIGKILL when the poller dies: an sbatch never outlives the poller that started it
+            # (see the poller's recovery of interrupted submissions).
+            child = subprocess.Popen(
                 list(argv),
-                capture_output=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=self.timeout,
                 env=env,
-                check=False,
+                process_group=0,
+                preexec_fn=die_with_parent(),
             )
         except FileNotFoundError as exc:
             raise SlurmError(
@@ -491,7 +498,11 @@ class SlurmClient:
                 f"the path in the [slurm] section of the configuration",
                 argv=argv,
             ) from exc
+        try:
+            stdout, stderr = child.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired as exc:
+            kill_group(child.pid)
+            child.wait()
             raise SlurmUnavailable(
                 f"{Path(argv[0]).name} did not answer within {self.timeout:g} s "
                 f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
@@ -499,7 +510,11 @@ class SlurmClient:
                 stdout=_text(exc.stdout),
                 stderr=_text(exc.stderr),
             ) from exc
-        return proc
+        except BaseException:
+            kill_group(child.pid)
+            child.wait()
+            raise
+        return subprocess.CompletedProcess(list(argv), child.returncode, stdout, stderr)
 
     def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
         argv = [str(a) for a in proc.args]

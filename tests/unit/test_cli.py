@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,97 @@ def test_allow_root_lets_root_start(tmp_path):
     result = tes_bridge("--config", str(config_file), "poller", "--once", env=env)
     assert "refusing to run as root" not in result.stderr
     assert (tmp_path / "state" / "tes-bridge.db").is_file()
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _serve(tmp_path: Path, log_name: str, port: int) -> subprocess.Popen[bytes]:
+    # The suite runs as root: this test is about process lifetimes, not the root refusal.
+    config_file = tmp_path / "serve.toml"
+    config_file.write_text(f'state_dir = "{tmp_path / "state"}"\n[container]\nallow_root = true\n')
+    env = dict(os.environ)
+    with open(tmp_path / log_name, "wb") as log:
+        argv = [sys.executable, "-m", "bridge", "--config", str(config_file), "serve"]
+        argv += ["--bind", f"127.0.0.1:{port}"]
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _poller_of(master: int, timeout: float = 30) -> tuple[int, int]:
+    """(supervisor pid, poller pid) started by a serve master."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for sup in _children(master):
+            if "--supervise" in _cmdline(sup):
+                pollers = [p for p in _children(sup) if " poller" in _cmdline(p)]
+                if pollers:
+                    return sup, pollers[0]
+        time.sleep(0.1)
+    raise AssertionError(f"serve {master} started no supervised poller")
+
+
+def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    first = _serve(tmp_path, "first.log", port)
+    second = None
+    supervisor = poller = 0
+    try:
+        supervisor, poller = _poller_of(first.pid)
+        lock = tmp_path / "state" / "poller.lock"
+        deadline = time.monotonic() + 30
+        while not (lock.exists() and lock.read_text().strip() == str(poller)):
+            assert time.monotonic() < deadline, "the poller never took its lock"
+            time.sleep(0.1)
+        workers = [p for p in _children(first.pid) if p != supervisor]
+        assert workers
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in [supervisor, poller, *workers]):
+            assert time.monotonic() < deadline, "a child outlived the serve master"
+            time.sleep(0.1)
+        # The port and the poller lock are free: a new serve gets both.
+        second = _serve(tmp_path, "second.log", port)
+        _, new_poller = _poller_of(second.pid)
+        deadline = time.monotonic() + 30
+        while lock.read_text().strip() != str(new_poller):
+            assert time.monotonic() < deadline, (tmp_path / "second.log").read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.5)
+        assert _alive(new_poller), (tmp_path / "second.log").read_text()[-2000:]
+        assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+        for pid in (supervisor, poller):  # orphans of a failed run
+            if pid and _alive(pid) and "bridge" in _cmdline(pid):
+                os.kill(pid, signal.SIGKILL)

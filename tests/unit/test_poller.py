@@ -53,6 +53,7 @@ class FakeSlurm:
         self.ids = itertools.count(100)
         self.calls: list[str] = []
         self.unavailable = False
+        self.unavailable_message = "Unable to contact slurm controller"
         self.reject: str | None = None
         self.create_then_fail = False  # sbatch creates the job but the answer is lost
 
@@ -64,7 +65,7 @@ class FakeSlurm:
                 argv=[command],
                 returncode=1,
                 stdout="",
-                stderr="Unable to contact slurm controller",
+                stderr=self.unavailable_message,
             )
 
     def submit(
@@ -170,7 +171,7 @@ def test_pending_job_is_queued_with_its_reason():
         current=State.QUEUED,
     )
     assert decision.state is State.QUEUED
-    assert decision.messages == ["Slurm job 1 is pending (Resources)"]
+    assert decision.condition == "Slurm job 1 is pending (Resources)"
 
 
 @pytest.mark.parametrize(
@@ -482,3 +483,233 @@ def test_quick_check_asks_for_a_cycle_when_a_job_recorded_its_outcome(env):
     poller.cycle()
     assert store.get_task(task.id).state == "COMPLETE"
     assert poller.quick_check() is None  # a finished task is not watched any more
+
+
+# ----------------------------------------------------------------- honest states and facts
+
+
+def test_pending_reason_is_one_line_that_goes_when_the_task_moves_on(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    for reason in ("Priority", "Resources", "Resources"):
+        slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason=reason)
+        poller.cycle()
+    lines = store.get_task(task.id).logs[0]["system_logs"]
+    assert lines == [f"Slurm job {job_id} is pending (Resources)"]
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    done = JobRecords(job_id=job_id, phase="done", outcome="complete")
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "COMPLETE"
+    assert not any("pending" in line for line in record.logs[0].get("system_logs", []))
+
+
+def test_final_log_has_sacct_facts_never_a_leftover_running(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: JobRecords(job_id=job_id))
+    poller.cycle()
+    assert store.get_task(task.id).logs[0]["metadata"]["slurm_state"] == "RUNNING"
+    # The job recorded its outcome; squeue still says RUNNING and sacct has nothing final yet.
+    done = JobRecords(job_id=job_id, phase="done", outcome="complete")
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "COMPLETE"
+    assert "slurm_state" not in record.logs[0]["metadata"]
+    # The next cycles ask sacct (on the call they make anyway) until the final record is there.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", exit_code=0)
+    poller.cycle()
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], max_rss_bytes=4096, elapsed_seconds=3)
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls == ["sacct"]
+    metadata = store.get_task(task.id).logs[0]["metadata"]
+    assert metadata["slurm_state"] == "COMPLETED"
+    assert metadata["slurm_max_rss_bytes"] == "4096"
+    assert metadata["slurm_elapsed_seconds"] == "3"
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls == []  # done: nothing more to ask
+
+
+def test_final_facts_are_given_up_after_the_grace_time(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    done = JobRecords(job_id=job_id, phase="done", outcome="complete")
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    poller.cycle()
+    later = poller.clock() + 301
+    poller.clock = lambda: later
+    poller.cycle()
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls == []
+
+
+# ----------------------------------------------------------------- transient conditions
+
+
+def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
+    import errno
+
+    poller, store, slurm, _ = env
+    tasks = [store.create_task(ECHO) for _ in range(3)]
+    real = __import__("bridge.poller", fromlist=["prepare_task_dir"]).prepare_task_dir
+    full = True
+
+    def prepare(*args, **kwargs):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("bridge.poller.prepare_task_dir", prepare)
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    for _ in range(3):
+        poller.cycle()
+        now[0] += 400  # past any back-off
+    for task in tasks:  # every waiting task says why, once
+        record = store.get_task(task.id)
+        assert record.state == "QUEUED"
+        assert record.logs[0]["system_logs"] == [
+            "waiting: cannot prepare the task directory ([Errno 28] No space left on device)"
+        ]
+    assert "sbatch" not in slurm.calls
+    full = False
+    for _ in range(2):
+        poller.cycle()
+        now[0] += 400
+    for task in tasks:
+        record = store.get_task(task.id)
+        assert record.state == "QUEUED" and record.job_id is not None, record
+        assert not any("waiting" in x for x in record.logs[0]["system_logs"]), record.logs
+    assert slurm.calls.count("sbatch") == 3
+
+
+def test_sbatch_time_out_is_retried_only_after_the_settle_time(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    slurm.unavailable_message = "Socket timed out on send/recv operation"
+    slurm.unavailable = True
+    poller.cycle()
+    slurm.unavailable = False
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED" and record.submit_started_at is not None
+    # The back-off has passed, but slurmctld may still act on the request: no second sbatch.
+    now[0] += poller.config.slurm.submit_settle - 1
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    # The late request creates the job: it is adopted, not submitted again.
+    slurm.jobs["300"] = job("300", "PENDING", name=job_name(task.id), reason="Priority")
+    poller.cycle()
+    assert store.get_task(task.id).job_id == "300"
+    assert slurm.calls.count("sbatch") == 1
+
+
+def test_interrupted_submission_waits_out_the_settle_time_before_submitting_again(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    now = [10_000.0]
+    poller.clock = lambda: now[0]
+    # A poller killed during sbatch, just now.
+    store.update_task(task.id, submit_started_at=now[0] - 1, attempt=1)
+    poller.cycle()
+    assert "sbatch" not in slurm.calls
+    wait = poller.config.slurm.command_timeout + poller.config.slurm.submit_settle
+    now[0] += wait
+    poller.cycle()
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    assert store.get_task(task.id).attempt == 1
+
+
+# ----------------------------------------------------------------- cancel races
+
+
+def test_cancel_landing_during_sbatch_scancels_the_job_at_once(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    submit = slurm.submit
+
+    def submit_while_canceled(*args, **kwargs):
+        # A cancel that read the task before `submit_started_at` was written, and wrote
+        # CANCELED while sbatch ran: it saw no job, so it left no cancel for the poller.
+        store.update_task(task.id, state="CANCELED", cancel_pending=False)
+        return submit(*args, **kwargs)
+
+    slurm.submit = submit_while_canceled
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "CANCELED" and record.job_id is not None
+    assert slurm.jobs[record.job_id].state == "CANCELLED"
+    assert slurm.calls.index("scancel") == slurm.calls.index("sbatch") + 1
+
+
+def test_quick_check_asks_for_a_cycle_when_a_cancel_arrives(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    assert poller.quick_check() is None
+    store.cancel_task(task.id)
+    assert poller.quick_check() == "cycle"
+    poller.cycle()
+    assert slurm.calls[-1] == "scancel"
+    assert poller.quick_check() is None
+
+
+def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answers(
+    env, monkeypatch
+):
+    import errno
+
+    poller, store, _, _ = env
+    running = store.create_task(ECHO)
+    poller.cycle()  # one job to follow: squeue answers every cycle
+    assert store.get_task(running.id).job_id
+    waiting = store.create_task(ECHO)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("bridge.poller.prepare_task_dir", full)
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    delays = []
+    for _ in range(4):
+        poller.cycle()
+        record = store.get_task(waiting.id)
+        delays.append(round(record.next_submit_at - now[0], 6))
+        now[0] = record.next_submit_at + 0.1
+    assert delays == [2.0, 4.0, 8.0, 16.0]
+
+
+def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    first = store.get_task(task.id).job_id
+    slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL", exit_code=0)
+    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: JobRecords(job_id=first))
+    poller.cycle()  # lost node: a second attempt is due
+    record = store.get_task(task.id)
+    assert record.job_id is None and record.state == "QUEUED"
+    # The poller dies during the second sbatch, before it reached slurmctld.
+    store.update_task(task.id, submit_started_at=1.0, attempt=2)
+    poller.cycle()
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.job_id not in (None, first), record
+    assert record.attempt == 2 and record.state == "QUEUED"
+    assert slurm.calls.count("sbatch") == 2

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import stat
+import subprocess
+import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -412,3 +416,44 @@ def test_bad_job_ids_are_refused(tmp_path: Path) -> None:
 
 def test_module_logger_name() -> None:
     assert slurm.log.name == "bridge.slurm"
+
+
+# --- the child processes: killed whole on a time-out, and with the poller -------------------
+
+
+def _slow_sbatch(tmp_path: Path, before: float, after: float) -> Path:
+    """An sbatch wrapper that sleeps, then "submits" (writes a file), then sleeps again."""
+    script = tmp_path / "slow-sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"sleep {before}\n"
+        f"echo submitted >>{tmp_path}/jobs\n"
+        "echo 42\n"
+        # A child that is not exec'd: it must die with the group, not finish on its own.
+        f"(sleep {after}; echo late >>{tmp_path}/jobs) &\n"
+        "wait\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_a_command_that_times_out_is_killed_with_its_children(tmp_path: Path) -> None:
+    client = slurm.SlurmClient(sbatch=str(_slow_sbatch(tmp_path, 0, 2)), timeout=0.5)
+    with pytest.raises(slurm.SlurmUnavailable, match=r"did not answer within 0\.5 s"):
+        client.submit(tmp_path / "job.sh", job_name="tes-x")
+    time.sleep(2.5)
+    assert (tmp_path / "jobs").read_text() == "submitted\n"  # the late child never wrote
+
+
+def test_sbatch_dies_with_the_process_that_runs_it(tmp_path: Path) -> None:
+    wrapper = _slow_sbatch(tmp_path, 1.5, 0)
+    code = (
+        "from pathlib import Path; from bridge.slurm import SlurmClient; "
+        f"SlurmClient(sbatch={str(wrapper)!r}, timeout=30).submit(Path('job.sh'), job_name='x')"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(0.8)  # sbatch is running, not yet submitted
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    time.sleep(2)
+    assert not (tmp_path / "jobs").exists()  # it never submitted after its parent died

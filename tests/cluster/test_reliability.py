@@ -1,0 +1,430 @@
+"""Reliability on the real cluster: processes killed at any instant, a full work filesystem,
+slurmctld away, cancels racing submissions, and the final Slurm facts of finished tasks.
+
+Every task must reach its right terminal state with exactly one Slurm job per attempt (sacct
+and squeue by job name), and a canceled task's executors never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from bridge.slurm import SlurmClient
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+ALPINE = "alpine"
+
+#: An sbatch on a slow way to slurmctld: it sleeps before and after the real sbatch, which runs
+#: as its child (not exec'd), as a site's wrapper might. The delays are read from files beside
+#: it, so a test can change them while the service runs.
+SLOW_SBATCH = """#!/bin/bash
+dir=$(dirname "$0")
+echo "start $$ $*" >>"$dir/sbatch.log"
+sleep "$(cat "$dir/sbatch-before" 2>/dev/null || echo 0)"
+{sbatch} "$@"
+rc=$?
+echo "end $$ $rc" >>"$dir/sbatch.log"
+sleep "$(cat "$dir/sbatch-after" 2>/dev/null || echo 0)"
+exit $rc
+"""
+
+
+def executor(*command: str) -> dict[str, Any]:
+    return {"image": ALPINE, "command": list(command)}
+
+
+def slow_sbatch(root: Path, before: float, after: float) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    wrapper = root / "slow-sbatch"
+    wrapper.write_text(SLOW_SBATCH.format(sbatch=shutil.which("sbatch") or "/usr/bin/sbatch"))
+    wrapper.chmod(0o755)
+    set_delays(root, before, after)
+    return wrapper
+
+
+def set_delays(root: Path, before: float, after: float) -> None:
+    (root / "sbatch-before").write_text(f"{before}\n")
+    (root / "sbatch-after").write_text(f"{after}\n")
+
+
+def wait_for_sbatch(root: Path, task_id: str, timeout: float = 60) -> float:
+    """The monotonic time at which the wrapper started for this task."""
+    deadline = time.monotonic() + timeout
+    log = root / "sbatch.log"
+    while time.monotonic() < deadline:
+        if log.exists() and f"--job-name=tes-{task_id}" in log.read_text():
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"sbatch never started for {task_id}")
+
+
+def assert_one_job_per_attempt(tasks: dict[str, dict[str, Any]]) -> None:
+    names = {f"tes-{task_id}": task for task_id, task in tasks.items()}
+    found = SlurmClient().find_by_names(list(names))
+    counts = {name: len(found.get(name, [])) for name in names}
+    attempts = {name: len(task["logs"]) for name, task in names.items()}
+    assert counts == attempts, {n: (counts[n], attempts[n]) for n in names}
+
+
+def executors_ran(service: BridgeService, task_id: str) -> list[Path]:
+    return list((service.work_dir / task_id / "records").glob("*/executors/0"))
+
+
+@pytest.fixture
+def slow_service(local_cluster: Any, tmp_path: Path) -> Iterator[BridgeService]:
+    wrapper = slow_sbatch(tmp_path, before=2, after=2)
+    service = start_bridge_service(
+        local_cluster,
+        tmp_path,
+        slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0',
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+# ---------------------------------------------------------------------- exactly once (defect 3)
+
+
+def test_poller_killed_anywhere_in_a_slow_sbatch_submits_each_attempt_once(slow_service):
+    service, root = slow_service, slow_service.root
+    ids = []
+    # In the wrapper's first sleep (no job yet), around the real sbatch, in its second sleep
+    # (the job exists, its id is not stored yet).
+    for offset in (0.5, 1.9, 2.3, 3.2):
+        task_id = service.create({"executors": [executor("echo", str(offset))]})
+        ids.append(task_id)
+        started = wait_for_sbatch(root, task_id)
+        time.sleep(max(0.0, started + offset - time.monotonic()))
+        service.kill_poller()
+        service.start_poller()
+    tasks = {task_id: service.wait(task_id, timeout=300) for task_id in ids}
+    for task in tasks.values():
+        assert task["state"] == "COMPLETE", task
+        assert len(task["logs"]) == 1, task["logs"]
+    assert_one_job_per_attempt(tasks)
+
+
+# ------------------------------------------------------------- transient conditions (defect 8)
+
+
+@pytest.fixture
+def small_work_fs(tmp_path: Path) -> Iterator[Path]:
+    work = tmp_path / "state" / "work"
+    work.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(work)], check=True)
+    try:
+        yield work
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)
+
+
+def fill(path: Path) -> None:
+    with open(path, "wb") as out:
+        try:
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        except OSError:
+            pass
+
+
+def condition_lines(task: dict[str, Any], words: str) -> list[str]:
+    return [x for log in task.get("logs", []) for x in log.get("system_logs", []) if words in x]
+
+
+def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
+    local_cluster, tmp_path, small_work_fs
+):
+    filler = small_work_fs / "filler"
+    fill(filler)
+    service = start_bridge_service(local_cluster, tmp_path)
+    try:
+        ids = [service.create({"executors": [executor("echo", str(i))]}) for i in range(6)]
+        deadline = time.monotonic() + 60
+        while True:
+            tasks = [service.get(task_id) for task_id in ids]
+            if all(condition_lines(t, "waiting: cannot prepare") for t in tasks):
+                break
+            assert time.monotonic() < deadline, tasks
+            time.sleep(0.5)
+        time.sleep(6)  # several retries with back-off: still one line each, still QUEUED
+        for task_id in ids:
+            task = service.get(task_id)
+            assert task["state"] == "QUEUED", task
+            lines = condition_lines(task, "waiting: cannot prepare")
+            assert len(lines) == 1 and "No space left on device" in lines[0], task
+        filler.unlink()
+        tasks = {task_id: service.wait(task_id, timeout=240) for task_id in ids}
+        for i, task in enumerate(tasks.values()):
+            assert task["state"] == "COMPLETE", task
+            assert task["logs"][0]["logs"][0]["stdout"] == f"{i}\n"
+            assert not condition_lines(task, "waiting"), task
+        assert_one_job_per_attempt(tasks)
+    finally:
+        service.stop()
+
+
+def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
+    bridge_service, local_cluster
+):
+    local_cluster.stop("slurmctld")
+    try:
+        ids = [bridge_service.create({"executors": [executor("echo", str(i))]}) for i in range(3)]
+        deadline = time.monotonic() + 90
+        while True:
+            tasks = [bridge_service.get(task_id) for task_id in ids]
+            if all(condition_lines(t, "cannot reach Slurm") for t in tasks):
+                break
+            assert time.monotonic() < deadline, tasks
+            time.sleep(1)
+        time.sleep(8)  # more sbatch failures: the line is replaced, not piled up
+        for task_id in ids:
+            task = bridge_service.get(task_id)
+            assert task["state"] == "QUEUED", task
+            assert len(condition_lines(task, "cannot reach Slurm")) == 1, task
+    finally:
+        local_cluster.up()
+    tasks = {task_id: bridge_service.wait(task_id, timeout=240) for task_id in ids}
+    for task in tasks.values():
+        assert task["state"] == "COMPLETE", task
+        assert not condition_lines(task, "cannot reach Slurm"), task
+        assert not condition_lines(task, "is pending"), task
+    assert_one_job_per_attempt(tasks)
+
+
+# --------------------------------------------------------------------- cancels (defect 2)
+
+
+def test_a_canceled_task_never_runs_its_executors_whenever_the_cancel_lands(
+    local_cluster, tmp_path
+):
+    wrapper = slow_sbatch(tmp_path, before=1.5, after=1.5)
+    # A slow job start (as slow staging would be): the poller has time to scancel a job it
+    # learns of only when sbatch answers.
+    service = start_bridge_service(
+        local_cluster,
+        tmp_path,
+        slurm_toml=f'sbatch = "{wrapper}"\nprologue = "sleep 4"',
+    )
+    try:
+        task = {"executors": [executor("echo", "must not run")]}
+        before_submit = service.create(task)
+        service.cancel(before_submit)
+        during = []
+        for offset in (0.5, 1.7, 2.5):  # before, around and after the real sbatch
+            task_id = service.create(task)
+            started = wait_for_sbatch(tmp_path, task_id)
+            time.sleep(max(0.0, started + offset - time.monotonic()))
+            service.cancel(task_id)
+            during.append(task_id)
+        submitted = service.create(task)
+        deadline = time.monotonic() + 60
+        while "slurm_job_id" not in service.get(submitted).get("logs", [{}])[0].get("metadata", {}):
+            assert time.monotonic() < deadline, service.get(submitted)
+            time.sleep(0.1)
+        service.cancel(submitted)  # the job is known and pending or starting
+        ids = [before_submit, *during, submitted]
+        time.sleep(10)  # any job that was not canceled would have run its executor by now
+        tasks = {task_id: service.get(task_id) for task_id in ids}
+        for task_id, task in tasks.items():
+            assert task["state"] == "CANCELED", task
+            assert not executors_ran(service, task_id), task_id
+        found = SlurmClient().find_by_names([f"tes-{t}" for t in ids])
+        assert f"tes-{before_submit}" not in found
+        for name, jobs in found.items():
+            assert len(jobs) == 1, (name, jobs)
+            assert jobs[0].state == "CANCELLED", jobs
+    finally:
+        service.stop()
+
+
+# ----------------------------------------------------------- final Slurm facts (issue 10)
+
+
+def test_finished_tasks_carry_the_final_slurm_facts(bridge_service):
+    # Long enough for one accounting sample (JobAcctGatherFrequency=task=5 on the local
+    # cluster): a job shorter than that has no MaxRSS in sacct at all.
+    ids = [
+        bridge_service.create({"executors": [executor("sh", "-c", f"sleep 6; echo {i}")]})
+        for i in range(20)
+    ]
+    deadline = time.monotonic() + 600
+    pending = set(ids)
+    tasks: dict[str, dict[str, Any]] = {}
+    while pending:
+        for task_id in list(pending):
+            task = bridge_service.get(task_id)
+            metadata = task.get("logs", [{}])[-1].get("metadata", {})
+            assert metadata.get("slurm_state") != "RUNNING" or task["state"] != "COMPLETE", task
+            if task["state"] == "COMPLETE" and "slurm_max_rss_bytes" in metadata:
+                tasks[task_id] = task
+                pending.discard(task_id)
+        assert time.monotonic() < deadline, [bridge_service.get(t) for t in pending][:2]
+        time.sleep(1)
+    for task in tasks.values():
+        metadata = task["logs"][0]["metadata"]
+        assert metadata["slurm_state"] == "COMPLETED", task
+        assert int(metadata["slurm_max_rss_bytes"]) > 0
+        assert int(metadata["slurm_elapsed_seconds"]) >= 6
+        assert metadata["slurm_node"]
+        assert not condition_lines(task, "is pending"), task  # honest states (defect 15)
+
+
+# ----------------------------------------------------------------- the fault test (issue 11)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _serve_processes(service: BridgeService) -> dict[str, list[int]]:
+    master = service.processes["serve"].pid
+    kids = _children(master)
+    supervisors = [p for p in kids if "--supervise" in _cmdline(p)]
+    workers = [p for p in kids if p not in supervisors]
+    pollers = [p for s in supervisors for p in _children(s)]
+    return {"master": [master], "worker": workers, "poller": pollers}
+
+
+def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_path):
+    seed = int(os.environ.get("FAULT_SEED", time.time_ns() % 100_000))
+    print(f"fault test seed: {seed} (rerun with FAULT_SEED={seed})")
+    rng = random.Random(seed)
+    wrapper = slow_sbatch(tmp_path, before=0.2, after=0.2)
+    service = start_bridge_service(
+        local_cluster,
+        tmp_path,
+        slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0',
+        serve_alone=True,
+    )
+    ids: list[str] = []
+    kills: list[str] = []
+    try:
+        for i in range(30):
+            ids.append(service.create({"executors": [executor("sh", "-c", f"echo {i}")]}))
+        ended = time.monotonic() + 100
+        while time.monotonic() < ended:
+            time.sleep(rng.uniform(0.5, 4.0))
+            _restart_if_gone(service)
+            what = rng.choice(["master", "worker", "poller", "submit", "submit"])
+            if what == "submit":
+                # A poller killed inside a slow sbatch: longer than the poller takes to restart.
+                kills.append(f"submit:{_kill_inside_sbatch(service, tmp_path, rng)}")
+                continue
+            victims = _serve_processes(service).get(what) or []
+            if not victims:
+                continue
+            victim = rng.choice(victims)
+            kills.append(f"{what}:{victim}")
+            _kill(victim)
+            if what == "master":
+                # As an operator (or systemd) would: start it again once it is gone.
+                service.processes.pop("serve").wait(timeout=10)
+                service.start("serve", "serve")
+            if all(_state(service, t) not in (None, "QUEUED") for t in ids):
+                break
+        print(f"kills: {kills}")
+        assert any(k.startswith("submit:") and "no sbatch" not in k for k in kills), kills
+        tasks = {}
+        for task_id in ids:
+            tasks[task_id] = _wait_through_restarts(service, task_id)
+        for i, task in enumerate(tasks.values()):
+            assert task["state"] == "COMPLETE", (seed, kills, task)
+            assert task["logs"][-1]["logs"][0]["stdout"] == f"{i}\n", (seed, task)
+        assert_one_job_per_attempt(tasks)
+    finally:
+        service.stop()
+    # Nothing of this service survives its stop (an orphaned supervisor or poller would).
+    time.sleep(1)
+    left = [pid for pid in _all_pids() if str(service.config_path) in _cmdline(pid)]
+    assert not left, [(pid, _cmdline(pid)) for pid in left]
+
+
+def _all_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _kill_inside_sbatch(service: BridgeService, root: Path, rng: random.Random) -> str:
+    set_delays(root, before=5, after=1)
+    log = root / "sbatch.log"
+    seen = log.read_text().count("start ") if log.exists() else 0
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            if log.exists() and log.read_text().count("start ") > seen:
+                break
+            time.sleep(0.05)
+        else:
+            return "no sbatch"
+        offset = rng.uniform(0.0, 6.5)
+        time.sleep(offset)
+        victims = _serve_processes(service)["poller"]
+        for pid in victims:
+            _kill(pid)
+        return f"{victims} at {offset:.1f}s"
+    finally:
+        set_delays(root, before=0.2, after=0.2)
+
+
+def _state(service: BridgeService, task_id: str) -> str | None:
+    """The task's state, or None while no API process answers (being restarted)."""
+    try:
+        return service.get(task_id, "MINIMAL")["state"]
+    except (requests.ConnectionError, requests.Timeout):
+        return None
+
+
+def _restart_if_gone(service: BridgeService) -> None:
+    """As systemd's Restart=always would: a serve that exited is started again."""
+    if service.processes["serve"].poll() is not None:
+        service.start("serve", "serve")
+
+
+def _wait_through_restarts(service: BridgeService, task_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 240
+    while True:
+        _restart_if_gone(service)
+        try:
+            task = service.get(task_id)
+            if task["state"] in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"):
+                return task
+        except requests.ConnectionError:
+            pass  # a worker that is being replaced
+        assert time.monotonic() < deadline, task_id
+        time.sleep(0.5)
