@@ -109,6 +109,7 @@ def test_allow_root_lets_root_start(tmp_path):
     assert "refusing to run as root" not in result.stderr
     assert (tmp_path / "state" / "tes-bridge.db").is_file()
 
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
