@@ -499,3 +499,39 @@ def test_forget_and_prune_keep_what_unfinished_tasks_may_use(
     assert cache.ensure("alpine") is None  # forgotten: looked up and pulled again
     assert wait_for(lambda: cache.ensure("alpine")) == new
     assert not cache.forget("alpine:3")
+
+
+def test_images_commands_list_pull_and_forget(
+    tmp_path: Path,
+    runtime: dict[str, Path],
+    registry: Registry,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bridge.cli import main
+
+    config = tmp_path / "tes-bridge.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[container]\nruntime = "{runtime["bin"]}"\n'
+        f'default_registry = "{registry.address}"\ninsecure_registries = ["{registry.address}"]\n'
+    )
+    base = ["--config", str(config), "images"]
+    assert main([*base, "pull", "alpine", "alpine:nope"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("alpine: ") and out.strip().endswith(".sif")
+    assert "alpine:nope" in err and "does not exist" in err
+    assert main([*base, "pull", "alpine"]) == 0  # checked again, same digest: no pull
+    assert len(pulls(runtime)) == 1
+    capsys.readouterr()
+    assert main([*base, "list", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr()[0])
+    assert row["digest"] == registry.tags["library/alpine:latest"] and row["size"] > 0
+    assert main([*base, "list"]) == 0
+    assert "library/alpine:latest" in capsys.readouterr()[0]
+
+    assert main([*base, "forget", "alpine"]) == 0
+    out = capsys.readouterr()[0]
+    assert "alpine: forgotten" in out and "kept " in out  # unused only from now on
+    assert main([*base, "forget", "alpine"]) == 0
+    out = capsys.readouterr()[0]
+    assert "not in the cache" in out and "removed " in out  # no unfinished task: gone
+    assert not list((tmp_path / "state" / "images").glob("*.sif"))
