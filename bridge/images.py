@@ -119,10 +119,18 @@ RETRY_MAX = 30.0
 REGISTRY_TIMEOUT = 30.0
 
 
+# Looked up here, not in the forked child (dlopen after fork is unsafe with threads).
+try:
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
 def _die_with_parent() -> None:
-    """In the pull child: SIGKILL when the thread that started it ends (no orphan pulls)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    """In the pull child: SIGKILL when the thread that started it ends, e.g. with a poller
+    killed by SIGKILL (no orphan pulls)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
@@ -171,7 +179,8 @@ class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
             text = (stderr.strip() or stdout.strip())[-2000:]
             message = f"{os.path.basename(cmd[0])} exited {proc.returncode}: {text}"
             if _TRANSIENT.search(text):
-                raise _Transient(message)
+                # Said in system_logs on every retry: the end of the message is enough.
+                raise _Transient(_short(message[:60] + " … " + text[-240:], 320))
             raise _PullFailed(message)
         return stdout
 

@@ -302,3 +302,41 @@ def test_an_allowed_local_sif_runs_and_others_are_refused(
     )
     assert answer.status_code == 400
     assert answer.json()["errors"][0]["field"] == "executors[0].image"
+
+
+def test_a_full_cache_disk_is_transient_and_the_pull_succeeds_once_there_is_room(
+    local_cluster: Any, tmp_path: Path
+) -> None:
+    from bridge.config import Config
+    from bridge.images import ImageCache, ImagePullError
+
+    cache_dir = tmp_path / "small"
+    cache_dir.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(cache_dir))
+    try:
+        config = Config.model_validate(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "container": {
+                    "runtime": local_cluster.apptainer,
+                    "cache_dir": str(cache_dir),
+                    "default_registry": local_cluster.registry,
+                    "insecure_registries": [local_cluster.registry],
+                },
+            }
+        )
+        cache = ImageCache(config)
+        with pytest.raises(ImagePullError, match="no space left on device"):
+            cache.pull("alpine", timeout=120)
+        assert cache.ensure("alpine") is None  # waiting, not failed
+        assert "no space left on device" in cache.problem("alpine")
+        assert "retrying in" in cache.problem("alpine")
+        run("mount", "-o", "remount,size=64m", str(cache_dir))
+        deadline = time.monotonic() + 60
+        while (path := cache.ensure("alpine")) is None:
+            assert time.monotonic() < deadline, cache.problem("alpine")
+            time.sleep(0.2)
+        assert path.stat().st_size > 0 and cache.problem("alpine") is None
+        cache.close()
+    finally:
+        run("umount", "-l", str(cache_dir))

@@ -7,9 +7,12 @@ the local cluster's registry run in tests/cluster/test_images.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -535,3 +538,44 @@ def test_images_commands_list_pull_and_forget(
     out = capsys.readouterr()[0]
     assert "not in the cache" in out and "removed " in out  # no unfinished task: gone
     assert not list((tmp_path / "state" / "images").glob("*.sif"))
+
+
+def test_a_pull_dies_with_the_process_that_started_it(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    # kill -9 of the poller mid-pull: the runtime it started must not pull on as an orphan.
+    pids_file = tmp_path / "pids"
+    code = (
+        "import time; from bridge.config import Config; from bridge.images import ImageCache; "
+        f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
+        f"'container': {{'runtime': {str(runtime['bin'])!r}, "
+        f"'default_registry': {registry.address!r}, "
+        f"'insecure_registries': [{registry.address!r}]}}}})); "
+        "c.ensure('alpine'); time.sleep(300)"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    poller = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "FAKE_PULL_HANG": str(pids_file)},
+    )
+    try:
+        pids = wait_for(lambda: pids_file.exists() and pids_file.read_text().split())
+        pull = int(pids[0])
+        poller.kill()
+        poller.wait(timeout=10)
+        wait_for(lambda: not alive(pull), timeout=10)
+    finally:
+        poller.kill()
+        if pids_file.exists() and len(pids_file.read_text().split()) == 2:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pids_file.read_text().split()[1]), signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
