@@ -213,6 +213,7 @@ class _Retry:
     at: float
     message: str
     attempts: int
+    delay: float
 
 
 def _sha(text: str) -> str:
@@ -353,9 +354,10 @@ class ImageCache:
             with self._lock:
                 retry = self._retries.get(key)
                 if retry is not None:
-                    wait = retry.at - time.monotonic()
-                    when = f"retrying in {wait:.0f} s" if wait >= 1 else "retrying now"
-                    return f"pulling image {image}: {retry.message}; {when}"
+                    # The same words until the next attempt: the poller stores them on change.
+                    return (
+                        f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
+                    )
         return None
 
     def pull(self, image: str, timeout: float | None = None, *, check: bool = False) -> Path:
@@ -509,7 +511,7 @@ class ImageCache:
         previous = self._retries.get(key)
         attempts = previous.attempts + 1 if previous else 1
         delay = min(RETRY_FIRST * 2 ** (attempts - 1), RETRY_MAX)
-        self._retries[key] = _Retry(time.monotonic() + delay, message, attempts)
+        self._retries[key] = _Retry(time.monotonic() + delay, message, attempts, delay)
         name = self._names.get(key, key)
         log.warning("image %s not available now (%s); retrying in %.0f s", name, message, delay)
 
@@ -564,11 +566,15 @@ class ImageCache:
                 sif = self.cache_dir / self.sif_name(ref, digest)
                 pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
                 if not sif.is_file():
-                    source = ref
-                    if digest and not _digest_of(ref):
-                        source = ref.rsplit(":", 1)[0] + "@" + digest  # exactly what was checked
-                    self._pull(source, sif)
-                    pulled_at = time.time()
+                    # Two tags of one digest share the file: one pull of it at a time too.
+                    with self._locked(f"{sif.name}.lock"):
+                        if not sif.is_file():
+                            source = ref
+                            if digest and not _digest_of(ref):
+                                # Exactly what was checked.
+                                source = ref.rsplit(":", 1)[0] + "@" + digest
+                            self._pull(source, sif)
+                            pulled_at = time.time()
                 if entry is not None and entry.sif != sif.name:
                     log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
                 now = time.time()
