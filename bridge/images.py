@@ -385,15 +385,14 @@ class ImageCache:
             if future is not None:
                 try:
                     future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except _Transient as exc:
+                except TimeoutError:
+                    raise ImagePullError(image, "timed out waiting for the pull") from None
+                except Exception as exc:
                     with self._lock:
                         if self._pending.get(key) is future:
                             self._collect(key, future)
-                    raise ImagePullError(image, exc.message) from None
-                except TimeoutError:
-                    raise ImagePullError(image, "timed out waiting for the pull") from None
-                except Exception:
-                    pass  # ensure() below raises it as ImagePullError
+                    reason = exc.reason if isinstance(exc, ImagePullError) else str(exc)
+                    raise ImagePullError(image, reason) from None
             path = self.ensure(image)
             if path is not None:
                 return path
