@@ -2,7 +2,7 @@
 
 The registry here is a small distribution-API server on loopback whose tags the tests move, stop
 and stall; the runtime is a stand-in script that writes the file it is asked for. Real pulls from
-the local cluster's registry run in tests/cluster/test_images.py.
+the local cluster's registry run in tests/cluster/test_images_cluster.py.
 """
 
 from __future__ import annotations
