@@ -37,6 +37,8 @@ setup(
         "pydantic>=2.6,<3",
         "Jinja2>=3.1",
         "spython>=0.3.13",
+        # Manifest digests of image tags (OCI distribution API, token auth), for cache refresh.
+        "python-dxf>=12",
         # Job-side staging on the compute nodes: S3 and HTTP(S).
         "boto3>=1.28",
         "requests>=2.31",

@@ -89,6 +89,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands.add_parser("show-config", help="print the effective configuration as JSON")
 
+    images = commands.add_parser(
+        "images",
+        help="the shared image cache: list, pull or forget images",
+        description="The SIF cache the poller fills (container.cache_dir). A tag is checked "
+        "against its registry again after container.refresh_seconds and pulled again only when "
+        "its manifest digest changed; an @sha256: reference never is. SIFs are named by digest; "
+        "one a tag no longer names is removed once no unfinished task can still use it.",
+    )
+    image_commands = images.add_subparsers(dest="images_command", metavar="ACTION", required=True)
+    listing = image_commands.add_parser(
+        "list", help="references in the cache with their digest, SIF and last check"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pull = image_commands.add_parser(
+        "pull",
+        help="check images against their registry now and pull those that changed",
+        description="Check each IMAGE's digest now (whatever container.refresh_seconds says) "
+        "and pull it when the cache does not hold that digest yet. Waits for the pulls.",
+    )
+    pull.add_argument("image", nargs="+", help="image reference as tasks name it, e.g. alpine:3")
+    forget = image_commands.add_parser(
+        "forget",
+        help="drop images from the cache; the next task that uses one pulls it again",
+        description="Drop each IMAGE's entry, then remove the SIFs no entry names any more once "
+        "no unfinished task is older than the moment they became unused (the poller also does "
+        "this every 10 minutes).",
+    )
+    forget.add_argument("image", nargs="+", help="image reference as tasks name it")
+
     job = commands.add_parser(
         "job",
         help="job-side commands run inside Slurm jobs (staging); not for interactive use",
@@ -138,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"tes-bridge: {problem}", file=sys.stderr)
             return 2
+    if args.command == "images":
+        return images_command(config, args)
     if args.command == "poller" and args.supervise:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
         return supervise(argv + (["--once"] if args.once else []))
@@ -156,6 +187,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def images_command(config: Config, args: argparse.Namespace) -> int:
+    from bridge.images import ImageCache, ImagePullError
+
+    cache = ImageCache(config, max_workers=config.container.pull_workers)
+    try:
+        if args.images_command == "list":
+            entries = cache.entries()
+            if args.json:
+                rows = []
+                for entry in entries:
+                    sif = cache.cache_dir / entry.sif
+                    size = sif.stat().st_size if sif.is_file() else None
+                    rows.append({**entry.__dict__, "path": str(sif), "size": size})
+                print(json.dumps(rows, indent=2))
+                return 0
+            print(f"{'REFERENCE':50} {'DIGEST':19} {'CHECKED':20} SIF")
+            for entry in entries:
+                checked = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.checked_at))
+                digest = (entry.digest or "-")[:19]
+                print(f"{entry.reference:50} {digest:19} {checked:20} {entry.sif}")
+            return 0
+        failed = 0
+        if args.images_command == "pull":
+            for image in args.image:
+                try:
+                    path = cache.pull(image, check=True)
+                    print(f"{image}: {path}")
+                except ImagePullError as exc:
+                    print(f"tes-bridge: cannot pull {exc}", file=sys.stderr)
+                    failed += 1
+            return 1 if failed else 0
+        for image in args.image:
+            try:
+                known = cache.forget(image)
+            except ImagePullError as exc:
+                print(f"tes-bridge: {exc}", file=sys.stderr)
+                failed += 1
+                continue
+            print(f"{image}: {'forgotten' if known else 'not in the cache'}")
+        from bridge.store import Store
+
+        _init_store(config)
+        store = Store.from_url(config.database_url)
+        with store.db.connection_context():
+            oldest = store.oldest_unfinished_time()
+        deleted, kept = cache.prune(oldest)
+        for path in deleted:
+            print(f"removed {path}")
+        for path in kept:
+            print(f"kept {path} (unfinished tasks may still use it; removed later)")
+        return 1 if failed else 0
+    finally:
+        cache.close()
 
 
 def _init_store(config: Config) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -143,11 +144,23 @@ class ContainerConfig(_Section):
     insecure_registries: list[str] = Field(default_factory=list)
     #: Shared SIF cache; defaults to `<state_dir>/images`.
     cache_dir: Path | None = None
-    pull_timeout: float = Field(default=1800.0, gt=0)
+    #: A pull (or a registry that stops answering) taking longer is killed and retried as a
+    #: transient failure. `pull_timeout` is the older name.
+    pull_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        validation_alias=AliasChoices("pull_timeout_seconds", "pull_timeout"),
+    )
+    #: A tag (`latest`, or no tag) is checked against the registry again after this long and
+    #: pulled again only when its manifest digest changed; `@sha256:` references never are.
+    refresh_seconds: float = Field(default=300.0, ge=1)
     #: Image pulls running at the same time, in the background of the poller.
     pull_workers: int = Field(default=2, ge=1)
-    #: A failed pull is not tried again for this long; tasks using the image fail at once.
-    pull_failure_ttl: float = Field(default=300.0, ge=0)
+    #: An image or tag that does not exist is not looked up again for this long; tasks using it
+    #: fail at once. Transient failures (registry down, full disk) are retried with back-off.
+    pull_failure_ttl: float = Field(default=30.0, ge=0)
+    #: Directories whose `.sif` files tasks may name as an absolute image path; empty: none.
+    local_image_dirs: list[Path] = Field(default_factory=list)
 
 
 class StorageConfig(_Section):

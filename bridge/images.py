@@ -1,37 +1,59 @@
 """Container image references -> SIF files in a shared cache, pulled off the submit path.
 
 The poller calls `ImageCache.ensure(image)` for each executor image of a task it wants to
-submit: a ready SIF comes back at once; otherwise one background pull per image starts and
-`None` comes back, so a slow pull never holds up the poll loop or other tasks. A failed pull is
-remembered for `failure_ttl` seconds and raised as `ImagePullError` (the poller records the
-message and fails the task) instead of being retried on every poll cycle.
+submit: a ready SIF comes back at once; otherwise one background job per image starts and
+`None` comes back, so a slow pull never holds up the poll loop or other tasks.
 
-Pulls go through spython's `Client.pull`, pointed at the configured runtime binary (spython
-itself always runs `singularity`). Files are pulled to a temporary name and renamed, so a
-SIF in the cache is always complete; an `fcntl` lock per image keeps two processes (two
-pollers, or `tes-bridge` commands) from pulling the same image at once.
+Freshness. Each reference has an entry (`refs/<hash>.json`) naming its manifest digest and its
+SIF. SIFs are content-addressed (`<name>-<digest>.sif`): a tag that moves gets a new file, and
+the old one stays for the jobs that still use it until `prune` finds no unfinished task older
+than the moment it stopped being used. A tag is checked again (one HEAD request for the
+manifest, through python-dxf) after `container.refresh_seconds` and pulled again only when its
+digest changed; the pull names the digest, so the SIF is exactly the image that was checked. An
+`@sha256:` reference is never checked again; `library://` references are cached by name.
+While a check runs the task waits (a task submitted after the tag moved gets the new image),
+except when the registry is known to be unreachable: then the cached SIF is used.
+
+Failures. An image or tag that does not exist is permanent: `ImagePullError` (the poller fails
+the task), remembered for `failure_ttl` seconds. A registry that is down, refuses, answers 5xx or
+stalls, and a full cache disk, are transient: the tasks stay QUEUED, `problem(image)` says why
+(for system_logs), and the job is tried again after a back-off that starts at 2 s. A pull that
+takes longer than `container.pull_timeout_seconds` is killed with its process group.
+
+Pulls go through spython's `Client.pull`, pointed at the configured runtime binary. Files are
+pulled to a temporary name and renamed, so a SIF in the cache is always complete; an `fcntl`
+lock per reference keeps two processes (the poller and `tes-bridge images pull`) from pulling
+the same image at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
+from dxf import DXF
 from spython.main import Client as _spython_client
 
 from bridge.config import Config
+from bridge.tes import local_image_problem
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +103,36 @@ def _split_docker(rest: str, image: str, default_registry: str) -> tuple[str, st
     return domain, ref
 
 
+_PR_SET_PDEATHSIG = 1
+#: Registry answers and pull errors that say "try again later", not "no such image".
+_TRANSIENT = re.compile(
+    r"connection refused|connection reset|no route to host|network is unreachable|"
+    r"i/o timeout|timed? ?out|temporary failure|tls handshake|no space left|disk quota|"
+    r"too many requests|service unavailable|bad gateway|gateway time|internal server error|"
+    r"unexpected eof|\b(?:429|500|502|503|504)\b",
+    re.IGNORECASE,
+)
+#: Back-off of transient failures: 2, 4, 8, 16, 30, 30 ... seconds.
+RETRY_FIRST = 2.0
+RETRY_MAX = 30.0
+#: A registry's answer to one manifest check takes at most this long (or the pull timeout).
+REGISTRY_TIMEOUT = 30.0
+
+
+# Looked up here, not in the forked child (dlopen after fork is unsafe with threads).
+try:
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the pull child: SIGKILL when the thread that started it ends, e.g. with a poller
+    killed by SIGKILL (no orphan pulls)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
     """spython's client, running the configured runtime with our environment and timeout."""
 
@@ -101,27 +153,76 @@ class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
         return cmd
 
     def _run_command(self, cmd: list[str], *args: Any, **kwargs: Any) -> str:
+        # A session of its own: a stalled pull is killed with everything it started.
+        proc = subprocess.Popen(
+            cmd,
+            env=self._env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         try:
-            proc = subprocess.run(
-                cmd,
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=self._timeout,
-            )
+            stdout, stderr = proc.communicate(timeout=self._timeout)
         except subprocess.TimeoutExpired:
-            message = f"no result after {self._timeout:.0f} s (container.pull_timeout)"
-            raise _PullFailed(message) from None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise _Transient(
+                f"the pull stalled: no result after {self._timeout:.0f} s "
+                "(container.pull_timeout_seconds); killed it"
+            ) from None
         if proc.returncode != 0:
-            text = (proc.stderr.strip() or proc.stdout.strip())[-2000:]
-            raise _PullFailed(f"{os.path.basename(cmd[0])} exited {proc.returncode}: {text}")
-        return proc.stdout
+            text = (stderr.strip() or stdout.strip())[-2000:]
+            message = f"{os.path.basename(cmd[0])} exited {proc.returncode}: {text}"
+            if _TRANSIENT.search(text):
+                # Said in system_logs on every retry: the end of the message is enough.
+                raise _Transient(_short(message[:60] + " … " + text[-240:], 320))
+            raise _PullFailed(message)
+        return stdout
 
 
 class _PullFailed(Exception):
     pass
+
+
+class _Transient(Exception):
+    """The registry or the cache cannot serve the image now; try again later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class Entry:
+    """What the cache knows of one reference (stored as `refs/<hash>.json`)."""
+
+    reference: str
+    sif: str
+    digest: str | None = None
+    checked_at: float = 0.0
+    pulled_at: float = 0.0
+
+
+@dataclass
+class _Retry:
+    at: float
+    message: str
+    attempts: int
+    delay: float
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _digest_of(ref: str) -> str | None:
+    """The digest a reference pins (`...@sha256:...`), if any."""
+    return ref.rsplit("@", 1)[1] if "@" in ref.split("://", 1)[1] else None
 
 
 class ImageCache:
@@ -132,18 +233,27 @@ class ImageCache:
         config: Config,
         *,
         max_workers: int = 2,
-        failure_ttl: float = 300.0,
+        failure_ttl: float | None = None,
         on_pulled: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
-        #: Called (from the pull thread) when a pull ends, so a waiting poller can wake up.
+        #: Called (from the pull thread) when a job ends, so a waiting poller can wake up.
         self.on_pulled = on_pulled
         self.cache_dir = Path(config.image_cache_dir)
-        self.failure_ttl = failure_ttl
+        self.refs_dir = self.cache_dir / "refs"
+        cfg = config.container
+        self.failure_ttl = cfg.pull_failure_ttl if failure_ttl is None else failure_ttl
+        self.refresh_seconds = cfg.refresh_seconds
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
+        #: Guards the dicts below. Never held while calling out (callbacks, pulls, requests).
         self._lock = threading.Lock()
-        self._pending: dict[str, Future[Path]] = {}
+        self._pending: dict[str, Future[Entry]] = {}
         self._failures: dict[str, tuple[float, str]] = {}
+        self._retries: dict[str, _Retry] = {}
+        #: Entries read from disk, with the file's mtime (another process may rewrite one).
+        self._entries: dict[str, tuple[Entry, int]] = {}
+        #: key -> reference, for log lines.
+        self._names: dict[str, str] = {}
 
     # ------------------------------------------------------------------ names
 
@@ -174,15 +284,15 @@ class ImageCache:
         raise ImagePullError(image, f"unsupported image scheme {scheme}:// (docker, oras, library)")
 
     def key(self, image: str) -> str:
-        """File name of the image in the cache: readable stem + hash of the full reference."""
-        ref = self.normalize(image)
-        digest = hashlib.sha256(ref.encode()).hexdigest()[:24]
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", ref.rsplit("/", 1)[-1])[:48]
-        return f"{stem}-{digest}.sif"
+        """Name of the reference's entry in the cache (a hash of the full reference)."""
+        return _sha(self.normalize(image))[:32]
 
-    def path_for(self, image: str) -> Path:
-        ref = self.normalize(image)
-        return Path(ref) if ref.startswith("/") else self.cache_dir / self.key(image)
+    def sif_name(self, ref: str, digest: str | None) -> str:
+        """Content-addressed file name: readable stem + the manifest digest."""
+        path = ref.split("://", 1)[1].split("@", 1)[0]
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1].split(":", 1)[0])[:40]
+        content = digest.split(":", 1)[-1] if digest else _sha(ref)
+        return f"{stem}-{content[:32]}.sif"
 
     def _registry(self, ref: str) -> str:
         return ref.split("://", 1)[1].split("/", 1)[0]
@@ -190,35 +300,40 @@ class ImageCache:
     # ------------------------------------------------------------------ the poller's calls
 
     def ensure(self, image: str) -> Path | None:
-        """The SIF when ready; else start (at most) one background pull and return None.
+        """The SIF when ready; else start (at most) one background job and return None.
 
-        Raises ImagePullError for an invalid reference, a missing local SIF, or a pull that
-        failed less than `failure_ttl` seconds ago.
+        Raises ImagePullError for an invalid reference, a local SIF outside
+        `container.local_image_dirs`, or an image that does not exist (for `failure_ttl`).
         """
         ref = self.normalize(image)
         if ref.startswith("/"):
-            if os.path.isfile(ref):
-                return Path(ref)
-            raise ImagePullError(image, f"{ref} does not exist or is not a file")
-        target = self.cache_dir / self.key(image)
-        if target.is_file():
-            return target
+            return self._local(image)
+        key = _sha(ref)[:32]
         with self._lock:
-            future = self._pending.get(target.name)
+            future = self._pending.get(key)
             if future is not None and future.done():
-                # Record here too: waiters can wake up before the done-callback has run.
-                self._record_failure(target.name, future)
-                del self._pending[target.name]
+                self._collect(key, future)
                 future = None
-            failed = self._failures.get(target.name)
+            failed = self._failures.get(key)
             if failed and time.monotonic() - failed[0] < self.failure_ttl:
                 raise ImagePullError(image, failed[1])
-            if future is None and not target.is_file():
-                self._failures.pop(target.name, None)
-                future = self._pool.submit(self._pull, ref, target)
-                future.add_done_callback(lambda f, key=target.name: self._done(key, f))
-                self._pending[target.name] = future
-        return target if target.is_file() else None
+            entry = self._entry(key)
+            sif = self.cache_dir / entry.sif if entry is not None else None
+            if sif is not None and not sif.is_file():
+                sif = None
+            if sif is not None and not self._stale(entry):
+                return sif
+            retry = self._retries.get(key)
+            # While the registry cannot be reached, a cached SIF serves rather than stalling work.
+            fallback = sif if retry is not None else None
+            if future is not None or (retry is not None and time.monotonic() < retry.at):
+                return fallback
+            future = self._pool.submit(self._update, ref, key, False)
+            self._pending[key] = future
+            self._names[key] = ref
+        # Outside the lock: the callback runs at once, in this thread, if the job already ended.
+        future.add_done_callback(self._wake)
+        return fallback
 
     def resolve(self, images: Iterable[str]) -> dict[str, str] | None:
         """`image -> SIF path` for every image once all are ready, else None (pulls started)."""
@@ -232,46 +347,186 @@ class ImageCache:
                 paths[image] = str(path)
         return paths if ready else None
 
-    def pull(self, image: str, timeout: float | None = None) -> Path:
-        """Blocking: wait for the image (for tools and tests)."""
-        deadline = time.monotonic() + (timeout or self.config.container.pull_timeout + 60)
+    def problem(self, image: str) -> str | None:
+        """Why `image` is not ready yet when it is a transient failure (for system_logs)."""
+        with contextlib.suppress(ImagePullError):
+            key = self.key(image)
+            with self._lock:
+                retry = self._retries.get(key)
+                if retry is not None:
+                    # The same words until the next attempt: the poller stores them on change.
+                    return (
+                        f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
+                    )
+        return None
+
+    def pull(self, image: str, timeout: float | None = None, *, check: bool = False) -> Path:
+        """Blocking: the image's SIF (for tools and tests). `check` asks the registry even
+        when the entry is fresh. Transient failures are raised too, as ImagePullError."""
+        ref = self.normalize(image)
+        if ref.startswith("/"):
+            return self._local(image)
+        key = _sha(ref)[:32]
+        limit = timeout or self.config.container.pull_timeout_seconds + REGISTRY_TIMEOUT + 60
+        deadline = time.monotonic() + limit
+        if check:
+            with self._lock:
+                future = self._pending.get(key)
+                if future is None or future.done():
+                    if future is not None:
+                        self._collect(key, future)
+                    self._failures.pop(key, None)
+                    future = self._pool.submit(self._update, ref, key, True)
+                    self._pending[key] = future
+            future.add_done_callback(self._wake)
         while True:
+            with self._lock:
+                future = self._pending.get(key)
+            if future is not None:
+                try:
+                    future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise ImagePullError(image, "timed out waiting for the pull") from None
+                except Exception as exc:
+                    with self._lock:
+                        if self._pending.get(key) is future:
+                            self._collect(key, future)
+                    reason = exc.reason if isinstance(exc, ImagePullError) else str(exc)
+                    raise ImagePullError(image, reason) from None
             path = self.ensure(image)
             if path is not None:
                 return path
-            with self._lock:
-                future = self._pending.get(self.key(image))
-            if future is not None:
-                # A failure is raised by ensure() on the next turn, as ImagePullError.
-                with contextlib.suppress(Exception):
-                    future.result(timeout=max(0.0, deadline - time.monotonic()))
-            elif time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise ImagePullError(image, "timed out waiting for the pull")
-            else:
-                time.sleep(0.2)
+            if future is None:
+                time.sleep(0.1)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------------ the pull itself
+    # ------------------------------------------------------------------ operators' calls
 
-    def _record_failure(self, key: str, future: Future[Path]) -> None:
-        """Remember a finished pull's failure (caller holds the lock); idempotent."""
+    def entries(self) -> list[Entry]:
+        found = []
+        for path in sorted(self.refs_dir.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                found.append(Entry(**json.loads(path.read_text())))
+        return found
+
+    def forget(self, image: str) -> bool:
+        """Drop the reference's entry: the next use checks the registry and pulls again.
+        Its SIF goes with the next `prune` that finds no task that could still use it."""
+        key = self.key(image)
+        with self._locked(".cache.lock"):
+            with self._lock:
+                self._entries.pop(key, None)
+                self._failures.pop(key, None)
+                self._retries.pop(key, None)
+            try:
+                (self.refs_dir / f"{key}.json").unlink()
+            except FileNotFoundError:
+                return False
+        return True
+
+    def prune(self, oldest_unfinished: float | None) -> tuple[list[Path], list[Path]]:
+        """Delete SIFs no entry names, once no unfinished task is older than the first prune
+        that saw them unused (a job only uses SIFs named when its task was created or later).
+
+        `oldest_unfinished` is the creation time of the oldest unfinished task (None: none).
+        Returns (deleted, kept for now)."""
+        deleted: list[Path] = []
+        kept: list[Path] = []
+        if not self.cache_dir.is_dir():
+            return deleted, kept
+        with self._locked(".cache.lock"):
+            used = {entry.sif for entry in self.entries()}
+            for sif in sorted(self.cache_dir.glob("*.sif")):
+                marker = self.cache_dir / f".{sif.name}.unused"
+                if sif.name in used:
+                    marker.unlink(missing_ok=True)
+                    continue
+                if not marker.exists():
+                    marker.touch()
+                    kept.append(sif)
+                    continue
+                since = marker.stat().st_mtime
+                if oldest_unfinished is not None and oldest_unfinished <= since:
+                    kept.append(sif)
+                    continue
+                sif.unlink(missing_ok=True)
+                marker.unlink(missing_ok=True)
+                deleted.append(sif)
+                log.info("removed unused image %s", sif.name)
+        return deleted, kept
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _local(self, image: str) -> Path:
+        dirs = [str(d) for d in self.config.container.local_image_dirs]
+        problem = local_image_problem(image, dirs)
+        if problem:
+            raise ImagePullError(image, problem)
+        return Path(os.path.realpath(image))
+
+    def _stale(self, entry: Entry | None) -> bool:
+        if entry is None or entry.digest is None:
+            return entry is None
+        if _digest_of(entry.reference):
+            return False  # a digest reference never changes
+        return time.time() - entry.checked_at >= self.refresh_seconds
+
+    def _entry(self, key: str) -> Entry | None:
+        """The reference's entry, read again when its file changed (caller holds the lock)."""
+        path = self.refs_dir / f"{key}.json"
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            self._entries.pop(key, None)
+            return None
+        cached = self._entries.get(key)
+        if cached is not None and cached[1] == mtime:
+            return cached[0]
+        try:
+            entry = Entry(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        self._entries[key] = (entry, mtime)
+        return entry
+
+    def _collect(self, key: str, future: Future[Entry]) -> None:
+        """Record how a finished job ended (caller holds the lock)."""
+        del self._pending[key]
         exc = future.exception() if not future.cancelled() else None
-        if exc is not None and key not in self._failures:
-            reason = exc.reason if isinstance(exc, ImagePullError) else str(exc)
-            self._failures[key] = (time.monotonic(), reason)
+        if exc is None:
+            self._retries.pop(key, None)
+            self._failures.pop(key, None)
+            return
+        if isinstance(exc, ImagePullError):
+            self._retries.pop(key, None)
+            self._failures[key] = (time.monotonic(), exc.reason)
             log.warning("image pull failed: %s", exc)
+            return
+        message = exc.message if isinstance(exc, _Transient) else f"unexpected error: {exc!r}"
+        previous = self._retries.get(key)
+        attempts = previous.attempts + 1 if previous else 1
+        delay = min(RETRY_FIRST * 2 ** (attempts - 1), RETRY_MAX)
+        self._retries[key] = _Retry(time.monotonic() + delay, message, attempts, delay)
+        name = self._names.get(key, key)
+        log.warning("image %s not available now (%s); retrying in %.0f s", name, message, delay)
 
-    def _done(self, key: str, future: Future[Path]) -> None:
+    def _wake(self, future: Future[Entry]) -> None:
+        # Takes no lock: it may run in ensure()'s thread (deadlock of defect 10).
         if self.on_pulled is not None:
             self.on_pulled()
-        self._record_done(key, future)
 
-    def _record_done(self, key: str, future: Future[Path]) -> None:
-        with self._lock:
-            if self._pending.get(key) is future:
-                self._record_failure(key, future)
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        """An exclusive `fcntl` lock on `<cache>/.locks/NAME`, shared by all processes."""
+        locks = self.cache_dir / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / name, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
 
     def _environment(self) -> dict[str, str]:
         runtime = os.path.basename(self.config.container.runtime)
@@ -281,7 +536,10 @@ class ImageCache:
         env.setdefault(prefix + "TMPDIR", str(self.cache_dir / ".tmp"))
         return env
 
-    def _pull(self, ref: str, target: Path) -> Path:
+    # ------------------------------------------------------------------ the job itself
+
+    def _update(self, ref: str, key: str, check: bool) -> Entry:
+        """Check the reference's digest, pull its SIF when missing, write its entry."""
         runtime = self.config.container.runtime
         if shutil.which(runtime) is None:
             raise ImagePullError(
@@ -289,32 +547,132 @@ class ImageCache:
                 f"{runtime} not found on PATH; set container.runtime in the config or install "
                 "Apptainer",
             )
+        try:
+            with self._locked(f"{key}.lock"):
+                # Another process may have done it meanwhile.
+                with self._lock:
+                    entry = self._entry(key)
+                if (
+                    entry is not None
+                    and not check
+                    and not self._stale(entry)
+                    and (self.cache_dir / entry.sif).is_file()
+                ):
+                    return entry
+                digest = _digest_of(ref) if ref.startswith(("docker://", "oras://")) else None
+                if digest is None and ref.startswith(("docker://", "oras://")):
+                    digest = self._resolve_digest(ref)
+                sif = self.cache_dir / self.sif_name(ref, digest)
+                pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
+                if not sif.is_file():
+                    # Two tags of one digest share the file: one pull of it at a time too.
+                    with self._locked(f"{sif.name}.lock"):
+                        if not sif.is_file():
+                            source = ref
+                            if digest and not _digest_of(ref):
+                                # Exactly what was checked.
+                                source = ref.rsplit(":", 1)[0] + "@" + digest
+                            self._pull(source, sif)
+                            pulled_at = time.time()
+                if entry is not None and entry.sif != sif.name:
+                    log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
+                now = time.time()
+                new = Entry(ref, sif.name, digest, checked_at=now, pulled_at=pulled_at or now)
+                self._write_entry(key, new)
+                return new
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _Transient(f"the image cache is full ({exc.strerror})") from None
+            raise ImagePullError(ref, f"image cache: {exc}") from None
+
+    def _write_entry(self, key: str, entry: Entry) -> None:
+        self.refs_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.refs_dir / f".{key}.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_text(json.dumps(asdict(entry)))
+        # Under the prune lock: a SIF named by an entry is never removed.
+        with self._locked(".cache.lock"):
+            if not (self.cache_dir / entry.sif).is_file():
+                tmp.unlink()
+                raise _Transient("the SIF was removed while it was being recorded")
+            (self.cache_dir / f".{entry.sif}.unused").unlink(missing_ok=True)
+            os.replace(tmp, self.refs_dir / f"{key}.json")
+
+    def _resolve_digest(self, ref: str) -> str:
+        """The manifest digest the registry gives the reference's tag now."""
+        host, _, rest = ref.split("://", 1)[1].partition("/")
+        name, _, tag = rest.rpartition(":")
+        api_host = "registry-1.docker.io" if host in DOCKER_HUB else host
+        insecure = host in self.config.container.insecure_registries
+        timeout = min(REGISTRY_TIMEOUT, self.config.container.pull_timeout_seconds)
+        client = DXF(api_host, name, auth=self._authenticate, insecure=insecure, timeout=timeout)
+        try:
+            digest, response = client.head_manifest_and_response(tag)
+            if not digest:  # some registries leave the header out of HEAD answers
+                _, response = client.get_manifest_and_response(tag)
+                digest = "sha256:" + hashlib.sha256(response.content).hexdigest()
+        except requests.HTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else 0
+            where = f"{host}/{name}:{tag}"
+            if status in (404, 400):
+                raise ImagePullError(
+                    ref, f"{where} does not exist (registry answered {status})"
+                ) from None
+            if status in (401, 403):
+                raise ImagePullError(
+                    ref, f"{where}: access denied or no such repository ({status})"
+                ) from None
+            raise _Transient(f"registry {host} answered {status}") from None
+        except requests.Timeout:
+            raise _Transient(
+                f"registry {host} did not answer within {timeout:.0f} s "
+                "(container.pull_timeout_seconds)"
+            ) from None
+        except (requests.ConnectionError, OSError) as exc:
+            reason = exc.args[0] if exc.args else exc
+            if "refused" in str(reason).lower():
+                reason = "connection refused"
+            raise _Transient(f"registry {host} unreachable ({_short(reason)})") from None
+        if not re.fullmatch(_DIGEST, digest):
+            raise _Transient(f"registry {host} gave no usable digest for {name}:{tag}")
+        return digest
+
+    def _authenticate(self, client: DXF, response: requests.Response) -> None:
+        """Token or basic authentication, with the runtime's own credential variables."""
+        user = os.environ.get("APPTAINER_DOCKER_USERNAME") or os.environ.get(
+            "SINGULARITY_DOCKER_USERNAME"
+        )
+        password = os.environ.get("APPTAINER_DOCKER_PASSWORD") or os.environ.get(
+            "SINGULARITY_DOCKER_PASSWORD"
+        )
+        client.authenticate(user, password, response=response)
+
+    def _pull(self, ref: str, target: Path) -> None:
+        runtime = self.config.container.runtime
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         for sub in (".runtime-cache", ".tmp"):
             (self.cache_dir / sub).mkdir(mode=0o700, exist_ok=True)
-        with open(self.cache_dir / f".{target.name}.lock", "a") as lock:
-            # Blocks while another process pulls the same image; then its SIF is there.
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if target.is_file():
-                return target
-            pull_flags = []
-            if self._registry(ref) in self.config.container.insecure_registries:
-                pull_flags.append("--no-https")
-            tmp = self.cache_dir / f".{target.stem}.{os.getpid()}.{threading.get_ident()}.sif"
-            client = _RuntimeClient(
-                runtime, pull_flags, self._environment(), self.config.container.pull_timeout
-            )
-            started = time.monotonic()
-            try:
-                client.pull(ref, name=str(tmp), force=True, quiet=True)
-                if not tmp.is_file() or tmp.stat().st_size == 0:
-                    raise ImagePullError(ref, f"{runtime} reported success but wrote no image")
-                os.chmod(tmp, 0o644)  # the compute nodes' jobs read it
-                os.replace(tmp, target)
-            except _PullFailed as exc:
-                raise ImagePullError(ref, str(exc)) from None
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
-            log.info("pulled %s in %.1f s -> %s", ref, time.monotonic() - started, target)
-            return target
+        pull_flags = []
+        if self._registry(ref) in self.config.container.insecure_registries:
+            pull_flags.append("--no-https")
+        tmp = self.cache_dir / f".{target.stem}.{os.getpid()}.{threading.get_ident()}.sif"
+        client = _RuntimeClient(
+            runtime, pull_flags, self._environment(), self.config.container.pull_timeout_seconds
+        )
+        started = time.monotonic()
+        try:
+            client.pull(ref, name=str(tmp), force=True, quiet=True)
+            if not tmp.is_file() or tmp.stat().st_size == 0:
+                raise ImagePullError(ref, f"{runtime} reported success but wrote no image")
+            os.chmod(tmp, 0o644)  # the compute nodes' jobs read it
+            os.replace(tmp, target)
+        except _PullFailed as exc:
+            raise ImagePullError(ref, str(exc)) from None
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        log.info("pulled %s in %.1f s -> %s", ref, time.monotonic() - started, target)
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

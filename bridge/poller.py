@@ -52,6 +52,8 @@ MISSING_JOB_GRACE = 120.0
 #: Submissions per cycle, so that polling stays regular when thousands of tasks arrive at once.
 MAX_SUBMISSIONS_PER_CYCLE = 500
 CLEANUP_INTERVAL = 600.0
+#: How ImageCache.problem() lines start (replaced while the trouble lasts, dropped after).
+IMAGE_NOTE = "pulling image "
 #: Between full cycles the poller looks this often for new tasks (one cheap query) and for
 #: jobs that recorded their outcome (one stat each), so neither waits for the next cycle;
 #: squeue and sacct keep the pace of `slurm.poll_interval`.
@@ -306,6 +308,7 @@ class Poller:
             if self.clock() - self._last_cleanup > CLEANUP_INTERVAL:
                 self._last_cleanup = self.clock()
                 self._clean_task_dirs()
+                self._prune_images()
         stats.seconds = time.perf_counter() - started
         return stats
 
@@ -420,12 +423,17 @@ class Poller:
                 self.store.update_task(task.id, logs=logs)
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
+        images = [e["image"] for e in task.document["executors"]]
         try:
             # None while pulls run in the background; all of the task's pulls start at once.
-            image_paths = self.images.resolve(e["image"] for e in task.document["executors"])
+            image_paths = self.images.resolve(images)
         except ImagePullError as exc:
+            self._note_images(task, [], write=False)
             self._fail(task, f"cannot pull image: {exc}")
             return False
+        # Transient trouble (registry down, full cache) is said in system_logs while it lasts.
+        notes = [] if image_paths else [p for p in map(self.images.problem, images) if p]
+        self._note_images(task, notes, write=image_paths is None)
         if image_paths is None:
             return False  # pulling in the background; try again next cycle
         document = {**task.document, "id": task.id}
@@ -600,6 +608,23 @@ class Poller:
         cfg = self.config.slurm
         exponent = min(self._unreachable_count - 1, 16)
         return min(cfg.submit_backoff_initial * 2**exponent, cfg.submit_backoff_max)
+
+    def _note_images(self, task: TaskRecord, notes: list[str], *, write: bool) -> None:
+        """Replace the task's "pulling image" lines by `notes` (stored only when they change)."""
+        if not notes and not task.logs:
+            return
+        logs = task.logs or []
+        entry = _attempt_log(logs, task.attempt + 1)
+        old = entry.get("system_logs", [])
+        new = [line for line in old if not line.startswith(IMAGE_NOTE)] + notes
+        if new == old:
+            return
+        entry["system_logs"] = new
+        if not new:
+            del entry["system_logs"]
+        task.logs = logs
+        if write:
+            self.store.update_task(task.id, logs=logs)
 
     def _fail(self, task: TaskRecord, message: str, **changes: Any) -> None:
         logs = task.logs or []
@@ -776,6 +801,13 @@ class Poller:
                     shutil.rmtree(path, ignore_errors=True)
                     log.info("removed the directory of task %s", task.id)
                 self.store.mark_cleaned(task.id)
+
+    def _prune_images(self) -> None:
+        """Remove SIFs a moved tag left behind once no unfinished task may still use them."""
+        try:
+            self.images.prune(self.store.oldest_unfinished_time())
+        except OSError as exc:
+            log.warning("cannot prune the image cache: %s", exc)
 
 
 class OwnerCommandError(Exception):

@@ -453,6 +453,17 @@ class Store:
         """How many tasks have a cancel the poller has not carried out yet."""
         return TaskRow.select().where(TaskRow.cancel_pending == True).count()  # noqa: E712
 
+    def oldest_unfinished_time(self) -> float | None:
+        """Creation time (epoch seconds) of the oldest task not yet final, or whose job may
+        still exist (a cancel not carried out yet); None when there is none."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        oldest = (
+            TaskRow.select(peewee.fn.MIN(TaskRow.creation_time))
+            .where(TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            .scalar()
+        )
+        return datetime.fromisoformat(oldest).timestamp() if oldest else None
+
     def newest_seq(self) -> int | None:
         """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
         return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()

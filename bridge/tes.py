@@ -14,6 +14,7 @@ string); their errors are turned into one message per field path, e.g.
 from __future__ import annotations
 
 import math
+import os
 import posixpath
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -339,12 +340,14 @@ def validate_task(
     limits: Limits = Limits(),
     supported_backend_parameters: Iterable[str] = (),
     allowed_dirs: Iterable[str] | None = None,
+    local_image_dirs: Iterable[str] = (),
 ) -> ValidatedTask:
     """Check a posted task and return the document to store, or raise TaskValidationError.
 
     With `allowed_dirs` (the deployment's storage.allowed_dirs), a `file://` URL or bare path
     must lie inside one of them (judged lexically; the job side judges again after resolving
-    links)."""
+    links). An executor image that is an absolute path must be a `.sif` file inside one of
+    `local_image_dirs` (container.local_image_dirs), links resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
     body = _drop_nulls(body)
@@ -359,6 +362,12 @@ def validate_task(
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
         problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
+    image_dirs = list(local_image_dirs)
+    for index, executor in enumerate(model.executors):
+        if executor.image.startswith("/"):
+            problem = local_image_problem(executor.image, image_dirs)
+            if problem:
+                problems.append((f"executors[{index}].image", problem))
     if problems:
         raise TaskValidationError(problems)
 
@@ -405,6 +414,32 @@ def _local_path(url: str) -> str | None:
         host, slash, tail = rest[2:].partition("/")
         return slash + tail if host in ("", "localhost") else ""
     return rest
+
+
+def local_image_problem(image: str, dirs: Iterable[str]) -> str | None:
+    """Why the absolute path `image` may not serve as an executor image (None when it may).
+
+    It must be a `.sif` file inside one of `dirs`, and stay inside it once links are resolved:
+    a link in an image directory cannot lead to any other file of the host."""
+    dirs = [str(d).rstrip("/") or "/" for d in dirs]
+    if not dirs:
+        return (
+            "local .sif images are disabled on this server (container.local_image_dirs); "
+            "name a registry image"
+        )
+    if "\x00" in image or posixpath.normpath(image) != image or not image.endswith(".sif"):
+        return "a local image must be a normalised absolute path to a .sif file"
+    for base in dirs:
+        if base != "/" and not image.startswith(base + "/"):
+            continue
+        real_base = os.path.realpath(base)
+        real = os.path.realpath(image)
+        if real_base != "/" and not real.startswith(real_base + "/"):
+            return f"leads out of {base} through a link"
+        if not os.path.isfile(real):
+            return f"{image} does not exist or is not a file"
+        return None
+    return f"must be a .sif file under {', '.join(dirs)} (container.local_image_dirs)"
 
 
 def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, str]]:

@@ -679,3 +679,43 @@ def test_terminal_state_never_changes(client, store):
     client.simulate_post(f"/v1/tasks/{task_id}:cancel")
     assert not store.update_task(task_id, state=State.RUNNING.value)
     assert get(client, task_id)["state"] == "CANCELED"
+
+
+# ----------------------------------------------------------------------- local images
+
+
+def test_local_sif_images_only_from_the_configured_directories(tmp_path, store):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "tool.sif").write_text("sif")
+    (tmp_path / "elsewhere.sif").write_text("sif")
+    (images / "link.sif").symlink_to(tmp_path / "elsewhere.sif")
+    step = {"command": ["true"]}
+
+    def body(*paths: str) -> dict:
+        return {"executors": [{"image": "alpine", **step}] + [{"image": p, **step} for p in paths]}
+
+    # Default: no directory, so no local image at all.
+    default = testing.TestClient(
+        create_app(load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)}), store=store)
+    )
+    error = error_of(default, body(str(images / "tool.sif")))
+    assert error["errors"][0]["field"] == "executors[1].image"
+    assert "container.local_image_dirs" in error["errors"][0]["message"]
+
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"container.local_image_dirs": [str(images)]},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    assert create(client, body(str(images / "tool.sif")))
+    for path, reason in [
+        (tmp_path / "elsewhere.sif", "must be a .sif file under"),
+        (images / "link.sif", "leads out of"),
+        (images / "missing.sif", "does not exist"),
+        (images / ".." / "elsewhere.sif", "normalised"),
+        ("/etc/passwd", "normalised absolute path to a .sif"),
+    ]:
+        error = error_of(client, body(str(path)))
+        assert [e["field"] for e in error["errors"]] == ["executors[1].image"], path
+        assert reason in error["errors"][0]["message"], (path, error)

@@ -1,16 +1,25 @@
-"""Image references and the pull bookkeeping of the SIF cache.
+"""Image references and the bookkeeping of the SIF cache.
 
-The runtime here is a stand-in script that writes the file it is asked for; real pulls from the
-local registry run in tests/cluster/test_job_script.py.
+The registry here is a small distribution-API server on loopback whose tags the tests move, stop
+and stall; the runtime is a stand-in script that writes the file it is asked for. Real pulls from
+the local cluster's registry run in tests/cluster/test_images_cluster.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +27,22 @@ import pytest
 
 from bridge.config import Config
 from bridge.images import ImageCache, ImagePullError
+from bridge.tes import local_image_problem
 
 FAKE_RUNTIME = """#!{python}
-import json, os, sys, time
+import json, os, subprocess, sys, time
 args = sys.argv[1:]
 with open({log!r}, "a") as log:
     log.write(json.dumps(args) + "\\n")
+if os.environ.get("FAKE_PULL_HANG"):
+    # A stalled pull that started a helper of its own: both must be killed.
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.environ["FAKE_PULL_HANG"], "w") as pids:
+        pids.write(f"{{os.getpid()}} {{child.pid}}")
+    time.sleep(300)
 time.sleep(float(os.environ.get("FAKE_PULL_SECONDS", "0.3")))
 if os.path.exists({fail!r}):
-    print("FATAL: While making image from oci registry: manifest unknown", file=sys.stderr)
+    print(open({fail!r}).read() or "FATAL: manifest unknown", file=sys.stderr)
     sys.exit(255)
 name = args[args.index("--name") + 1]
 with open(name, "w") as out:
@@ -49,14 +65,69 @@ def runtime(tmp_path: Path) -> dict[str, Path]:
     return paths
 
 
-def make_cache(tmp_path: Path, runtime: dict[str, Path], **kwargs: Any) -> ImageCache:
+class Registry:
+    """Answers `HEAD /v2/<name>/manifests/<tag>` with the digest a test gives the tag."""
+
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+        self.status = 200
+        self.requests: list[str] = []
+        registry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:
+                registry.requests.append(self.path)
+                ref = self.path.removeprefix("/v2/").replace("/manifests/", ":")
+                digest = registry.tags.get(ref)
+                status = registry.status if registry.status != 200 else (200 if digest else 404)
+                self.send_response(status)
+                if status == 200 and digest:
+                    self.send_header("Docker-Content-Digest", digest)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def push(self, ref: str, content: str) -> str:
+        self.tags[ref] = "sha256:" + hashlib.sha256(content.encode()).hexdigest()
+        return self.tags[ref]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def registry() -> Iterator[Registry]:
+    server = Registry()
+    for ref in ("library/alpine:latest", "library/alpine:3", "library/python:3-slim"):
+        server.push(ref, ref)
+    yield server
+    server.stop()
+
+
+def make_cache(
+    tmp_path: Path,
+    runtime: dict[str, Path],
+    registry: Registry | str = "127.0.0.1:5000",
+    container: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> ImageCache:
+    address = registry if isinstance(registry, str) else registry.address
     config = Config.model_validate(
         {
             "state_dir": str(tmp_path / "state"),
             "container": {
                 "runtime": str(runtime["bin"]),
-                "default_registry": "127.0.0.1:5000",
-                "insecure_registries": ["127.0.0.1:5000"],
+                "default_registry": address,
+                "insecure_registries": [address],
+                **(container or {}),
             },
         }
     )
@@ -67,6 +138,16 @@ def pulls(runtime: dict[str, Path]) -> list[list[str]]:
     if not runtime["log"].exists():
         return []
     return [json.loads(line) for line in runtime["log"].read_text().splitlines()]
+
+
+def wait_for(predicate: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
 
 
 @pytest.mark.parametrize(
@@ -109,35 +190,44 @@ def test_invalid_references_are_refused(
         make_cache(tmp_path, runtime).normalize(image)
 
 
-def test_cache_key_is_a_safe_file_name_shared_by_equivalent_references(
-    tmp_path: Path, runtime: dict[str, Path]
+def test_sif_names_are_content_addressed(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
 ) -> None:
-    cache = make_cache(tmp_path, runtime)
-    key = cache.key("alpine")
-    assert key == cache.key("docker://127.0.0.1:5000/library/alpine:latest")
-    assert key != cache.key("alpine:3")
-    assert key.endswith(".sif") and "/" not in key and key.startswith("alpine_latest-")
+    cache = make_cache(tmp_path, runtime, registry)
+    assert cache.key("alpine") == cache.key(f"docker://{registry.address}/library/alpine:latest")
+    assert cache.key("alpine") != cache.key("alpine:3")
+    # Two tags of one digest share the file; the name shows the image and its digest.
+    a = cache.pull("alpine", timeout=30)
+    registry.tags["library/alpine:3"] = registry.tags["library/alpine:latest"]
+    b = cache.pull("alpine:3", timeout=30)
+    digest = registry.tags["library/alpine:latest"].split(":")[1]
+    assert a == b and a.name == f"alpine-{digest[:32]}.sif"
+    assert len(pulls(runtime)) == 1
 
 
 def test_ensure_pulls_once_in_the_background_then_returns_the_sif(
-    tmp_path: Path, runtime: dict[str, Path]
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
 ) -> None:
-    cache = make_cache(tmp_path, runtime)
+    cache = make_cache(tmp_path, runtime, registry)
     started = time.monotonic()
     assert cache.ensure("alpine") is None
     assert time.monotonic() - started < 0.2  # never waits for the pull
     assert cache.ensure("docker://alpine") is None  # same image: no second pull
     path = cache.pull("alpine", timeout=30)
-    assert path.read_text() == "SIF docker://127.0.0.1:5000/library/alpine:latest"
+    digest = registry.tags["library/alpine:latest"]
+    # Pulled by the digest that was checked, so the SIF is exactly that image.
+    assert path.read_text() == f"SIF docker://{registry.address}/library/alpine@{digest}"
     assert cache.ensure("alpine") == path
     assert len(pulls(runtime)) == 1
     args = pulls(runtime)[0]
-    assert args[args.index("pull") + 1] == "--no-https"  # 127.0.0.1:5000 is insecure
-    assert not [p for p in path.parent.iterdir() if p.name.endswith(".sif") and p != path]
+    assert args[args.index("pull") + 1] == "--no-https"  # the registry is insecure
+    assert [e.digest for e in cache.entries()] == [digest]
 
 
-def test_concurrent_callers_start_one_pull(tmp_path: Path, runtime: dict[str, Path]) -> None:
-    cache = make_cache(tmp_path, runtime)
+def test_concurrent_callers_start_one_pull(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    cache = make_cache(tmp_path, runtime, registry)
     threads = [threading.Thread(target=cache.ensure, args=("alpine",)) for _ in range(8)]
     for thread in threads:
         thread.start()
@@ -148,14 +238,16 @@ def test_concurrent_callers_start_one_pull(tmp_path: Path, runtime: dict[str, Pa
 
 
 def test_two_processes_never_pull_the_same_image_at_once(
-    tmp_path: Path, runtime: dict[str, Path]
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
 ) -> None:
     # Another process (another cache object holding the lock file) pulls the same image.
     code = (
         "import sys; from bridge.config import Config; from bridge.images import ImageCache; "
         f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
         f"'container': {{'runtime': {str(runtime['bin'])!r}, "
-        "'default_registry': '127.0.0.1:5000'}})); print(c.pull('alpine', timeout=30))"
+        f"'default_registry': {registry.address!r}, "
+        f"'insecure_registries': [{registry.address!r}]}}}})); "
+        "print(c.pull('alpine', timeout=30))"
     )
     repo = Path(__file__).resolve().parents[2]
     other = subprocess.Popen(
@@ -163,33 +255,181 @@ def test_two_processes_never_pull_the_same_image_at_once(
         cwd=repo,
         stdout=subprocess.PIPE,
         text=True,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "FAKE_PULL_SECONDS": "1"},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "FAKE_PULL_SECONDS": "1.5"},
     )
-    time.sleep(0.5)
-    cache = make_cache(tmp_path, runtime)
+    wait_for(lambda: runtime["log"].exists())
+    cache = make_cache(tmp_path, runtime, registry)
     path = cache.pull("alpine", timeout=30)
     assert other.communicate(timeout=30)[0].strip() == str(path)
     assert len(pulls(runtime)) == 1
 
 
-def test_failed_pull_is_reported_and_not_retried_until_the_ttl_passes(
-    tmp_path: Path, runtime: dict[str, Path]
+def test_a_moved_tag_is_pulled_again_after_the_refresh_interval(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
 ) -> None:
-    runtime["fail"].touch()
-    cache = make_cache(tmp_path, runtime, failure_ttl=60)
-    with pytest.raises(ImagePullError, match="manifest unknown") as info:
-        cache.pull("alpine:missing", timeout=30)
-    assert "exited 255" in info.value.reason
-    for _ in range(3):
-        with pytest.raises(ImagePullError, match="manifest unknown"):
-            cache.ensure("alpine:missing")
+    cache = make_cache(tmp_path, runtime, registry, {"refresh_seconds": 1})
+    first = cache.pull("alpine", timeout=30)
+    pinned = f"alpine@{registry.tags['library/alpine:latest']}"
+    assert cache.pull(pinned, timeout=30) == first  # same content: no second pull
     assert len(pulls(runtime)) == 1
-    assert not list((tmp_path / "state" / "images").glob("*.sif"))
 
-    runtime["fail"].unlink()
+    registry.push("library/alpine:latest", "a new alpine")
+    assert cache.ensure("alpine") == first  # within the refresh interval: cached
+    time.sleep(1.1)
+    assert cache.ensure("alpine") is None  # checked again: the task waits for it
+    second = wait_for(lambda: cache.ensure("alpine"))
+    assert second != first and "a new alpine" not in second.name
+    assert registry.tags["library/alpine:latest"].split(":")[1][:32] in second.name
+    assert first.is_file()  # jobs submitted before may still use it
+    assert len(pulls(runtime)) == 2
+
+    # The same digest again: checked, not pulled.
+    time.sleep(1.1)
+    assert cache.ensure("alpine") is None
+    assert wait_for(lambda: cache.ensure("alpine")) == second
+    assert len(pulls(runtime)) == 2
+
+    # A digest reference is never checked again.
+    checks = len(registry.requests)
+    time.sleep(1.1)
+    assert cache.ensure(pinned) == first
+    assert len(registry.requests) == checks
+
+
+def test_a_missing_tag_fails_at_once_and_is_looked_up_again_after_the_ttl(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    cache = make_cache(tmp_path, runtime, registry, failure_ttl=60)
+    with pytest.raises(ImagePullError, match="does not exist") as info:
+        cache.pull("alpine:missing", timeout=30)
+    assert "404" in info.value.reason
+    for _ in range(3):
+        with pytest.raises(ImagePullError, match="does not exist"):
+            cache.ensure("alpine:missing")
+    assert len(registry.requests) == 1 and pulls(runtime) == []
+
+    registry.push("library/alpine:missing", "now it exists")
     cache.failure_ttl = 0
     assert cache.pull("alpine:missing", timeout=30).is_file()
-    assert len(pulls(runtime)) == 2
+
+
+def test_a_runtime_error_that_is_not_transient_fails_the_image(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    runtime["fail"].write_text("FATAL: While making image from oci registry: manifest unknown")
+    cache = make_cache(tmp_path, runtime, registry)
+    with pytest.raises(ImagePullError, match="manifest unknown") as info:
+        cache.pull("alpine", timeout=30)
+    assert "exited 255" in info.value.reason
+    assert not list((tmp_path / "state" / "images").glob("*.sif"))
+
+
+@pytest.mark.parametrize(
+    ("trouble", "expected"),
+    [
+        ("503", "answered 503"),
+        ("down", "unreachable (connection refused)"),
+        ("full disk", "no space left on device"),
+    ],
+)
+def test_transient_failures_keep_the_task_waiting_and_retry_soon(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry, trouble: str, expected: str
+) -> None:
+    woken = threading.Event()
+    address: Registry | str = registry
+    if trouble == "503":
+        registry.status = 503
+    elif trouble == "down":
+        with socket.socket() as sock:  # a loopback port nobody listens on
+            sock.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{sock.getsockname()[1]}"
+    else:
+        runtime["fail"].write_text("FATAL: write /cache/x: no space left on device")
+    cache = make_cache(tmp_path, runtime, address, on_pulled=woken.set)
+    assert cache.ensure("alpine") is None
+    assert woken.wait(10)
+    problem = wait_for(lambda: cache.ensure("alpine") is None and cache.problem("alpine"))
+    assert problem.startswith("pulling image alpine: ") and expected in problem
+    assert problem.endswith("; retrying in 2 s")
+    assert cache.problem("alpine") == problem  # stable until the next attempt
+    with pytest.raises(ImagePullError, match=re.escape(expected)):
+        cache.pull("alpine", timeout=30, check=True)
+    # The back-off grows while the trouble lasts.
+    assert cache.problem("alpine").endswith("; retrying in 4 s")
+
+    if trouble == "down":
+        return  # nothing comes back on that port
+    registry.status = 200
+    runtime["fail"].unlink(missing_ok=True)
+    started = time.monotonic()
+    path = wait_for(lambda: cache.ensure("alpine"), timeout=15)
+    assert path.is_file() and time.monotonic() - started < 6
+    assert cache.problem("alpine") is None
+
+
+def test_a_stalled_registry_times_out(tmp_path: Path, runtime: dict[str, Path]) -> None:
+    with socket.socket() as hole:  # accepts connections (backlog) and never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        address = f"127.0.0.1:{hole.getsockname()[1]}"
+        cache = make_cache(tmp_path, runtime, address, {"pull_timeout_seconds": 1})
+        started = time.monotonic()
+        with pytest.raises(ImagePullError, match="did not answer within 1 s"):
+            cache.pull("alpine", timeout=30)
+        assert time.monotonic() - started < 5
+        assert "did not answer" in cache.problem("alpine")
+
+
+def test_a_stalled_pull_is_killed_with_its_children(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_PULL_HANG", str(pids_file))
+    cache = make_cache(tmp_path, runtime, registry, {"pull_timeout_seconds": 2})
+    with pytest.raises(ImagePullError, match=r"stalled.*killed"):
+        cache.pull("alpine", timeout=30)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:
+        # Gone, or at most a zombie of an exited parent about to be reaped by init.
+        status = Path(f"/proc/{pid}/stat")
+        assert not status.exists() or status.read_text().split(") ")[1][0] == "Z", pid
+
+
+def test_the_cached_sif_serves_while_the_registry_cannot_be_reached(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    cache = make_cache(tmp_path, runtime, registry, {"refresh_seconds": 1})
+    path = cache.pull("alpine", timeout=30)
+    registry.status = 503
+    time.sleep(1.1)
+    assert cache.ensure("alpine") is None  # the check runs; the task waits for it
+    assert wait_for(lambda: cache.ensure("alpine")) == path
+    assert "answered 503" in cache.problem("alpine")
+
+
+def test_the_done_callback_cannot_deadlock_ensure(tmp_path: Path) -> None:
+    # A job that ends before ensure() adds its callback runs the callback in ensure's thread;
+    # with the missing runtime the job ends at once. This hung in 6 of 10 runs.
+    config = Config.model_validate(
+        {"state_dir": str(tmp_path), "container": {"runtime": "no-such-apptainer"}}
+    )
+    for _ in range(50):
+        cache = ImageCache(config, on_pulled=lambda: None)
+        outcome: list[BaseException] = []
+
+        def run(cache: ImageCache = cache, outcome: list[BaseException] = outcome) -> None:
+            try:
+                cache.pull("alpine", timeout=10)
+            except ImagePullError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "ensure() deadlocked"
+        assert outcome and "container.runtime" in str(outcome[0])
+        cache.close()
 
 
 def test_missing_runtime_is_a_pull_error_that_says_how_to_fix_it(tmp_path: Path) -> None:
@@ -200,23 +440,143 @@ def test_missing_runtime_is_a_pull_error_that_says_how_to_fix_it(tmp_path: Path)
         ImageCache(config).pull("alpine", timeout=10)
 
 
-def test_local_sif_is_used_as_is(tmp_path: Path, runtime: dict[str, Path]) -> None:
-    sif = tmp_path / "tool.sif"
+def test_local_sifs_only_from_the_configured_directories(
+    tmp_path: Path, runtime: dict[str, Path]
+) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    sif = images / "tool.sif"
     sif.write_text("x")
-    cache = make_cache(tmp_path, runtime)
+    outside = tmp_path / "secret.sif"
+    outside.write_text("y")
+    (images / "escape.sif").symlink_to(outside)
+    (images / "inner.sif").symlink_to(sif)
+    cache = make_cache(tmp_path, runtime, container={"local_image_dirs": [str(images)]})
     assert cache.ensure(str(sif)) == sif
-    with pytest.raises(ImagePullError, match="does not exist"):
-        cache.ensure(str(tmp_path / "missing.sif"))
+    assert cache.ensure(str(images / "inner.sif")) == sif  # a link inside the directory
+    for image, reason in [
+        (outside, "must be a .sif file under"),
+        (images / "escape.sif", "leads out of"),
+        (images / "missing.sif", "does not exist"),
+    ]:
+        with pytest.raises(ImagePullError, match=reason):
+            cache.ensure(str(image))
     assert pulls(runtime) == []
+    nothing = make_cache(tmp_path, runtime)
+    with pytest.raises(ImagePullError, match="disabled"):
+        nothing.ensure(str(sif))
+    assert local_image_problem("/a/../b.sif", [str(images)]) is not None
 
 
 def test_resolve_maps_every_image_once_all_are_ready(
-    tmp_path: Path, runtime: dict[str, Path]
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
 ) -> None:
-    cache = make_cache(tmp_path, runtime)
+    cache = make_cache(tmp_path, runtime, registry)
     assert cache.resolve(["alpine", "alpine", "python:3-slim"]) is None
     cache.pull("alpine", timeout=30)
     cache.pull("python:3-slim", timeout=30)
     paths = cache.resolve(["alpine", "python:3-slim"])
     assert paths is not None and set(paths) == {"alpine", "python:3-slim"}
     assert all(Path(p).is_file() for p in paths.values())
+
+
+def test_forget_and_prune_keep_what_unfinished_tasks_may_use(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    cache = make_cache(tmp_path, runtime, registry, {"refresh_seconds": 1})
+    old = cache.pull("alpine", timeout=30)
+    registry.push("library/alpine:latest", "newer")
+    new = cache.pull("alpine", timeout=30, check=True)
+    assert new != old
+    task_created = time.time()  # a task created while the old SIF was current
+    time.sleep(0.05)
+    deleted, kept = cache.prune(oldest_unfinished=task_created)
+    assert deleted == [] and kept == [old]
+    deleted, kept = cache.prune(oldest_unfinished=task_created)
+    assert deleted == [] and kept == [old]  # that task may still run with it
+    deleted, kept = cache.prune(oldest_unfinished=None)
+    assert deleted == [old] and new.is_file()
+
+    assert cache.forget("alpine") and not cache.entries()
+    assert cache.prune(oldest_unfinished=None) == ([], [new])  # unused from now on
+    assert cache.prune(oldest_unfinished=time.time() + 1) == ([new], [])
+    assert cache.ensure("alpine") is None  # forgotten: looked up and pulled again
+    assert wait_for(lambda: cache.ensure("alpine")) == new
+    assert not cache.forget("alpine:3")
+
+
+def test_images_commands_list_pull_and_forget(
+    tmp_path: Path,
+    runtime: dict[str, Path],
+    registry: Registry,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bridge.cli import main
+
+    config = tmp_path / "tes-bridge.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[container]\nruntime = "{runtime["bin"]}"\n'
+        f'default_registry = "{registry.address}"\ninsecure_registries = ["{registry.address}"]\n'
+    )
+    base = ["--config", str(config), "images"]
+    assert main([*base, "pull", "alpine", "alpine:nope"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("alpine: ") and out.strip().endswith(".sif")
+    assert "alpine:nope" in err and "does not exist" in err
+    assert main([*base, "pull", "alpine"]) == 0  # checked again, same digest: no pull
+    assert len(pulls(runtime)) == 1
+    capsys.readouterr()
+    assert main([*base, "list", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr()[0])
+    assert row["digest"] == registry.tags["library/alpine:latest"] and row["size"] > 0
+    assert main([*base, "list"]) == 0
+    assert "library/alpine:latest" in capsys.readouterr()[0]
+
+    assert main([*base, "forget", "alpine"]) == 0
+    out = capsys.readouterr()[0]
+    assert "alpine: forgotten" in out and "kept " in out  # unused only from now on
+    assert main([*base, "forget", "alpine"]) == 0
+    out = capsys.readouterr()[0]
+    assert "not in the cache" in out and "removed " in out  # no unfinished task: gone
+    assert not list((tmp_path / "state" / "images").glob("*.sif"))
+
+
+def test_a_pull_dies_with_the_process_that_started_it(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    # kill -9 of the poller mid-pull: the runtime it started must not pull on as an orphan.
+    pids_file = tmp_path / "pids"
+    code = (
+        "import time; from bridge.config import Config; from bridge.images import ImageCache; "
+        f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
+        f"'container': {{'runtime': {str(runtime['bin'])!r}, "
+        f"'default_registry': {registry.address!r}, "
+        f"'insecure_registries': [{registry.address!r}]}}}})); "
+        "c.ensure('alpine'); time.sleep(300)"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    poller = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "FAKE_PULL_HANG": str(pids_file)},
+    )
+    try:
+        pids = wait_for(lambda: pids_file.exists() and pids_file.read_text().split())
+        pull = int(pids[0])
+        poller.kill()
+        poller.wait(timeout=10)
+        wait_for(lambda: not alive(pull), timeout=10)
+    finally:
+        poller.kill()
+        if pids_file.exists() and len(pids_file.read_text().split()) == 2:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pids_file.read_text().split()[1]), signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

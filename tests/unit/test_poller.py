@@ -8,6 +8,7 @@ database write, a controller that times out, lost nodes).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Collection
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -121,9 +122,18 @@ class FakeSlurm:
 class FakeImages:
     def __init__(self) -> None:
         self.ready = True
+        #: image -> what ImageCache.problem() says (transient trouble).
+        self.problems: dict[str, str] = {}
+        self.pruned: list[float | None] = []
 
     def resolve(self, images) -> dict[str, str] | None:
         return {image: f"/cache/{image}.sif" for image in images} if self.ready else None
+
+    def problem(self, image: str) -> str | None:
+        return self.problems.get(image)
+
+    def prune(self, oldest_unfinished: float | None) -> None:
+        self.pruned.append(oldest_unfinished)
 
 
 @pytest.fixture
@@ -349,6 +359,42 @@ def test_task_waits_in_queued_while_its_image_is_pulled(env):
     images.ready = True
     poller.cycle()
     assert slurm.calls.count("sbatch") == 1
+
+
+def test_transient_image_trouble_is_said_in_system_logs_while_it_lasts(env):
+    poller, store, slurm, images = env
+    task = store.create_task(ECHO)
+    image = ECHO["executors"][0]["image"]
+    images.ready = False
+    images.problems[image] = f"pulling image {image}: registry down; retrying in 2 s"
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED"
+    assert record.logs[0]["system_logs"] == [images.problems[image]]
+    images.problems[image] = f"pulling image {image}: registry down; retrying in 4 s"
+    poller.cycle()
+    # Replaced, not piled up.
+    assert store.get_task(task.id).logs[0]["system_logs"] == [images.problems[image]]
+    images.ready = True
+    images.problems.clear()
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert slurm.calls.count("sbatch") == 1 and record.job_id
+    # Nothing stale once it runs.
+    assert not any(line.startswith("pulling image") for line in record.logs[0]["system_logs"])
+
+
+def test_image_cache_is_pruned_with_the_oldest_unfinished_task(env):
+    poller, store, _, images = env
+    assert store.oldest_unfinished_time() is None
+    first = store.create_task(ECHO)
+    store.create_task(ECHO)
+    poller.cycle()
+    oldest = store.oldest_unfinished_time()
+    assert oldest is not None and abs(oldest - time.time()) < 60
+    assert images.pruned == [oldest]
+    store.update_task(first.id, state="COMPLETE")
+    assert store.oldest_unfinished_time() > oldest
 
 
 def test_polling_costs_at_most_two_slurm_calls_whatever_the_number_of_jobs(env):
