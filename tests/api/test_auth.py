@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from bridge.auth import AdminPolicy, AuthError, UserMap
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
 from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, UnixUsers, write_htpasswd
+from tests.procs import free_port
 
 TASK = {"executors": [{"image": "alpine", "command": ["true"]}]}
 API = "/ga4gh/tes/v1"
@@ -92,18 +92,12 @@ def test_site_mode_needs_authentication(tmp_path: Path):
         _config(tmp_path, mode="bearer", issuer="https://x", audience="a", algorithms=["HS256"])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_refuses_mode_none_on_a_public_address(tmp_path: Path):
     config = tmp_path / "c.toml"
     config.write_text(f'state_dir = "{tmp_path / "state"}"\n')
     argv = [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"]
     refused = subprocess.run(
-        [*argv, "--bind", f"0.0.0.0:{_free_port()}"], capture_output=True, text=True, timeout=60
+        [*argv, "--bind", f"0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=60
     )
     assert refused.returncode == 2
     assert "without authentication" in refused.stderr and "loopback" in refused.stderr
@@ -317,7 +311,7 @@ def test_owners_see_get_list_and_cancel_only_their_own_tasks(
 
 # ------------------------------------------------------------------------------ real server
 def _serve(tmp_path: Path, auth_toml: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "tes-bridge.toml"
     config.write_text(
         f'state_dir = "{tmp_path / "state"}"\n[server]\nbind = "127.0.0.1:{port}"\nworkers = 1\n'

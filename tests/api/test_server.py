@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ import pytest
 import requests
 import tes
 
+from tests.procs import free_port
+
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_up(url: str, process: subprocess.Popen[str], timeout: float = 30) -> None:

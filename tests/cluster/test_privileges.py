@@ -15,7 +15,6 @@ import os
 import pwd
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import pytest
 import requests
 
 from tests.fixtures.service import start_bridge_service
+from tests.procs import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -39,12 +39,6 @@ QUICKSTART = REPO / "deploy" / "quickstart.sh"
 ACCOUNT = "tesbridge"
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 GIB = 1 << 30
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -92,7 +86,7 @@ def quickstart(local_cluster: Any) -> Iterator[Quickstart]:
     """deploy/quickstart.sh, for real, into a private prefix and state directory."""
     root = Path(tempfile.mkdtemp(prefix="tes-quickstart-", dir="/var/tmp"))
     os.chmod(root, 0o755)  # the account must reach its state directory and the venv
-    port = _free_port()
+    port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")},
         "TES_BRIDGE_PREFIX": str(root / "opt"),

@@ -23,6 +23,7 @@ import requests
 
 from bridge.slurm import SlurmClient
 from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.procs import children, cmdline
 
 pytestmark = pytest.mark.cluster
 
@@ -289,25 +290,6 @@ def test_finished_tasks_carry_the_final_slurm_facts(bridge_service):
 # ----------------------------------------------------------------- the fault test (issue 11)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
@@ -315,10 +297,10 @@ def _kill(pid: int) -> None:
 
 def _serve_processes(service: BridgeService) -> dict[str, list[int]]:
     master = service.processes["serve"].pid
-    kids = _children(master)
-    supervisors = [p for p in kids if "--supervise" in _cmdline(p)]
+    kids = children(master)
+    supervisors = [p for p in kids if "--supervise" in cmdline(p)]
     workers = [p for p in kids if p not in supervisors]
-    pollers = [p for s in supervisors for p in _children(s)]
+    pollers = [p for s in supervisors for p in children(s)]
     return {"master": [master], "worker": workers, "poller": pollers}
 
 
@@ -372,8 +354,8 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
         service.stop()
     # Nothing of this service survives its stop (an orphaned supervisor or poller would).
     time.sleep(1)
-    left = [pid for pid in _all_pids() if str(service.config_path) in _cmdline(pid)]
-    assert not left, [(pid, _cmdline(pid)) for pid in left]
+    left = [pid for pid in _all_pids() if str(service.config_path) in cmdline(pid)]
+    assert not left, [(pid, cmdline(pid)) for pid in left]
 
 
 def _all_pids() -> list[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bridge.cli import build_parser
+from tests.procs import alive, children, cmdline
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -110,33 +111,6 @@ def test_allow_root_lets_root_start(tmp_path):
     assert (tmp_path / "state" / "tes-bridge.db").is_file()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
 def _serve(tmp_path: Path, log_name: str, port: int) -> subprocess.Popen[bytes]:
     # The suite runs as root: this test is about process lifetimes, not the root refusal.
     config_file = tmp_path / "serve.toml"
@@ -152,9 +126,9 @@ def _poller_of(master: int, timeout: float = 30) -> tuple[int, int]:
     """(supervisor pid, poller pid) started by a serve master."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for sup in _children(master):
-            if "--supervise" in _cmdline(sup):
-                pollers = [p for p in _children(sup) if " poller" in _cmdline(p)]
+        for sup in children(master):
+            if "--supervise" in cmdline(sup):
+                pollers = [p for p in children(sup) if " poller" in cmdline(p)]
                 if pollers:
                     return sup, pollers[0]
         time.sleep(0.1)
@@ -177,12 +151,12 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
         while not (lock.exists() and lock.read_text().strip() == str(poller)):
             assert time.monotonic() < deadline, "the poller never took its lock"
             time.sleep(0.1)
-        workers = [p for p in _children(first.pid) if p != supervisor]
+        workers = [p for p in children(first.pid) if p != supervisor]
         assert workers
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in [supervisor, poller, *workers]):
+        while any(alive(p) for p in [supervisor, poller, *workers]):
             assert time.monotonic() < deadline, "a child outlived the serve master"
             time.sleep(0.1)
         # The port and the poller lock are free: a new serve gets both.
@@ -193,7 +167,7 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
             assert time.monotonic() < deadline, (tmp_path / "second.log").read_text()[-2000:]
             time.sleep(0.1)
         time.sleep(1.5)
-        assert _alive(new_poller), (tmp_path / "second.log").read_text()[-2000:]
+        assert alive(new_poller), (tmp_path / "second.log").read_text()[-2000:]
         assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
     finally:
         for process in (first, second):
@@ -201,5 +175,5 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
                 process.terminate()
                 process.wait(timeout=30)
         for pid in (supervisor, poller):  # orphans of a failed run
-            if pid and _alive(pid) and "bridge" in _cmdline(pid):
+            if pid and alive(pid) and "bridge" in cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
