@@ -149,6 +149,19 @@ def condition_lines(task: dict[str, Any], words: str) -> list[str]:
     return [x for log in task.get("logs", []) for x in log.get("system_logs", []) if words in x]
 
 
+def wait_for_condition(
+    service: BridgeService, ids: list[str], words: str, timeout: float, step: float
+) -> None:
+    """Wait until every task's system_logs carries a line with `words`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tasks = [service.get(task_id) for task_id in ids]
+        if all(condition_lines(t, words) for t in tasks):
+            return
+        assert time.monotonic() < deadline, tasks
+        time.sleep(step)
+
+
 def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
     local_cluster, tmp_path, small_work_fs
 ):
@@ -157,13 +170,7 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
     service = start_bridge_service(local_cluster, tmp_path)
     try:
         ids = [service.create({"executors": [executor("echo", str(i))]}) for i in range(6)]
-        deadline = time.monotonic() + 60
-        while True:
-            tasks = [service.get(task_id) for task_id in ids]
-            if all(condition_lines(t, "waiting: cannot prepare") for t in tasks):
-                break
-            assert time.monotonic() < deadline, tasks
-            time.sleep(0.5)
+        wait_for_condition(service, ids, "waiting: cannot prepare", timeout=60, step=0.5)
         time.sleep(6)  # several retries with back-off: still one line each, still QUEUED
         for task_id in ids:
             task = service.get(task_id)
@@ -187,13 +194,7 @@ def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
     local_cluster.stop("slurmctld")
     try:
         ids = [bridge_service.create({"executors": [executor("echo", str(i))]}) for i in range(3)]
-        deadline = time.monotonic() + 90
-        while True:
-            tasks = [bridge_service.get(task_id) for task_id in ids]
-            if all(condition_lines(t, "cannot reach Slurm") for t in tasks):
-                break
-            assert time.monotonic() < deadline, tasks
-            time.sleep(1)
+        wait_for_condition(bridge_service, ids, "cannot reach Slurm", timeout=90, step=1)
         time.sleep(8)  # more sbatch failures: the line is replaced, not piled up
         for task_id in ids:
             task = bridge_service.get(task_id)
