@@ -1,8 +1,9 @@
 """The task store: peewee models and every query the API and the poller make.
 
-SQLite (the embedded default, in WAL mode with a busy timeout so several API workers and the
-poller share one file) or PostgreSQL, chosen by a database URL. Tables are created on start and
-the schema version is recorded in ``bridge_meta`` so later versions can migrate.
+SQLite (the embedded default, in WAL mode with a busy timeout and transactions that take the
+write lock up front, so several API workers and the poller share one file) or PostgreSQL,
+chosen by a database URL. Tables are created on start and the schema version is recorded in
+``bridge_meta`` so later versions can migrate.
 
 Listing is keyset-paginated over ``seq``, an integer that grows with creation order: a page
 token names the last ``seq`` seen and is signed with a per-store secret, so tasks created while
@@ -145,6 +146,10 @@ def open_database(url: str) -> peewee.Database:
                 "cache_size": -32000,
             },
             timeout=10,
+            # Every transaction takes the write lock when it begins (BEGIN IMMEDIATE) and
+            # waits for it. A deferred one that reads first fails at once with "database is
+            # locked" when another connection wrote meanwhile: its snapshot cannot be upgraded.
+            lock_type="IMMEDIATE",
         )
     if parsed.scheme in ("postgres", "postgresql"):
         # A small pool: each API worker is one process; connections are reused across requests.

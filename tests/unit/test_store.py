@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -124,3 +125,32 @@ def test_concurrent_creates_from_threads(store: Store):
 )
 def test_prefix_successor(prefix, successor):
     assert _prefix_successor(prefix) == successor
+
+
+def test_a_cancel_waits_for_another_writer_instead_of_failing(sqlite_store: Store):
+    """SQLite: a cancel reads the task, then writes. Begun as a deferred transaction, its read
+    snapshot goes stale while another connection writes, and the write then fails at once with
+    "database is locked" (no busy wait helps). Write transactions take the lock up front."""
+    store = sqlite_store
+    victim = store.create_task(ECHO)
+    writer_holds_lock = threading.Event()
+    errors: list[BaseException] = []
+
+    def other_writer() -> None:
+        try:
+            with store.db.connection_context(), store.db.atomic():
+                store.create_task(ECHO)
+                writer_holds_lock.set()
+                time.sleep(1.0)  # the cancel below reads, then waits for this lock
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other_writer)
+    thread.start()
+    assert writer_holds_lock.wait(10)
+    time.sleep(0.1)
+    canceled = store.cancel_task(victim.id)
+    thread.join(10)
+    assert not errors, errors
+    assert canceled is not None and canceled.state == State.CANCELED.value
+    assert store.get_task(victim.id).state == State.CANCELED.value
