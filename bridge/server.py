@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from typing import Any
 
 from gunicorn.workers.gtornado import TornadoWorker
@@ -40,9 +41,22 @@ class Worker(TornadoWorker):
     first thing the event loop runs, before any accept.
     """
 
+    _stop_deadline: float | None = None
+
     def run(self) -> None:
         IOLoop.current().add_callback(self._apply_limits)
         super().run()
+
+    def heartbeat(self) -> None:
+        # Gunicorn's Tornado worker stops its event loop one heartbeat (a second) after it
+        # stops accepting, cutting off answers still being computed; wait for them, as the
+        # sync workers did, up to graceful_timeout. A request still arriving is not waited for.
+        if not self.alive and not self.server_alive and self.wsgi.in_flight:
+            if self._stop_deadline is None:
+                self._stop_deadline = time.monotonic() + self.cfg.graceful_timeout
+            if time.monotonic() < self._stop_deadline:
+                return
+        super().heartbeat()
 
     def _apply_limits(self) -> None:
         # `self.app` is the gunicorn application of `tes-bridge serve`, which has the config.
@@ -179,6 +193,15 @@ class BridgeWSGIContainer(WSGIContainer, httputil.HTTPServerConnectionDelegate):
         )
         super().__init__(app, executor=executor)
         self.config = config
+        #: Requests handed to the app whose answer is not written yet (event loop only).
+        self.in_flight = 0
+
+    async def handle_request(self, request: httputil.HTTPServerRequest) -> None:
+        self.in_flight += 1
+        try:
+            await super().handle_request(request)
+        finally:
+            self.in_flight -= 1
 
     def start_request(
         self, server_conn: object, request_conn: httputil.HTTPConnection

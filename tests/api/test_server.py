@@ -37,13 +37,13 @@ def wait_until_up(url: str, process: subprocess.Popen[str], timeout: float = 30)
     raise AssertionError("server did not answer in time")
 
 
-def _serve(state: Path, config: str = "") -> Iterator[tuple[str, Path]]:
+def _start(state: Path, config: str = "") -> tuple[subprocess.Popen[str], str]:
+    """`tes-bridge serve` (2 workers, no poller) on a free port, once it answers."""
     port = free_port()
-    log_path = state / "server.log"
     config_path = state / "tes-bridge.toml"
     config_path.write_text(config)
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(state)}
-    with open(log_path, "w") as log:
+    with open(state / "server.log", "w") as log:
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -66,7 +66,16 @@ def _serve(state: Path, config: str = "") -> Iterator[tuple[str, Path]]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(url, process)
-        yield url, log_path
+    except AssertionError:
+        process.kill()
+        raise
+    return process, url
+
+
+def _serve(state: Path, config: str = "") -> Iterator[tuple[str, Path]]:
+    process, url = _start(state, config)
+    try:
+        yield url, state / "server.log"
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -156,6 +165,40 @@ def test_reference_client_py_tes(server):
     assert task_id in [t.id for t in listed.tasks]
     client.cancel_task(task_id)
     assert client.get_task(task_id, view="MINIMAL").state == "CANCELED"
+
+
+def test_a_request_in_progress_is_answered_when_serve_stops(tmp_path):
+    """SIGTERM lets the answers being computed go out (within graceful_timeout): a create that
+    waits for the database when serve stops is stored and answered, not cut off."""
+    import sqlite3
+
+    process, url = _start(tmp_path)
+    try:
+        # Another connection holds the write lock: the create waits for it (busy timeout).
+        blocker = sqlite3.connect(tmp_path / "tes-bridge.db", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        answers: list[requests.Response | Exception] = []
+
+        def create() -> None:
+            try:
+                answers.append(requests.post(f"{url}/v1/tasks", json=ECHO, timeout=30))
+            except requests.RequestException as exc:
+                answers.append(exc)
+
+        thread = threading.Thread(target=create)
+        thread.start()
+        time.sleep(1)
+        process.terminate()  # SIGTERM to gunicorn's master
+        time.sleep(3)
+        blocker.execute("COMMIT")
+        blocker.close()
+        thread.join(timeout=30)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert isinstance(answers[0], requests.Response), answers
+    assert answers[0].status_code == 200, answers[0].text
 
 
 def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
