@@ -6,10 +6,11 @@ or body (or open a connection and wait) hold every worker. Gunicorn's Tornado wo
 requests on an event loop instead, where a slow or idle connection costs a buffer, not a
 worker, and Tornado bounds each whole read: a request's head must arrive within
 `server.header_timeout_seconds` (also how long an idle keep-alive connection stays open) and its
-body within `server.body_timeout_seconds`, else the connection is closed unanswered (a body
-shorter than its Content-Length is never parsed). Only complete requests reach the app, which
-runs in a pool of `server.threads` threads per worker, so the event loop never waits for the
-database. The gunicorn master (worker restarts, `post_fork`, `timeout`) is unchanged.
+body within `server.body_timeout_seconds`: a late head closes the connection, a late body gets
+a 400 and is never parsed. Only complete requests reach the app, which runs in a pool of
+`server.threads` threads per worker, so the event loop never waits for the database. The
+gunicorn master (worker restarts, `post_fork`) is unchanged; its `timeout` now catches a stuck
+event loop, while a request stuck in the app holds one thread of its worker.
 
 A request line over `server.max_request_line_bytes`, a head over `server.max_header_bytes` and
 a Content-Length over `limits.max_body_bytes` are answered at once, in the API's JSON error
