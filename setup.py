@@ -38,6 +38,8 @@ setup(
     install_requires=[
         "falcon>=4.0,<5",
         "gunicorn>=22",
+        # Gunicorn's Tornado worker: requests are read on an event loop (bridge.server).
+        "tornado>=6.3",
         "peewee>=3.17",
         "pydantic>=2.6,<3",
         "Jinja2>=3.1",

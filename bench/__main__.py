@@ -6,7 +6,7 @@ import importlib
 import sys
 import time
 
-NAMES = ["create", "listing", "poll", "memory", "staging", "e2e", "validation"]
+NAMES = ["create", "listing", "poll", "memory", "staging", "e2e", "validation", "slowloris"]
 
 
 def main(argv: list[str]) -> int:

@@ -111,8 +111,9 @@ def main() -> dict[str, object]:
                 "rounds_ceiling": ceiling_rates,
             }
             rows.append([label, bridge, top, f"{ratio:.0%}"])
-    print(f"POST /tasks, gunicorn sync workers={WORKERS}, wrk -t2 -c{CONNECTIONS} {SECONDS}s x "
-          f"{ROUNDS} rounds (medians; ratio: median of the rounds' ratios)")  # fmt: skip
+    print(f"POST /tasks, gunicorn workers={WORKERS} (bridge: Tornado, ceiling: sync), "
+          f"wrk -t2 -c{CONNECTIONS} {SECONDS}s x {ROUNDS} rounds "
+          "(medians; ratio: median of the rounds' ratios)")  # fmt: skip
     table(["store", "bridge tasks/s", "ceiling req/s", "ratio"], rows)
     data = {"workers": WORKERS, "connections": CONNECTIONS, "seconds": SECONDS, **results}
     write_result("create", data)

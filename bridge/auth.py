@@ -32,10 +32,13 @@ import threading
 import time
 import tomllib
 import urllib.request
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import bcrypt
 
 log = logging.getLogger("bridge.auth")
 
@@ -214,10 +217,7 @@ class BasicAuth(_Mapped):
         self._lock = threading.Lock()
         self._cache: dict[bytes, float] = {}
         self._cache_key = secrets.token_bytes(32)
-        # Checked for unknown users too, so that timing does not tell which names exist.
-        import bcrypt
-
-        self._dummy = bcrypt.hashpw(b"not a password", bcrypt.gensalt(rounds=10))
+        self._dummy = b""
         self._load()
 
     def _load(self) -> None:
@@ -238,10 +238,14 @@ class BasicAuth(_Mapped):
                 continue
             hashes[name] = hashed.encode()
         self._hashes, self._stamp = hashes, stamp
+        # Unknown names are checked against a dummy hash of the file's own (most common) cost,
+        # so that a refusal takes as long whether or not the name exists.
+        costs = Counter(int(h[4:6]) for h in hashes.values() if h[4:6].isdigit())
+        cost = costs.most_common(1)[0][0] if costs else 10
+        if not self._dummy.startswith(b"$2b$%02d$" % cost):
+            self._dummy = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds=cost))
 
     def authenticate(self, authorization: str | None) -> Identity:
-        import bcrypt
-
         try:
             decoded = base64.b64decode(_split_header(authorization, "Basic"), validate=True)
             name, sep, password = decoded.decode("utf-8").partition(":")
@@ -255,11 +259,14 @@ class BasicAuth(_Mapped):
             except OSError as exc:
                 raise AuthError(f"cannot read the htpasswd file: {exc}") from None
             hashed = self._hashes.get(name)
+            dummy = self._dummy
         key = hmac.new(self._cache_key, decoded + b"\0" + (hashed or b""), hashlib.sha256).digest()
         now = time.monotonic()
         if hashed is not None and self._cache.get(key, 0.0) > now:
             return self.identity(name)
-        ok = bcrypt.checkpw(password.encode("utf-8"), hashed or self._dummy)
+        # bcrypt hashes only the first 72 bytes; htpasswd -B and Apache truncate longer passwords
+        # silently, so the bridge does too (bcrypt 4.1+ raises instead).
+        ok = bcrypt.checkpw(password.encode("utf-8")[:72], hashed or dummy)
         if hashed is None or not ok:
             raise AuthError(f"wrong password or unknown user {name!r}")
         if len(self._cache) > 1024:
@@ -309,7 +316,9 @@ class BearerAuth(_Mapped):
                 # set, at most once per cooldown.
                 self._client = jwt.PyJWKClient(
                     url,
-                    cache_keys=True,
+                    # The set, not single keys: PyJWKClient's per-key cache never expires, so a
+                    # key removed from the JWKS would stay valid for as long as the process.
+                    cache_keys=False,
                     lifespan=self.cache_seconds,
                     cooldown_duration=self.refresh_cooldown,
                     timeout=10,
@@ -324,7 +333,9 @@ class BearerAuth(_Mapped):
             key = self._jwks_client().get_signing_key_from_jwt(token)
             claims = jwt.decode(
                 token,
-                key.key,
+                # The PyJWK, not its raw key: the token's `alg` must be the key's own, so an
+                # ES256 token naming an RSA key is refused rather than tried with the wrong type.
+                key,
                 algorithms=self.algorithms,  # never "none", never the token's own choice
                 audience=self.audience,
                 issuer=self.issuer,

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the TES API under gunicorn, and the poller beside it",
-        description="Run the TES API (gunicorn workers) and, unless --no-poller, the poller "
+        description="Run the TES API (gunicorn with Tornado workers: slow or idle clients "
+        "hold no worker, and a request must arrive within server.header_timeout_seconds and "
+        "server.body_timeout_seconds) and, unless --no-poller, the poller "
         "that submits tasks to Slurm and follows them (restarted if it dies; it dies with "
         "serve, even with kill -9). Logs are JSON lines on stderr.",
     )
@@ -296,12 +298,15 @@ def _gunicorn_logconfig(level: str) -> dict[str, Any]:
                 "class": "logging.StreamHandler",
                 "formatter": "json",
                 "stream": "ext://sys.stderr",
-            }
+            },
+            "null": {"class": "logging.NullHandler"},
         },
         "root": {"level": level.upper(), "handlers": ["stderr"]},
         "loggers": {
             "gunicorn.error": {"level": level.upper(), "handlers": ["stderr"], "propagate": False},
             "gunicorn.access": {"level": "WARNING", "handlers": [], "propagate": False},
+            # Tornado's own line per request; bridge.access already logs each one.
+            "tornado.access": {"handlers": ["null"], "propagate": False},
         },
     }
 
@@ -346,6 +351,7 @@ def serve(
     from gunicorn.app.base import BaseApplication
 
     from bridge.app import create_app
+    from bridge.server import WORKER_CLASS, BridgeWSGIContainer
     from bridge.store import Store
 
     problem = unsafe_bind(config, bind or config.server.bind)
@@ -374,6 +380,9 @@ def serve(
             supervisor.kill()
 
     class Application(BaseApplication):  # type: ignore[misc]
+        #: For the workers (bridge.server.Worker reads its limits here).
+        bridge_config = config
+
         def load_config(self) -> None:
             options = {
                 "bind": bind or config.server.bind,
@@ -386,6 +395,8 @@ def serve(
                 "post_fork": lambda arbiter, worker: set_parent_death_signal(
                     signal.SIGTERM, arbiter.pid
                 ),
+                # Slow clients cost no worker: see bridge.server.
+                "worker_class": WORKER_CLASS,
                 "proc_name": "tes-bridge",
                 "timeout": 60,
                 "graceful_timeout": 20,
@@ -395,7 +406,8 @@ def serve(
 
         def load(self) -> Any:
             # Runs in each worker after the fork: every worker opens its own database connection.
-            return create_app(config, store=Store.from_url(config.database_url))
+            app = create_app(config, store=Store.from_url(config.database_url))
+            return BridgeWSGIContainer(app, config)
 
     try:
         Application().run()

@@ -56,6 +56,17 @@ class _Section(BaseModel):
 class ServerConfig(_Section):
     bind: str = "127.0.0.1:8000"
     workers: int = Field(default=2, ge=1)
+    #: Threads per worker that run the app on complete requests (see bridge.server).
+    threads: int = Field(default=4, ge=1)
+    #: A client has this long to send a request's head (line and headers); also how long an
+    #: idle keep-alive connection stays open.
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
+    #: A client has this long to send a request's body once its head is in.
+    body_timeout_seconds: float = Field(default=60.0, gt=0)
+    #: A longer request line (method, URI, version) is answered 414.
+    max_request_line_bytes: int = Field(default=8190, ge=1024)
+    #: Larger request headers (all of them together) are answered 431.
+    max_header_bytes: int = Field(default=32 * 1024, ge=4096)
     #: Run the poller inside `tes-bridge serve` (turn off when it runs as its own service).
     run_poller: bool = True
     access_log: bool = True

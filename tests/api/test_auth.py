@@ -13,15 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import bcrypt
+import jwt
 import pytest
 import requests
 import tes
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from falcon import testing
 
 from bridge.app import create_app
-from bridge.auth import AdminPolicy, AuthError, UserMap
+from bridge.auth import AdminPolicy, AuthError, BasicAuth, UserMap
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
 from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, UnixUsers, write_htpasswd
@@ -143,6 +145,49 @@ def test_htpasswd_changes_apply_without_restart(
     assert client.simulate_get(f"{API}/tasks", headers=headers).status_code == 401
 
 
+def _refusal_seconds(authenticator: Any, header: dict[str, str]) -> float:
+    """The fastest of a few refusals: the least noisy measure of the work a refusal costs."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        with pytest.raises(AuthError):
+            authenticator.authenticate(header["Authorization"])
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_unknown_users_take_as_long_to_refuse_as_wrong_passwords(tmp_path: Path):
+    # The dummy hash an unknown name is checked against has the cost of the file's own hashes
+    # (8 here), so timing does not tell which names exist.
+    path = tmp_path / "htpasswd"
+    hashed = bcrypt.hashpw(b"alice-secret", bcrypt.gensalt(rounds=8)).decode()
+    path.write_text(f"tesalice:{hashed}\n")
+    authenticator = BasicAuth(path, UserMap(), AdminPolicy(), "tes")
+    known = _refusal_seconds(authenticator, _basic("tesalice", "wrong"))
+    unknown = _refusal_seconds(authenticator, _basic("nobody", "wrong"))
+    assert 0.5 < unknown / known < 2, (known, unknown)
+
+
+def test_passwords_over_72_bytes_are_compared_as_htpasswd_stores_them(
+    tmp_path: Path, sqlite_store: Store
+):
+    # htpasswd -B (and Apache) hash the first 72 bytes of a longer password; so does the bridge,
+    # and a long wrong password is a 401, never a 500.
+    long_password = "p" * 72 + "-and-more"
+    path = tmp_path / "htpasswd"
+    hashed = bcrypt.hashpw(long_password.encode()[:72], bcrypt.gensalt(rounds=5)).decode()
+    path.write_text(f"tesalice:{hashed}\n")
+    config = _config(tmp_path, mode="basic", htpasswd_file=str(path))
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+
+    def status(user: str, password: str) -> int:
+        return client.simulate_get(f"{API}/tasks", headers=_basic(user, password)).status_code
+
+    assert status("tesalice", long_password) == 200
+    assert status("tesalice", "q" * 100) == 401
+    assert status("nobody", "q" * 100) == 401
+
+
 # ------------------------------------------------------------------------------ bearer
 def _unsigned(claims: dict[str, Any], kid: str) -> str:
     def part(value: dict[str, Any]) -> str:
@@ -222,6 +267,33 @@ def test_new_signing_keys_are_fetched_and_keys_are_cached(
     rotated = _bearer(oidc.token("tesalice", key=key, kid=kid))
     assert bearer_client.simulate_get(f"{API}/tasks", headers=rotated).status_code == 200
     assert len(oidc.jwks_requests) == before + 1
+
+
+def test_a_key_removed_from_the_jwks_is_refused_after_the_cache_lifetime(
+    tmp_path: Path, sqlite_store: Store, oidc: OIDC
+):
+    key, kid = oidc.rotate()
+    config = _bearer_config(tmp_path, oidc, jwks_cache_seconds=1)
+    bearer_client = testing.TestClient(create_app(config, store=sqlite_store))
+    headers = _bearer(oidc.token("tesalice", key=key, kid=kid))
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=headers).status_code == 200
+    oidc.keys[:] = [jwk for jwk in oidc.keys if jwk["kid"] != kid]  # the issuer revokes it
+    time.sleep(1.5)
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=headers).status_code == 401
+    still_good = _bearer(oidc.token("tesalice"))
+    assert bearer_client.simulate_get(f"{API}/tasks", headers=still_good).status_code == 200
+
+
+def test_a_token_whose_algorithm_does_not_fit_its_key_is_refused(
+    bearer_client: testing.TestClient, oidc: OIDC
+):
+    # ES256 signature naming the issuer's RSA key: a 401, not a 500 from the key type mismatch.
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    now = int(time.time())
+    claims = {"sub": "tesalice", "aud": AUDIENCE, "iss": oidc.issuer, "exp": now + 300}
+    token = jwt.encode(claims, ec_key, algorithm="ES256", headers={"kid": oidc.kid})
+    answer = bearer_client.simulate_get(f"{API}/tasks", headers=_bearer(token))
+    assert answer.status_code == 401
 
 
 def test_unknown_key_ids_do_not_hammer_the_issuer(bearer_client: testing.TestClient, oidc: OIDC):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -33,18 +37,20 @@ def wait_until_up(url: str, process: subprocess.Popen[str], timeout: float = 30)
     raise AssertionError("server did not answer in time")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    state = tmp_path_factory.mktemp("server-state")
+def _start(state: Path, config: str = "") -> tuple[subprocess.Popen[str], str]:
+    """`tes-bridge serve` (2 workers, no poller) on a free port, once it answers."""
     port = free_port()
-    log_path = state / "server.log"
+    config_path = state / "tes-bridge.toml"
+    config_path.write_text(config)
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(state)}
-    with open(log_path, "w") as log:
+    with open(state / "server.log", "w") as log:
         process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "bridge",
+                "--config",
+                str(config_path),
                 "serve",
                 "--bind",
                 f"127.0.0.1:{port}",
@@ -60,10 +66,38 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(url, process)
-        yield url, log_path
+    except AssertionError:
+        process.kill()
+        raise
+    return process, url
+
+
+def _serve(state: Path, config: str = "") -> Iterator[tuple[str, Path]]:
+    process, url = _start(state, config)
+    try:
+        yield url, state / "server.log"
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    yield from _serve(tmp_path_factory.mktemp("server-state"))
+
+
+#: Read timeouts of the server that slow clients are tested against.
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    config = (
+        f"[server]\nheader_timeout_seconds = {HEADER_TIMEOUT}\n"
+        f"body_timeout_seconds = {BODY_TIMEOUT}\n"
+    )
+    yield from _serve(tmp_path_factory.mktemp("strict-server-state"), config)
 
 
 @pytest.mark.parametrize("prefix", ["/ga4gh/tes/v1", "/v1"])
@@ -133,6 +167,40 @@ def test_reference_client_py_tes(server):
     assert client.get_task(task_id, view="MINIMAL").state == "CANCELED"
 
 
+def test_a_request_in_progress_is_answered_when_serve_stops(tmp_path):
+    """SIGTERM lets the answers being computed go out (within graceful_timeout): a create that
+    waits for the database when serve stops is stored and answered, not cut off."""
+    import sqlite3
+
+    process, url = _start(tmp_path)
+    try:
+        # Another connection holds the write lock: the create waits for it (busy timeout).
+        blocker = sqlite3.connect(tmp_path / "tes-bridge.db", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        answers: list[requests.Response | Exception] = []
+
+        def create() -> None:
+            try:
+                answers.append(requests.post(f"{url}/v1/tasks", json=ECHO, timeout=30))
+            except requests.RequestException as exc:
+                answers.append(exc)
+
+        thread = threading.Thread(target=create)
+        thread.start()
+        time.sleep(1)
+        process.terminate()  # SIGTERM to gunicorn's master
+        time.sleep(3)
+        blocker.execute("COMMIT")
+        blocker.close()
+        thread.join(timeout=30)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert isinstance(answers[0], requests.Response), answers
+    assert answers[0].status_code == 200, answers[0].text
+
+
 def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
     """`tes-bridge serve` supervises its poller: a killed poller is replaced."""
     port = free_port()
@@ -183,3 +251,141 @@ def _status(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().lower()
     except OSError:
         return "zombie"
+
+
+# ------------------------------------------------------------------------------ raw HTTP
+def _connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection (AssertionError if it does
+    not within `timeout`)."""
+    sock.settimeout(timeout)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        raise AssertionError(
+            f"the server kept the connection open; got {received[:200]!r}"
+        ) from None
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def _exchange(url: str, request: bytes, timeout: float = 10) -> tuple[int, dict, float]:
+    """Send raw bytes; (status, JSON body, seconds until the server closed)."""
+    started = time.monotonic()
+    with _connect(url) as sock:
+        sock.sendall(request)
+        answer = _read_until_closed(sock, timeout)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body), time.monotonic() - started
+
+
+def _tasks_count(url: str) -> int:
+    return len(requests.get(f"{url}/v1/tasks", timeout=5).json().get("tasks", []))
+
+
+def test_a_chunked_request_body_is_read(server):
+    url, _ = server
+    body = json.dumps(ECHO).encode()
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:]))
+    request = (
+        b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n"
+    )
+    status, answer, _ = _exchange(url, request)
+    assert status == 200, answer
+    assert requests.get(f"{url}/v1/tasks/{answer['id']}", timeout=5).json()["state"] == "QUEUED"
+
+
+def test_a_body_shorter_than_its_content_length_is_a_400_after_the_body_timeout(strict_server):
+    url, _ = strict_server
+    before = _tasks_count(url)
+    body = json.dumps(ECHO).encode()
+    # A complete JSON document, but the client announced more: it is never parsed.
+    request = (
+        b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body) + 10, body)
+    )
+    status, answer, seconds = _exchange(url, request)
+    assert status == 400 and answer["code"] == 400
+    assert "did not arrive" in answer["message"]
+    assert BODY_TIMEOUT - 0.5 < seconds < BODY_TIMEOUT + 3
+    assert _tasks_count(url) == before
+
+
+@pytest.mark.parametrize(
+    ("what", "request_bytes", "status"),
+    [
+        ("request line", b"GET /v1/tasks/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n", 414),
+        ("headers", b"GET /v1/tasks HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40000 + b"\r\n", 431),
+        (
+            "body",
+            b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n",
+            413,
+        ),
+    ],
+)
+def test_requests_over_the_size_limits_get_the_json_error_shape(
+    server, what, request_bytes, status
+):
+    url, _ = server
+    answer_status, answer, _ = _exchange(url, request_bytes + b"Connection: close\r\n\r\n")
+    assert answer_status == status, what
+    assert answer["code"] == status, what
+    assert "than this server accepts" in answer["message"], what
+
+
+def test_slow_and_idle_clients_neither_delay_requests_nor_stay_connected(strict_server):
+    """A hundred clients that trickle their headers byte by byte, trickle a body, or connect
+    and wait: a normal request still answers within a second, and every slow connection is
+    closed once its read timeout has passed."""
+    url, _ = strict_server
+    head = b"GET /v1/tasks HTTP/1.1\r\nHost: x\r\n"
+    post = b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+    slow: list[socket.socket] = []
+    tricklers: list[socket.socket] = []
+    for i in range(100):
+        sock = _connect(url)
+        slow.append(sock)
+        if i % 3 == 0:
+            sock.sendall(head)
+            tricklers.append(sock)
+        elif i % 3 == 1:
+            sock.sendall(post)
+            tricklers.append(sock)
+        # else: connected and idle
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.2):
+            for sock in tricklers:
+                # Closed by the server: what should happen after the timeout.
+                with contextlib.suppress(OSError):
+                    sock.send(b"a")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        latencies = []
+        while time.monotonic() - started < HEADER_TIMEOUT - 0.5:
+            begin = time.monotonic()
+            assert requests.get(f"{url}/v1/tasks", timeout=5).status_code == 200
+            latencies.append(time.monotonic() - begin)
+        assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
+        # All of them are closed once the read timeouts have passed, trickling or not.
+        for sock in slow:
+            remaining = started + max(HEADER_TIMEOUT, BODY_TIMEOUT) + 3 - time.monotonic()
+            _read_until_closed(sock, max(remaining, 0.1))
+    finally:
+        stop.set()
+        thread.join()
+        for sock in slow:
+            sock.close()

@@ -1,0 +1,219 @@
+"""How gunicorn's workers serve the Falcon app: Tornado reads requests, threads run the app.
+
+Gunicorn's sync and gthread workers give each connection a process or a thread while it sends
+its request, with no bound on how long that may take: a few clients that trickle their headers
+or body (or open a connection and wait) hold every worker. Gunicorn's Tornado worker reads
+requests on an event loop instead, where a slow or idle connection costs a buffer, not a
+worker, and Tornado bounds each whole read: a request's head must arrive within
+`server.header_timeout_seconds` (also how long an idle keep-alive connection stays open) and its
+body within `server.body_timeout_seconds`: a late head closes the connection, a late body gets
+a 400 and is never parsed. Only complete requests reach the app, which runs in a pool of
+`server.threads` threads per worker, so the event loop never waits for the database. The
+gunicorn master (worker restarts, `post_fork`) is unchanged; its `timeout` now catches a stuck
+event loop, while a request stuck in the app holds one thread of its worker.
+
+A request line over `server.max_request_line_bytes`, a head over `server.max_header_bytes` and
+a Content-Length over `limits.max_body_bytes` are answered at once, in the API's JSON error
+shape, before any body is read; Tornado stops reading a head at four times these limits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from typing import Any
+
+from gunicorn.workers.gtornado import TornadoWorker
+from tornado import httputil
+from tornado.http1connection import HTTP1Connection, HTTP1ConnectionParameters
+from tornado.ioloop import IOLoop
+from tornado.wsgi import WSGIContainer
+
+from bridge.config import Config
+
+
+class Worker(TornadoWorker):
+    """Gunicorn's Tornado worker with the read limits of `[server]`.
+
+    Gunicorn builds the worker's HTTPServer with Tornado's defaults (an hour for a request
+    head, no body timeout, 100 MB bodies). The server reads its connection parameters for
+    each new connection, so they are replaced before the first one: the callback below is the
+    first thing the event loop runs, before any accept.
+    """
+
+    _stop_deadline: float | None = None
+
+    def run(self) -> None:
+        IOLoop.current().add_callback(self._apply_limits)
+        super().run()
+
+    def heartbeat(self) -> None:
+        # Gunicorn's Tornado worker stops its event loop one heartbeat (a second) after it
+        # stops accepting, cutting off answers still being computed; wait for them, as the
+        # sync workers did, up to graceful_timeout. A request still arriving is not waited for.
+        if not self.alive and not self.server_alive and self.wsgi.in_flight:
+            if self._stop_deadline is None:
+                self._stop_deadline = time.monotonic() + self.cfg.graceful_timeout
+            if time.monotonic() < self._stop_deadline:
+                return
+        super().heartbeat()
+
+    def _apply_limits(self) -> None:
+        # `self.app` is the gunicorn application of `tes-bridge serve`, which has the config.
+        self.server.conn_params = connection_parameters(self.app.bridge_config)
+
+
+#: For gunicorn's `worker_class`.
+WORKER_CLASS = f"{__name__}.{Worker.__name__}"
+
+
+def connection_parameters(config: Config) -> HTTP1ConnectionParameters:
+    server = config.server
+    return HTTP1ConnectionParameters(
+        # Tornado's header timeout: the whole head of a request, the first one included.
+        header_timeout=server.header_timeout_seconds,
+        # _Request answers a body late past body_timeout_seconds; this only backs it up.
+        body_timeout=server.body_timeout_seconds + 5,
+        # Beyond these Tornado closes the connection; below them _Request answers in JSON.
+        max_header_size=4 * (server.max_request_line_bytes + server.max_header_bytes),
+        max_body_size=config.limits.max_body_bytes,
+        # The app reads the body as JSON: it is not gzip-decoded behind its back.
+        decompress=False,
+    )
+
+
+def _refusal(config: Config, start_line: Any, headers: httputil.HTTPHeaders) -> tuple[int, str]:
+    """(status, message) for a request refused on its head alone; (0, "") to read it."""
+    line = len(start_line.method) + len(start_line.path) + len(start_line.version) + 2
+    if line > config.server.max_request_line_bytes:
+        return 414, (
+            f"the request line is longer than this server accepts "
+            f"({config.server.max_request_line_bytes} bytes)"
+        )
+    size = sum(len(name) + len(value) + 4 for name, value in headers.get_all())
+    if size > config.server.max_header_bytes:
+        return 431, (
+            f"the request headers are larger than this server accepts "
+            f"({config.server.max_header_bytes} bytes)"
+        )
+    length = headers.get("Content-Length", "")
+    if length.isdigit() and int(length) > config.limits.max_body_bytes:
+        return 413, (
+            f"the request body is larger than this server accepts "
+            f"({config.limits.max_body_bytes} bytes)"
+        )
+    return 0, ""
+
+
+def _json_error(
+    status: int, message: str
+) -> tuple[httputil.ResponseStartLine, httputil.HTTPHeaders, bytes]:
+    """An error answer in the API's JSON shape that closes the connection."""
+    body = json.dumps({"code": status, "message": message}).encode()
+    headers = httputil.HTTPHeaders(
+        {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    )
+    headers["Connection"] = "close"
+    return httputil.ResponseStartLine("HTTP/1.1", status, httputil.responses[status]), headers, body
+
+
+class _Request(httputil.HTTPMessageDelegate):
+    """One request: refused on its head, or collected whole and handed to the WSGI app."""
+
+    def __init__(self, container: BridgeWSGIContainer, connection: HTTP1Connection):
+        self.container = container
+        self.connection = connection
+        self.request: httputil.HTTPServerRequest | None = None
+        self.chunks: list[bytes] = []
+        self.body_timer: object | None = None
+
+    def headers_received(
+        self,
+        start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
+        headers: httputil.HTTPHeaders,
+    ) -> None:
+        status, message = _refusal(self.container.config, start_line, headers)
+        if status:
+            # Answered and closed here: Tornado reads nothing more (the connection is detached).
+            start, answer_headers, body = _json_error(status, message)
+            lines = [f"{start.version} {start.code} {start.reason}"]
+            lines += [f"{name}: {value}" for name, value in answer_headers.get_all()]
+            head = "\r\n".join(lines) + "\r\n\r\n"
+            stream = self.connection.detach()
+            stream.write(head.encode("latin-1") + body).add_done_callback(lambda _: stream.close())
+            return
+        self.request = httputil.HTTPServerRequest(
+            connection=self.connection,
+            start_line=start_line,  # type: ignore[arg-type]
+            headers=headers,
+        )
+        if "Content-Length" in headers or "Transfer-Encoding" in headers:
+            timeout = self.container.config.server.body_timeout_seconds
+            self.body_timer = IOLoop.current().call_later(timeout, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        # Answered rather than dropped, and never parsed; finishing the answer before the
+        # body is read makes Tornado close the connection.
+        self.body_timer = None
+        received = sum(len(chunk) for chunk in self.chunks)
+        timeout = self.container.config.server.body_timeout_seconds
+        start, headers, body = _json_error(
+            400,
+            f"the request body did not arrive within {timeout:g} s "
+            f"({received} bytes received); nothing was done",
+        )
+        self.connection.write_headers(start, headers, body)
+        self.connection.finish()
+
+    def data_received(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+
+    def finish(self) -> None:
+        assert self.request is not None
+        self._cancel_body_timer()
+        self.request.body = b"".join(self.chunks)
+        self.container(self.request)
+
+    def on_connection_close(self) -> None:
+        self._cancel_body_timer()
+        self.chunks.clear()
+
+    def _cancel_body_timer(self) -> None:
+        if self.body_timer is not None:
+            IOLoop.current().remove_timeout(self.body_timer)
+            self.body_timer = None
+
+
+class BridgeWSGIContainer(WSGIContainer, httputil.HTTPServerConnectionDelegate):
+    """Tornado's WSGI adapter, for requests whose body Tornado has read to its end."""
+
+    def __init__(self, app: Any, config: Config):
+        executor = concurrent.futures.ThreadPoolExecutor(
+            config.server.threads, thread_name_prefix="api"
+        )
+        super().__init__(app, executor=executor)
+        self.config = config
+        #: Requests handed to the app whose answer is not written yet (event loop only).
+        self.in_flight = 0
+
+    async def handle_request(self, request: httputil.HTTPServerRequest) -> None:
+        self.in_flight += 1
+        try:
+            await super().handle_request(request)
+        finally:
+            self.in_flight -= 1
+
+    def start_request(
+        self, server_conn: object, request_conn: httputil.HTTPConnection
+    ) -> httputil.HTTPMessageDelegate:
+        assert isinstance(request_conn, HTTP1Connection)
+        return _Request(self, request_conn)
+
+    def environ(self, request: httputil.HTTPServerRequest) -> dict[str, Any]:
+        environ = super().environ(request)
+        # A chunked body arrives de-chunked but without a Content-Length, which a WSGI app
+        # must read as empty (PEP 3333); its length is known now.
+        environ["CONTENT_LENGTH"] = str(len(request.body))
+        environ.pop("HTTP_TRANSFER_ENCODING", None)
+        return environ
