@@ -276,6 +276,10 @@ class BindPlan:
     #: Of /tmp and /var/tmp, those that get the attempt's disk-backed scratch directory: each
     #: one the task mounts nothing at, under or above.
     scratch_targets: list[str]
+    #: Shared directories inside a scratch target: bound after the scratch binds, on mount
+    #: points (relative to the attempt's scratch directory) the job script makes.
+    after_scratch: list[Bind]
+    scratch_mountpoints: list[str]
     #: file:// inputs and outputs whose container path is their own host path inside a shared
     #: directory: the shared bind already shows them, so they are neither staged nor bound.
     in_place_inputs: list[int]
@@ -366,14 +370,28 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         )
         if not covered and bind not in keep:
             keep.append(bind)
-    task_paths = [b.container for b in wanted]
+    shared = shared_dirs(config)
+    task_paths = [b.container for b in wanted if b.container not in shared or b.uniform]
     scratch = [
         target
         for target in SCRATCH_TARGETS
         if not any(_under(p, target) or _under(target, p) for p in task_paths)
+        and not any(_under(target, d) for d in shared)
+    ]
+    # A shared directory below /tmp or /var/tmp (e.g. /var/tmp/project) is mounted on top of
+    # the attempt's scratch bind there, on a mount point the job makes in the scratch directory.
+    nested = [
+        (b, target)
+        for b in keep
+        for target in scratch
+        if not b.uniform and b.container in shared and _under(b.container, target)
     ]
     return BindPlan(
-        binds=keep,
+        binds=[b for b in keep if b not in [n for n, _ in nested]],
+        after_scratch=[b for b, _ in nested],
+        scratch_mountpoints=[
+            SCRATCH_TARGETS[target] + b.container[len(target) :] for b, target in nested
+        ],
         scratch_targets=scratch,
         mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
         bound_inputs=bound,
@@ -468,6 +486,7 @@ def _executor_context(
     config: Config,
     binds: list[str],
     scratch_targets: list[str],
+    after_scratch: list[str],
     image_paths: dict[str, str],
 ) -> dict[str, Any]:
     where = f"executors[{index}]"
@@ -497,7 +516,11 @@ def _executor_context(
     scratch = [
         f'--bind "$EXEC_TMP/{SCRATCH_TARGETS[target]}:{target}"' for target in scratch_targets
     ]
-    call[-2:-2] = scratch
+    after = [
+        " ".join(map(shlex.quote, after_scratch[i : i + 2]))
+        for i in range(0, len(after_scratch), 2)
+    ]
+    call[-2:-2] = scratch + after
     env = executor.get("env") or {}
     if not isinstance(env, dict):
         raise RenderError(f"{where}.env: expected an object")
@@ -572,6 +595,7 @@ def render_script(
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{task['id']}",
+        "scratch_mountpoints": plan.scratch_mountpoints,
         "executors": [
             _executor_context(
                 i,
@@ -579,6 +603,7 @@ def render_script(
                 config=config,
                 binds=flags,
                 scratch_targets=plan.scratch_targets,
+                after_scratch=bind_args(plan.after_scratch),
                 image_paths=image_paths,
             )
             for i, ex in enumerate(executors)

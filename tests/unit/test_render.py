@@ -414,6 +414,26 @@ def test_shared_dirs_are_bound_read_write_at_their_own_path_in_every_executor(
     assert script.count(f"--bind {shared}:{shared} ") == 2
 
 
+def test_a_shared_dir_under_tmp_is_mounted_on_top_of_the_scratch_bind(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"  # pytest's tmp_path lies under /tmp
+    shared.mkdir()
+    assert str(shared).startswith("/tmp/")
+    plan = binds_of(tmp_path, make_task(), storage={"shared_dirs": [str(shared)]})
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    assert plan.after_scratch == [Bind(str(shared), str(shared), False, uniform=False)]
+    assert plan.scratch_mountpoints == ["tmp" + str(shared)[len("/tmp") :]]
+    script = render(tmp_path, make_task(), storage={"shared_dirs": [str(shared)]})
+    lines = script.splitlines()
+    scratch = lines.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
+    assert lines[scratch + 2] == f"    --bind {shared}:{shared} \\"
+    assert f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]}' in lines
+    bash_syntax_ok(script, tmp_path)
+    # A shared directory at or above /tmp is what the site wants there: no scratch bind.
+    config = make_config(tmp_path, state_dir="/srv/tes-state", storage={"shared_dirs": ["/tmp"]})
+    plan = compute_binds(make_task(), config=config, layout=TaskLayout(config.work_dir / "t"))
+    assert plan.scratch_targets == ["/var/tmp"] and plan.after_scratch == []
+
+
 def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
