@@ -24,6 +24,7 @@ from bridge.client.watch import new_text
 from bridge.store import Store
 from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, write_htpasswd
 from tests.procs import free_port
+from tests.tes_cli import TES_TASK, client_env, tes_task
 
 ALPINE = {"executors": [{"image": "alpine", "command": ["true"]}]}
 
@@ -91,27 +92,6 @@ def serve(root: Path, auth_toml: str = "") -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serve(tmp_path_factory.mktemp("client"))
-
-
-def client_env(url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TES_", "NETRC"))}
-    # No ~/.netrc of whoever runs the tests.
-    return {**env, "TES_URL": url, "NETRC": "/nonexistent", **extra}
-
-
-def tes_task(
-    url: str, *args: str, stdin: str | None = None, timeout: float = 60, **env: str
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "bridge", "task", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=client_env(url, **env),
-        timeout=timeout,
-    )
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 def unique(prefix: str = "t") -> str:
@@ -386,7 +366,7 @@ def test_wait_exits_with_the_outcome(server: Server, states: list[str], code: in
 def test_wait_follows_changes_and_gives_up_at_its_timeout(server: Server):
     task_id = server.create()
     waiting = subprocess.Popen(
-        [sys.executable, "-m", "bridge", "task", "wait", "--interval", "0.2", task_id],
+        [*TES_TASK, "wait", "--interval", "0.2", task_id],
         stdout=subprocess.PIPE,
         text=True,
         env=client_env(server.url),
@@ -411,7 +391,7 @@ def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
     ids = [server.create() for _ in range(3)]
     primary, replica = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "bridge", "task", "wait", "--interval", "0.2", *ids],
+        [*TES_TASK, "wait", "--interval", "0.2", *ids],
         stdout=replica,
         stderr=replica,
         env=client_env(server.url, COLUMNS="200"),
@@ -472,7 +452,7 @@ def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server
     task_id = server.create()
     server.update(task_id, state="RUNNING", logs=[_attempt("line 1\n", system=["started"])])
     follow = subprocess.Popen(
-        [sys.executable, "-m", "bridge", "task", "logs", "--follow", "--interval", "0.2", task_id],
+        [*TES_TASK, "logs", "--follow", "--interval", "0.2", task_id],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -508,13 +488,11 @@ def test_help_explains_each_command_with_an_example():
     assert "task" in top.stdout and "a client for any TES server" in top.stdout
     for action in ("run", "submit", "list", "get", "cancel", "logs", "wait"):
         result = subprocess.run(
-            [sys.executable, "-m", "bridge", "task", action, "--help"],
+            [*TES_TASK, action, "--help"],
             capture_output=True,
             text=True,
             check=True,
         )
         assert "example" in result.stdout and f"tes-bridge task {action}" in result.stdout
-    wait = subprocess.run(
-        [sys.executable, "-m", "bridge", "task", "wait", "--help"], capture_output=True, text=True
-    ).stdout
+    wait = subprocess.run([*TES_TASK, "wait", "--help"], capture_output=True, text=True).stdout
     assert "3  a task ended EXECUTOR_ERROR" in wait and "5  a task was CANCELED" in wait
