@@ -37,15 +37,18 @@ STATES = (
 )
 VIEWS = ("MINIMAL", "BASIC", "FULL")
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: The actions that can wait for tasks, and so exit with their outcome.
+WAITING = ("run", "submit", "logs")
 
 DESCRIPTION = f"""\
 A client for any GA4GH TES 1.1 server (this bridge, Funnel, ...): create, list, inspect, cancel
 and wait for tasks, and read their output.
 
-The server: --url or TES_URL (default {DEFAULT_URL}); /ga4gh/tes/v1 is added unless the URL
-already ends in a TES base path (/ga4gh/tes/v1 or /v1). Authentication: --token or TES_TOKEN
-(a bearer token), or --user or TES_USER with the password in TES_PASSWORD or in ~/.netrc
-($NETRC); with neither, a ~/.netrc entry for the host is used if there is one.
+The server: --url or TES_URL (default {DEFAULT_URL}); /ga4gh/tes/v1 is added
+unless the URL already ends in a TES base path (/ga4gh/tes/v1 or /v1). Authentication:
+--token or TES_TOKEN (a bearer token), or --user or TES_USER with the password in
+TES_PASSWORD or in ~/.netrc ($NETRC); with neither, a ~/.netrc entry for the host is used
+if there is one.
 
 example:
   export TES_URL=http://127.0.0.1:8000
@@ -207,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         name: commands.add_parser(
             name,
             help=summary,
-            description=text,
+            # Those that wait exit with the tasks' outcome.
+            description=text + (f"\n{EXIT_CODES_HELP}\n" if name in WAITING else ""),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         for name, (summary, text) in COMMANDS.items()
@@ -236,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH=URL",
         help="upload PATH to URL (repeatable)",
     )
-    run.add_argument("--cpus", type=int, help="CPU cores (resources.cpu_cores)")
+    run.add_argument("--cpus", type=int, metavar="N", help="CPU cores (resources.cpu_cores)")
     run.add_argument("--ram", type=float, metavar="GB", help="memory in GB (resources.ram_gb)")
     run.add_argument("--disk", type=float, metavar="GB", help="disk in GB (resources.disk_gb)")
     run.add_argument(

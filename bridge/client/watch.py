@@ -48,11 +48,13 @@ class Progress:
     """On a terminal: a line per state change and one status line (the state, or the count of
     tasks in each state) redrawn in place. Otherwise: a plain `ID STATE` line per change."""
 
-    def __init__(self, out: TextIO, total: int):
+    def __init__(self, out: TextIO, err: TextIO, total: int):
         self.out = out
+        self.err = err
         self.total = total
         self.tty = out.isatty()
         self.status_shown = False
+        self.problem = ""
 
     def _clear(self) -> None:
         if self.status_shown:
@@ -69,6 +71,11 @@ class Progress:
 
     def status(self, states: dict[str, str | None], elapsed: float, problem: str) -> None:
         if not self.tty:
+            # Said once, on stderr: stdout keeps only `ID STATE` lines for scripts.
+            if problem and problem != self.problem:
+                self.err.write(f"tes-bridge task: {problem}; retrying\n")
+                self.err.flush()
+            self.problem = problem
             return
         if self.total == 1:
             ((task_id, state),) = states.items()
@@ -104,7 +111,7 @@ def wait_for(
     be reached (or answers 5xx) is waited for; any other error ends the wait."""
     ids = list(dict.fromkeys(task_ids))
     states: dict[str, str | None] = dict.fromkeys(ids)
-    progress = Progress(out, len(ids))
+    progress = Progress(out, err, len(ids))
     started = time.monotonic()
     while True:
         problem = ""
