@@ -8,12 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import requests
 import yaml
 
-from bridge.client.api import TesClient, TesError
+from bridge.client.api import FINAL_STATES, TesClient, TesError
 from bridge.client.watch import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
@@ -357,7 +358,7 @@ def read_document(name: str) -> dict[str, Any]:
     """A task document from a file or stdin, JSON or YAML (YAML 1.1 reads most JSON too,
     but not all of it, so JSON is tried first)."""
     try:
-        text = sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()  # noqa: SIM115
+        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
     except OSError as exc:
         raise TesError(f"cannot read {name}: {exc.strerror}") from None
     where = "standard input" if name == "-" else name
@@ -456,7 +457,13 @@ def run_action(args: argparse.Namespace) -> int:
             return follow_logs(
                 client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval
             )
-        LogPrinter(sys.stdout, sys.stderr).show(client.get(args.id, view="FULL"))
+        task = client.get(args.id, view="FULL")
+        LogPrinter(sys.stdout, sys.stderr).show(task)
+        if task.get("state") not in FINAL_STATES:
+            print(
+                f"task {args.id} is {task.get('state')}; --follow prints what comes",
+                file=sys.stderr,
+            )
         return 0
     return wait_for(
         client,
@@ -502,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tes-bridge task: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
+        if sys.stdout.isatty():
+            print()  # past a status line that `wait` drew
         return 130
     except BrokenPipeError:
         # `tes-bridge task list | head`: the reader left; not an error worth a traceback.

@@ -447,6 +447,10 @@ def test_logs_prints_the_last_attempts_output_and_system_logs(server: Server):
     assert result.returncode == 0
     assert result.stdout == "hello\n"
     assert result.stderr == "warning\nsystem: staged 2 inputs\n"
+    queued = server.create()
+    early = tes_task(server.url, "logs", queued)
+    assert early.returncode == 0 and early.stdout == ""
+    assert early.stderr == f"task {queued} is QUEUED; --follow prints what comes\n"
 
 
 def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server):

@@ -160,3 +160,21 @@ def test_wait_ends_at_an_error_the_server_means(stub: Stub):
         wait_for(
             _client(stub), ["t1"], out=io.StringIO(), err=io.StringIO(), interval=0.1, timeout=30
         )
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_wait_for_many_tasks_on_a_terminal_shows_counts_and_only_the_failures(stub: Stub):
+    ids = [f"t{n}" for n in range(25)]
+    for task_id in ids:
+        state = "EXECUTOR_ERROR" if task_id == "t7" else "COMPLETE"
+        stub.answers[("GET", f"/v1/tasks/{task_id}")] = [(200, {"id": task_id, "state": state})]
+    out = Terminal()
+    code = wait_for(_client(stub), ids, out=out, err=io.StringIO(), interval=0.1, timeout=30)
+    assert code == 3
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].endswith("  t7  EXECUTOR_ERROR")
+    assert lines[1] == "25 tasks: 24 COMPLETE, 1 EXECUTOR_ERROR"
