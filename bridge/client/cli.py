@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -159,6 +159,28 @@ def _pair(separator: str, what: str, *, last: bool = False) -> Any:
     return parse
 
 
+def _tag_filter(value: str) -> tuple[str, str]:
+    """`k` (any value; sent as an empty tag_value, to keep the pairs in step) or `k=v`."""
+    key, _, wanted = value.partition("=")
+    if not key:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected KEY or KEY=VALUE")
+    return key, wanted
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            number = 0
+        if not number > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"{value!r}: expected a number above 0")
+        return number
+
+    parse.__name__ = "number"
+    return parse
+
+
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument(
@@ -177,7 +199,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--http-timeout",
-        type=float,
+        type=_positive(float),
         default=30.0,
         metavar="SECONDS",
         help="time-out of each HTTP request (default: 30)",
@@ -192,11 +214,18 @@ def _add_wait_options(
             "--wait", action="store_true", help="wait for the task and exit with its outcome"
         )
     parser.add_argument(
-        "--interval", type=float, default=2.0, metavar="SECONDS", help="poll interval (2)"
+        "--interval",
+        type=_positive(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="poll interval (2)",
     )
     if timeout:
         parser.add_argument(
-            "--timeout", type=float, metavar="SECONDS", help="stop waiting after this long (exit 7)"
+            "--timeout",
+            type=_positive(float),
+            metavar="SECONDS",
+            help="stop waiting after this long (exit 7)",
         )
 
 
@@ -273,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tag",
         action="append",
         default=[],
+        type=_tag_filter,
         metavar="KEY[=VALUE]",
         help="only tasks with this tag (any value without =VALUE); repeatable, all must match",
     )
@@ -280,8 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--view", choices=VIEWS, default="BASIC", help="with --json: how much of each task"
     )
-    listing.add_argument("--limit", type=int, metavar="N", help="at most N tasks")
-    listing.add_argument("--page-size", type=int, metavar="N", help="tasks per request")
+    listing.add_argument("--limit", type=_positive(int), metavar="N", help="at most N tasks")
+    listing.add_argument(
+        "--page-size", type=_positive(int), metavar="N", help="tasks per request (server's default)"
+    )
 
     get = sub["get"]
     get.add_argument("id", help="task id")
@@ -374,16 +406,6 @@ def read_document(name: str) -> dict[str, Any]:
     return document
 
 
-def tag_filters(values: Sequence[str]) -> list[tuple[str, str]]:
-    pairs = []
-    for value in values:
-        key, _, wanted = value.partition("=")
-        if not key:
-            raise TesError(f"--tag {value!r}: expected KEY or KEY=VALUE")
-        pairs.append((key, wanted))
-    return pairs
-
-
 def _when(value: Any) -> str:
     try:
         moment = datetime.fromisoformat(str(value))
@@ -427,44 +449,46 @@ def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) ->
     )
 
 
-def run_action(args: argparse.Namespace) -> int:
-    client = make_client(args)
-    if args.action == "run":
-        return create(client, task_from_options(args), args)
-    if args.action == "submit":
-        return create(client, read_document(args.file), args)
-    if args.action == "list":
-        tasks = client.tasks(
-            state=args.state,
-            name_prefix=args.name_prefix,
-            tags=tag_filters(args.tag),
-            view=args.view if args.json else "BASIC",
-            page_size=args.page_size,
-            limit=args.limit,
-        )
-        if args.json:
-            print(json.dumps(list(tasks), indent=2))
-        else:
-            print_table(list(tasks))
-        return 0
-    if args.action == "get":
-        print(json.dumps(client.get(args.id, view=args.view), indent=2))
-        return 0
-    if args.action == "cancel":
-        return cancel(client, args.ids)
-    if args.action == "logs":
-        if args.follow:
-            return follow_logs(
-                client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval
-            )
-        task = client.get(args.id, view="FULL")
-        LogPrinter(sys.stdout, sys.stderr).show(task)
-        if task.get("state") not in FINAL_STATES:
-            print(
-                f"task {args.id} is {task.get('state')}; --follow prints what comes",
-                file=sys.stderr,
-            )
-        return 0
+def run_task(client: TesClient, args: argparse.Namespace) -> int:
+    return create(client, task_from_options(args), args)
+
+
+def submit_task(client: TesClient, args: argparse.Namespace) -> int:
+    return create(client, read_document(args.file), args)
+
+
+def list_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    tasks = client.tasks(
+        state=args.state,
+        name_prefix=args.name_prefix,
+        tags=args.tag,
+        view=args.view if args.json else "BASIC",
+        page_size=args.page_size,
+        limit=args.limit,
+    )
+    if args.json:
+        print(json.dumps(list(tasks), indent=2))
+    else:
+        print_table(list(tasks))
+    return 0
+
+
+def get_task(client: TesClient, args: argparse.Namespace) -> int:
+    print(json.dumps(client.get(args.id, view=args.view), indent=2))
+    return 0
+
+
+def show_logs(client: TesClient, args: argparse.Namespace) -> int:
+    if args.follow:
+        return follow_logs(client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval)
+    task = client.get(args.id, view="FULL")
+    LogPrinter(sys.stdout, sys.stderr).show(task)
+    if task.get("state") not in FINAL_STATES:
+        print(f"task {args.id} is {task.get('state')}; --follow prints what comes", file=sys.stderr)
+    return 0
+
+
+def wait_tasks(client: TesClient, args: argparse.Namespace) -> int:
     return wait_for(
         client,
         args.ids,
@@ -475,9 +499,9 @@ def run_action(args: argparse.Namespace) -> int:
     )
 
 
-def cancel(client: TesClient, ids: Sequence[str]) -> int:
+def cancel_tasks(client: TesClient, args: argparse.Namespace) -> int:
     code = 0
-    for task_id in ids:
+    for task_id in args.ids:
         try:
             client.cancel(task_id)
         except TesError as exc:
@@ -501,10 +525,21 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ACTIONS: dict[str, Callable[[TesClient, argparse.Namespace], int]] = {
+    "run": run_task,
+    "submit": submit_task,
+    "list": list_tasks,
+    "get": get_task,
+    "cancel": cancel_tasks,
+    "logs": show_logs,
+    "wait": wait_tasks,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
-        return run_action(args)
+        return ACTIONS[args.action](make_client(args), args)
     except TesError as exc:
         print(f"tes-bridge task: {exc}", file=sys.stderr)
         return EXIT_FAILED

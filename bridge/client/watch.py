@@ -139,7 +139,7 @@ def wait_for(
             err.write(f"tes-bridge task: {len(pending)} task(s) not final after {timeout:g} s\n")
             return EXIT_TIMEOUT
         progress.status(states, elapsed, problem)
-        time.sleep(interval)
+        time.sleep(interval if timeout is None else max(0.0, min(interval, timeout - elapsed)))
 
 
 def new_text(shown: str, current: str) -> str:

@@ -273,6 +273,9 @@ def test_errors_show_the_servers_message_and_never_a_traceback(server: Server):
     assert ": 400 inputs[0].path:" in bad.stderr
     bad_state = tes_task(server.url, "list", "--state", "DONE")
     assert bad_state.returncode == 2 and "--state" in bad_state.stderr
+    for option, value in [("--limit", "0"), ("--page-size", "-1"), ("--tag", "=x")]:
+        refused = tes_task(server.url, "list", option, value)
+        assert refused.returncode == 2 and option in refused.stderr, refused.stderr
     down = tes_task(f"http://127.0.0.1:{free_port()}", "list")
     assert down.returncode == 1
     assert "cannot reach" in down.stderr and "Connection refused" in down.stderr
