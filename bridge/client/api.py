@@ -145,7 +145,15 @@ class TesClient:
         return answer["id"]
 
     def get(self, task_id: str, view: str = "MINIMAL") -> dict[str, Any]:
-        return self.request("GET", f"/tasks/{_quote(task_id)}", params={"view": view})
+        return self._object("GET", f"/tasks/{_quote(task_id)}", params={"view": view})
+
+    def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        answer = self.request(method, path, **kwargs)
+        if not isinstance(answer, dict):
+            raise TesError(
+                f"{method} {self.base}{path}: expected a JSON object, got {answer!r:.200}"
+            )
+        return answer
 
     def cancel(self, task_id: str) -> None:
         self.request("POST", f"/tasks/{_quote(task_id)}:cancel", json={})
@@ -177,7 +185,7 @@ class TesClient:
             params["page_size"] = page_size
         count = 0
         while True:
-            answer = self.request("GET", "/tasks", params=params)
+            answer = self._object("GET", "/tasks", params=params)
             for task in answer.get("tasks") or []:
                 yield task
                 count += 1

@@ -178,3 +178,12 @@ def test_wait_for_many_tasks_on_a_terminal_shows_counts_and_only_the_failures(st
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].endswith("  t7  EXECUTOR_ERROR")
     assert lines[1] == "25 tasks: 24 COMPLETE, 1 EXECUTOR_ERROR"
+
+
+def test_an_answer_that_is_not_a_task_is_an_error_not_a_crash(stub: Stub):
+    stub.answers[("GET", "/v1/tasks/t1")] = [(200, ["not", "a", "task"])]
+    stub.answers[("GET", "/v1/tasks")] = [(200, "<html>a login page</html>")]
+    with pytest.raises(TesError, match="expected a JSON object, got"):
+        _client(stub).get("t1")
+    with pytest.raises(TesError, match="the answer is not JSON"):
+        list(_client(stub).tasks())
