@@ -166,6 +166,11 @@ class ContainerConfig(_Section):
 class StorageConfig(_Section):
     #: Host directories that `file://` URLs and bare paths may read from and write to.
     allowed_dirs: list[Path] = Field(default_factory=list)
+    #: Host directories bound read-write at their own path into every executor (a site's shared
+    #: filesystem, a workflow engine's working or job-store directory); `file://` URLs may use
+    #: them too. An input or output whose container path is its own host path inside one is
+    #: used in place: neither copied nor bound over the live directory.
+    shared_dirs: list[Path] = Field(default_factory=list)
     #: How a shared-filesystem input enters the task directory: copy, hardlink or bind.
     file_input_mode: str = "copy"
 
@@ -176,6 +181,22 @@ class StorageConfig(_Section):
             raise ValueError("must be one of copy, hardlink, bind")
         return value
 
+    @field_validator("shared_dirs")
+    @classmethod
+    def _usable_shared_dirs(cls, value: list[Path]) -> list[Path]:
+        for path in value:
+            text = str(path)
+            if not path.is_absolute() or os.path.normpath(text) != text or "\n" in text:
+                raise ValueError(f"{text!r} must be a normalised absolute path")
+            if path == Path("/") or any(path.is_relative_to(r) for r in _RUNTIME_DIRS):
+                raise ValueError(f"{text!r} cannot be bound into a container")
+            if not path.is_dir():
+                raise ValueError(f"{text!r} does not exist or is not a directory")
+        return value
+
+
+#: Container directories the runtime owns: never bind targets.
+_RUNTIME_DIRS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 #: URL schemes the job side can stage (bridge.job.staging).
 STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp"]
@@ -330,6 +351,27 @@ class Config(_Section):
             raise ValueError("site.run_as_owner needs auth.mode basic or bearer (task owners)")
         return self
 
+    @model_validator(mode="after")
+    def _shared_dirs_apart(self) -> Config:
+        # Every executor gets the shared directories read-write: one holding the state or the
+        # work directory, or lying inside the work directory, would hand every task the
+        # database or the other tasks' directories.
+        state = Path(os.path.realpath(self.state_dir))
+        work = Path(os.path.realpath(self.work_dir))
+        for shared in self.storage.shared_dirs:
+            real = Path(os.path.realpath(shared))
+            if state.is_relative_to(real) or work.is_relative_to(real):
+                raise ValueError(
+                    f"storage.shared_dirs: {str(shared)!r} holds the state or work directory "
+                    f"({self.state_dir}, {self.work_dir}); executors would see other tasks' files"
+                )
+            if real.is_relative_to(work):
+                raise ValueError(
+                    f"storage.shared_dirs: {str(shared)!r} lies inside job.work_dir "
+                    f"({self.work_dir}), where task directories are"
+                )
+        return self
+
     @property
     def database_url(self) -> str:
         return self.database or f"sqlite:///{self.state_dir / 'tes-bridge.db'}"
@@ -342,12 +384,19 @@ class Config(_Section):
     def image_cache_dir(self) -> Path:
         return self.container.cache_dir or self.state_dir / "images"
 
+    @property
+    def file_dirs(self) -> list[Path]:
+        """Where `file://` URLs may point: the allowed and the shared directories."""
+        return list(dict.fromkeys([*self.storage.allowed_dirs, *self.storage.shared_dirs]))
+
     def service_storage(self) -> list[str]:
-        """service-info `storage`: the site's own list, or file:// plus each enabled protocol."""
+        """service-info `storage`: the site's own list, or `file:///<dir>/` per allowed or
+        shared directory plus each other enabled protocol. A bare `file://` would claim every
+        local path, and clients (Toil) then send paths the bridge cannot reach."""
         if self.service_info.storage != "derive":
             return list(self.service_info.storage)
-        schemes = ["file", *(p for p in self.staging.protocols if p != "file")]
-        return [f"{scheme}://" for scheme in schemes]
+        local = [f"file://{str(d).rstrip('/')}/" for d in self.file_dirs]
+        return local + [f"{p}://" for p in self.staging.protocols if p != "file"]
 
 
 def load_config(

@@ -252,6 +252,10 @@ class BindPlan:
     #: Of /tmp and /var/tmp, those that get the attempt's disk-backed scratch directory: each
     #: one the task mounts nothing at, under or above.
     scratch_targets: list[str]
+    #: file:// inputs and outputs whose container path is their own host path inside a shared
+    #: directory: the shared bind already shows them, so they are neither staged nor bound.
+    in_place_inputs: list[int]
+    in_place_outputs: list[int]
 
 
 def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -> BindPlan:
@@ -260,8 +264,12 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
     As in Funnel: inputs read-only one by one, the parent directory of each output, each
     DIRECTORY output, each volume and each stdout/stderr parent read-write; a bind inside a
     read-write bind of the same tree is dropped (it is visible through the outer one).
+    Each of `storage.shared_dirs` is bound read-write at its own path, before anything the
+    task mounts inside it; a file:// input or output at its own path inside one is left there.
     """
-    wanted: list[Bind] = []
+    wanted: list[Bind] = [Bind(str(d), str(d), False, uniform=False) for d in shared_dirs(config)]
+    in_place_outputs: list[int] = []
+    in_place_inputs: list[int] = []
 
     def uniform(path: str, readonly: bool) -> Bind:
         return Bind(str(layout.host_path(path)), path, readonly)
@@ -273,7 +281,9 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
 
     for i, item in enumerate(task.get("outputs") or []):
         path = _path(item.get("path"), f"outputs[{i}].path")
-        if has_wildcards(path):
+        if _in_place(item, path, config):
+            in_place_outputs.append(i)
+        elif has_wildcards(path):
             rw_dir(_static_dir(path), f"outputs[{i}].path")
         elif (item.get("type") or "FILE") == "DIRECTORY":
             rw_dir(path, f"outputs[{i}].path")
@@ -296,6 +306,9 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         path = _path(item.get("path"), f"inputs[{i}].path")
         if _reserved(path):
             raise RenderError(f"inputs[{i}].path: {path!r} cannot be mounted in the container")
+        if _in_place(item, path, config):
+            in_place_inputs.append(i)
+            continue
         inputs.append((i, uniform(path, True), item.get("url")))
 
     bound: list[int] = []
@@ -338,10 +351,36 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
     return BindPlan(
         binds=keep,
         scratch_targets=scratch,
-        mkdirs=sorted({b.container for b in keep if not b.readonly}),
+        mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
         bound_inputs=bound,
         linkable_inputs=linkable if config.storage.file_input_mode == "hardlink" else [],
+        in_place_inputs=in_place_inputs,
+        in_place_outputs=in_place_outputs,
     )
+
+
+def shared_dirs(config: Config) -> list[str]:
+    return [str(d) for d in config.storage.shared_dirs]
+
+
+def _in_place(item: dict[str, Any], path: str, config: Config) -> bool:
+    """A file:// input or output whose container `path` is its own host path inside a shared
+    directory (judged lexically: the executor sees exactly that path through the shared bind)."""
+    url = item.get("url")
+    if not isinstance(url, str) or not (url.startswith("/") or url[:5].lower() == "file:"):
+        return False
+    if isinstance(item.get("content"), str) and item["content"]:
+        return False
+    if has_wildcards(path):
+        return False
+    from bridge.job.staging import StagingError
+    from bridge.job.staging.file import url_path
+
+    try:
+        host = url_path(url)
+    except StagingError:
+        return False  # stage-in or stage-out reports the reason in system_logs
+    return host == path and any(_under(path, d) for d in shared_dirs(config))
 
 
 def _shared_source(item: dict[str, Any], url: Any, config: Config) -> str | None:
@@ -357,7 +396,7 @@ def _shared_source(item: dict[str, Any], url: Any, config: Config) -> str | None
     from bridge.job.staging import StagingContext, StagingError
     from bridge.job.staging.file import allowed_path
 
-    ctx = StagingContext(allowed_dirs=list(config.storage.allowed_dirs))
+    ctx = StagingContext(allowed_dirs=config.file_dirs)
     try:
         return str(allowed_path(url, ctx))
     except StagingError:
@@ -528,13 +567,15 @@ def job_settings(
     return JobSettings(
         task_id=str(task["id"]),
         runtime=config.container.runtime,
-        allowed_dirs=[str(d) for d in config.storage.allowed_dirs],
+        allowed_dirs=[str(d) for d in config.file_dirs],
         file_input_mode=config.storage.file_input_mode,
         log_tail_bytes=config.job.log_tail_bytes,
         images=sorted(set(image_paths[ex["image"]] for ex in task["executors"])),
         mkdirs=plan.mkdirs,
         bound_inputs=plan.bound_inputs,
         linkable_inputs=plan.linkable_inputs,
+        in_place_inputs=plan.in_place_inputs,
+        in_place_outputs=plan.in_place_outputs,
         allow_root=config.container.allow_root,
         staging=config.staging.job_options(),
     )

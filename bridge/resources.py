@@ -83,7 +83,7 @@ class Tasks:
                 body,
                 limits=self.limits,
                 supported_backend_parameters=self.config.backend_parameters.supported,
-                allowed_dirs=[str(d) for d in self.config.storage.allowed_dirs],
+                allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )
         except TaskValidationError as exc:

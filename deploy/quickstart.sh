@@ -66,7 +66,17 @@ extra_flags = ["--userns"]
 
 [storage]
 allowed_dirs = ["$STATE_DIR/data"]
+# Bound read-write at its own path into every executor: workflow engines keep their working
+# directories and job stores here (see README, "Staging").
+shared_dirs = ["$STATE_DIR/data"]
 TOML
+}
+
+# A config written before shared directories existed gets the data directory shared, once.
+share_data_dir() {
+  grep -q '^shared_dirs' "$CONFIG" && return 0
+  grep -q '^\[storage\]' "$CONFIG" || printf '\n[storage]\n' >> "$CONFIG"
+  sed -i "s|^\[storage\]\$|&\nshared_dirs = [\"$STATE_DIR/data\"]|" "$CONFIG"
 }
 
 # The service account: never root, so jobs and their executors never run as root.
@@ -123,6 +133,7 @@ start() {
   make_account
   mkdir -p "$STATE_DIR"
   write_config
+  share_data_dir
   stop
   touch "$LOG"
   own_state

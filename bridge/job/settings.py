@@ -34,6 +34,11 @@ class JobSettings:
     #: With file_input_mode "hardlink": inputs that stay read-only in the container and may
     #: therefore share their inode with the source; every other input is copied.
     linkable_inputs: list[int] = field(default_factory=list)
+    #: file:// inputs and outputs at their own host path inside a shared directory
+    #: (storage.shared_dirs): the executors see them through the shared bind; stage-in only
+    #: checks that an input is there, stage-out records an output without copying it.
+    in_place_inputs: list[int] = field(default_factory=list)
+    in_place_outputs: list[int] = field(default_factory=list)
     #: container.allow_root: executors may run as root (refused otherwise, see bridge.job.execute).
     allow_root: bool = False
     #: `[staging]` options for the protocol modules (bridge.job.staging.StagingOptions): endpoint

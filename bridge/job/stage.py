@@ -132,7 +132,10 @@ def stage_in(task_dir: Path, records_dir: Path) -> int:
             if mode == "hardlink" and index not in settings.linkable_inputs:
                 mode = "copy"
             item_ctx = dataclasses.replace(ctx, file_input_mode=mode)
-            _stage_input(layout, item_ctx, item, bound=index in settings.bound_inputs)
+            if index in settings.in_place_inputs:
+                _check_in_place(path, item.get("type") or "FILE")
+            else:
+                _stage_input(layout, item_ctx, item, bound=index in settings.bound_inputs)
         except (StagingError, LayoutError, OSError) as exc:
             failed += 1
             source = f"{url} " if url else ("content " if "content" in (item or {}) else "")
@@ -144,6 +147,19 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
     return str(exc)
+
+
+def _check_in_place(path: str, kind: str) -> None:
+    """An input the executors see at its own path through a shared directory's bind: it is
+    used there, live (not copied), so only its presence is checked."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise StagingError(f"{path} (in a shared directory): {_reason(exc)}") from None
+    if kind == "DIRECTORY" and not stat.S_ISDIR(st.st_mode):
+        raise StagingError(f"{path} is not a directory (input type is DIRECTORY)")
+    if kind != "DIRECTORY" and not stat.S_ISREG(st.st_mode):
+        raise StagingError(f"{path} is not a regular file (input type is FILE)")
 
 
 def _stage_input(
@@ -208,6 +224,9 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
         try:
             if not isinstance(path, str) or not isinstance(url, str):
                 raise StagingError("malformed output")
+            if index in settings.in_place_outputs:
+                _record_in_place(log, path, url, kind, label, result)
+                continue
             backend = backend_for(url, ctx)
             if has_wildcards(path):
                 _stage_out_wildcard(layout, ctx, log, backend, item, label, result)
@@ -219,6 +238,36 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
     if result.failed:
         return STAGE_FAILED
     return STAGE_MISSING_OUTPUTS if result.missing else STAGE_OK
+
+
+def _record_in_place(
+    log: RecordsWriter, path: str, url: str, kind: str, label: str, result: _Outcome
+) -> None:
+    """An output the executors wrote at its own path in a shared directory: already where it
+    belongs, so it is only recorded (a copy onto itself would truncate it)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        result.missing += 1
+        log.system_log(f"{label}: not found after the executors ran")
+        return
+    if kind == "DIRECTORY":
+        if not stat.S_ISDIR(st.st_mode):
+            result.missing += 1
+            log.system_log(f"{label}: is not a directory (output type is DIRECTORY)")
+            return
+        for dirpath, _dirs, names in os.walk(path):
+            for name in sorted(names):
+                entry = os.path.join(dirpath, name)
+                entry_st = os.stat(entry, follow_symlinks=False)
+                if stat.S_ISREG(entry_st.st_mode):
+                    rel = os.path.relpath(entry, path)
+                    log.output(url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size)
+    elif not stat.S_ISREG(st.st_mode):
+        result.missing += 1
+        log.system_log(f"{label}: is not a regular file (output type is FILE)")
+    else:
+        log.output(url=url, path=path, size_bytes=st.st_size)
 
 
 def _stage_out_one(

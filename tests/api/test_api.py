@@ -71,8 +71,9 @@ def test_service_info_has_the_ga4gh_fields(client):
         assert isinstance(info[key], str) and info[key], key
     assert set(info["organization"]) == {"name", "url"}
     assert info["organization"]["url"].startswith("https://")
-    # Derived from [staging] by default: file:// and each enabled protocol.
-    assert info["storage"] == ["file://", "http://", "https://", "s3://", "ftp://"]
+    # Derived from [staging] by default: each enabled protocol; file:// only per directory,
+    # and this server has none.
+    assert info["storage"] == ["http://", "https://", "s3://", "ftp://"]
     assert "partition" in info["tesResources_backend_parameters"]
     assert "contactUrl" not in info
     assert_no_nulls(info)
@@ -92,6 +93,43 @@ def test_service_info_comes_from_config(tmp_path, store):
     assert info["documentationUrl"] == "https://docs.example.org"
     assert info["storage"] == ["file://", "s3://"]
     assert info["tesResources_backend_parameters"] == ["account"]
+
+
+def test_service_info_lists_each_allowed_and_shared_directory_not_a_bare_file_scheme(
+    tmp_path, store
+):
+    allowed, shared = tmp_path / "allowed", tmp_path / "shared"
+    shared.mkdir()
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(
+        f'[storage]\nallowed_dirs = ["{allowed}", "{shared}"]\nshared_dirs = ["{shared}"]\n'
+        '[staging]\nprotocols = ["s3"]\n'
+    )
+    config = load_config(config_file, environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    client = testing.TestClient(create_app(config, store=store))
+    for path in ("/ga4gh/tes/v1/service-info", "/v1/tasks/service-info"):
+        storage = client.simulate_get(path).json["storage"]
+        assert storage == [f"file://{allowed}/", f"file://{shared}/", "s3://"]
+
+
+def test_file_urls_in_shared_directories_are_accepted(tmp_path, store):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"storage.shared_dirs": [str(shared)]},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    task = {
+        "executors": [{"image": "alpine", "command": ["true"]}],
+        "inputs": [{"path": f"{shared}/js", "url": f"file://{shared}/js", "type": "DIRECTORY"}],
+        "outputs": [{"path": "/out.txt", "url": "file:///elsewhere/out.txt"}],
+    }
+    result = client.simulate_post("/ga4gh/tes/v1/tasks", json=task)
+    assert result.status_code == 400
+    assert [e["field"] for e in result.json["errors"]] == ["outputs[0].url"]
+    task["outputs"][0]["url"] = f"file://{shared}/out.txt"
+    assert client.simulate_post("/ga4gh/tes/v1/tasks", json=task).status_code == 200
 
 
 def test_wrong_method_is_405_with_the_error_shape(client):

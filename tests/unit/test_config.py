@@ -73,3 +73,51 @@ def test_bad_config_names_the_key(tmp_path, text, expected):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_shared_dirs_must_be_existing_absolute_directories(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "file").write_text("x")
+    env = {"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
+    config = load_config(environ=env, overrides={"storage.shared_dirs": [str(shared)]})
+    assert config.storage.shared_dirs == [shared]
+    assert config.file_dirs == [shared]
+    for bad, reason in [
+        ("relative/dir", "normalised absolute path"),
+        (f"{shared}/../shared", "normalised absolute path"),
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(tmp_path / "file"), "not a directory"),
+        ("/", "cannot be bound"),
+        ("/proc/self", "cannot be bound"),
+    ]:
+        with pytest.raises(ConfigError, match=f"storage.shared_dirs.*{reason}"):
+            load_config(environ=env, overrides={"storage.shared_dirs": [bad]})
+
+
+@pytest.mark.parametrize(
+    ("shared", "work", "reason"),
+    [
+        ("", None, "holds the state or work directory"),  # the state directory's parent
+        ("state", None, "holds the state or work directory"),
+        ("state/work/tasks", None, "inside job.work_dir"),
+        ("elsewhere", "elsewhere/work", "holds the state or work directory"),
+    ],
+)
+def test_shared_dirs_never_expose_the_state_or_the_task_directories(tmp_path, shared, work, reason):
+    (tmp_path / "state/work/tasks").mkdir(parents=True)
+    (tmp_path / "elsewhere/work").mkdir(parents=True)
+    overrides = {"storage.shared_dirs": [str(tmp_path / shared).rstrip("/")]}
+    if work:
+        overrides["job.work_dir"] = str(tmp_path / work)
+    with pytest.raises(ConfigError, match=reason):
+        load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}, overrides=overrides)
+
+
+def test_a_data_directory_beside_the_work_directory_may_be_shared(tmp_path):
+    (tmp_path / "state/data").mkdir(parents=True)
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"storage.shared_dirs": [str(tmp_path / "state/data")]},
+    )
+    assert config.storage.shared_dirs == [tmp_path / "state/data"]

@@ -236,7 +236,50 @@ def test_bound_inputs_are_checked_and_get_a_mount_point(tmp_path: Path) -> None:
     assert "gone.fa" in task.read().system_logs[0]
 
 
+def test_in_place_inputs_are_checked_and_never_copied(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    (shared / "js").mkdir(parents=True)
+    (shared / "js" / "job").write_text("state")
+    inputs = [
+        {"path": f"{shared}/js", "url": f"file://{shared}/js", "type": "DIRECTORY"},
+        {"path": f"{shared}/js/job", "url": f"{shared}/js/job"},
+    ]
+    task = Task(tmp_path, {"inputs": inputs}, in_place_inputs=[0, 1])
+    assert task.stage_in() == STAGE_OK
+    assert not os.path.lexists(task.host(f"{shared}/js"))  # no copy in the task directory
+    assert (shared / "js" / "job").read_text() == "state"
+    (shared / "js" / "job").unlink()
+    assert task.stage_in() == STAGE_FAILED
+    assert f"{shared}/js/job" in task.read().system_logs[0]
+
+
 # --------------------------------------------------------------------------- stage-out
+
+
+def test_in_place_outputs_are_recorded_not_copied_onto_themselves(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    (shared / "out" / "dir" / "sub").mkdir(parents=True)
+    (shared / "out" / "x.txt").write_text("result\n")
+    (shared / "out" / "dir" / "sub" / "b.txt").write_text("bbb")
+    outputs = [
+        {"path": f"{shared}/out/x.txt", "url": f"file://{shared}/out/x.txt"},
+        {"path": f"{shared}/out/dir", "url": f"file://{shared}/out/dir", "type": "DIRECTORY"},
+        {"path": f"{shared}/out/none.txt", "url": f"file://{shared}/out/none.txt"},
+    ]
+    task = Task(tmp_path, {"outputs": outputs}, in_place_outputs=[0, 1, 2])
+    inode = (shared / "out" / "x.txt").stat().st_ino
+    assert task.stage_out() == STAGE_MISSING_OUTPUTS
+    assert (shared / "out" / "x.txt").read_text() == "result\n"
+    assert (shared / "out" / "x.txt").stat().st_ino == inode
+    assert sorted(task.read().outputs, key=lambda o: o["path"]) == [
+        {
+            "url": f"file://{shared}/out/dir/sub/b.txt",
+            "path": f"{shared}/out/dir/sub/b.txt",
+            "size_bytes": "3",
+        },
+        {"url": f"file://{shared}/out/x.txt", "path": f"{shared}/out/x.txt", "size_bytes": "7"},
+    ]
+    assert "none.txt: not found" in task.read().system_logs[0]
 
 
 def test_file_and_directory_outputs_are_uploaded_and_recorded(tmp_path: Path) -> None:

@@ -322,6 +322,61 @@ def test_bind_mode_mounts_allowed_files_straight_from_the_shared_filesystem(
     assert any(b.container == "/ref2/outside.fa" and b.uniform for b in plan.binds)
 
 
+def test_shared_dirs_are_bound_read_write_at_their_own_path_in_every_executor(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    task = make_task(
+        executors=[
+            {"image": "alpine", "command": ["true"]},
+            {"image": "alpine", "command": ["true"]},
+        ],
+        volumes=[f"{shared}/vol"],
+    )
+    plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
+    # The shared directory first, so what the task mounts inside it lies on top.
+    assert plan.binds[0] == Bind(str(shared), str(shared), False, uniform=False)
+    assert plan.binds[1].container == f"{shared}/vol" and plan.binds[1].uniform
+    assert plan.mkdirs == [f"{shared}/vol"]  # nothing is made for the shared bind itself
+    script = render(tmp_path, task, storage={"shared_dirs": [str(shared)]})
+    assert script.count(f"--bind {shared}:{shared} ") == 2
+
+
+def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    task = make_task(
+        inputs=[
+            # Toil's job store: a DIRECTORY input at its own path.
+            {"path": f"{shared}/js", "url": f"file://{shared}/js", "type": "DIRECTORY"},
+            {"path": f"{shared}/a.txt", "url": f"{shared}/a.txt"},
+            # At another path, or from a directory that is only allowed: copied as before.
+            {"path": "/in/a.txt", "url": f"file://{shared}/a.txt"},
+            {"path": f"{shared}/c.txt", "url": f"file://{shared}/b.txt"},
+            {"path": f"{shared}/d.txt", "content": "x"},
+        ],
+        outputs=[
+            {"path": f"{shared}/out/x.txt", "url": f"file://{shared}/out/x.txt"},
+            {"path": "/out/y.txt", "url": f"file://{shared}/out/y.txt"},
+        ],
+    )
+    plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
+    assert plan.in_place_inputs == [0, 1]
+    assert plan.in_place_outputs == [0]
+    containers = [(b.container, b.readonly) for b in plan.binds]
+    # Nothing read-only is mounted over the live job store, nothing over the output's directory.
+    assert (f"{shared}/js", True) not in containers
+    assert (f"{shared}/a.txt", True) not in containers
+    assert (f"{shared}/out", False) not in containers
+    assert ("/in/a.txt", True) in containers and (f"{shared}/c.txt", True) in containers
+    assert ("/out", False) in containers
+    # Without shared_dirs, the same task is staged and bound as before.
+    plain = binds_of(tmp_path, task, storage={"allowed_dirs": [str(shared)]})
+    assert plain.in_place_inputs == [] and plain.in_place_outputs == []
+    assert (f"{shared}/js", True) in [(b.container, b.readonly) for b in plain.binds]
+
+
 @pytest.mark.parametrize(
     "task",
     [

@@ -68,13 +68,16 @@ def test_without_allowed_directories_every_file_url_is_a_400(tmp_path, sqlite_st
 
 
 def test_service_info_storage_is_derived_from_the_enabled_protocols(tmp_path, sqlite_store):
-    client = make_client(tmp_path, sqlite_store, '[staging]\nprotocols = ["s3"]\n')
-    assert client.simulate_get("/ga4gh/tes/v1/service-info").json["storage"] == [
-        "file://",
-        "s3://",
-    ]
+    (tmp_path / "data").mkdir()
+    client = make_client(
+        tmp_path,
+        sqlite_store,
+        f'[staging]\nprotocols = ["s3"]\n[storage]\nshared_dirs = ["{tmp_path}/data"]\n',
+    )
+    expected = [f"file://{tmp_path}/data/", "s3://"]
+    assert client.simulate_get("/ga4gh/tes/v1/service-info").json["storage"] == expected
     legacy = client.simulate_get("/v1/tasks/service-info").json
-    assert legacy["storage"] == ["file://", "s3://"]
+    assert legacy["storage"] == expected
 
 
 def test_unknown_protocols_and_endpoints_with_credentials_are_config_errors(tmp_path):

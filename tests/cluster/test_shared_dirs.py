@@ -1,0 +1,139 @@
+"""storage.shared_dirs on the real cluster: a directory every executor sees read-write at its own
+path, and file:// inputs and outputs at their own path inside it used in place, as workflow
+engines (Toil's job store, Snakemake's `fs` storage) expect of a site's shared filesystem."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def shared_dir() -> Iterator[Path]:
+    # Outside /tmp, like a site's shared filesystem: a shared directory under /tmp would keep
+    # the executors' disk-backed /tmp from being bound (it would hide the shared one).
+    path = Path(tempfile.mkdtemp(prefix="tes-shared-", dir="/srv"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(
+    local_cluster: Any, shared_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    service = start_bridge_service(
+        local_cluster,
+        tmp_path_factory.mktemp("shared"),
+        storage_toml=f'shared_dirs = ["{shared_dir}"]',
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def sh(script: str) -> dict[str, Any]:
+    return {"image": "alpine", "command": ["sh", "-c", script]}
+
+
+def only_log(task: dict[str, Any]) -> dict[str, Any]:
+    assert len(task["logs"]) == 1, task
+    return task["logs"][0]
+
+
+def test_toil_shaped_job_store_input_is_written_into_in_place(
+    service: BridgeService, shared_dir: Path
+) -> None:
+    store = shared_dir / "js"
+    (store / "files").mkdir(parents=True)
+    (store / "files" / "job-1").write_text("pickled job\n")
+    task = service.run(
+        {
+            # What toil-batch-system-tes sends: the job store as a DIRECTORY input at its path.
+            "inputs": [{"url": f"file://{store}", "path": str(store), "type": "DIRECTORY"}],
+            "executors": [
+                sh(
+                    f"cat {store}/files/job-1 && echo done > {store}/files/job-2 "
+                    f"&& mkdir -p {store}/stats && echo 1 > {store}/stats/s"
+                )
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert only_log(task)["logs"][0]["stdout"] == "pickled job\n"
+    assert (store / "files" / "job-2").read_text() == "done\n"
+    assert (store / "stats" / "s").read_text() == "1\n"
+    # Not staged: no copy of the job store in the task directory.
+    assert not list((service.work_dir / task["id"]).rglob("job-1"))
+
+
+def test_executor_sees_a_shared_dir_read_write_without_declaring_it(
+    service: BridgeService, shared_dir: Path
+) -> None:
+    (shared_dir / "workflow").mkdir()
+    (shared_dir / "workflow" / "source.tar").write_text("archive\n")
+    task = service.run(
+        {
+            "executors": [
+                sh(
+                    f"cat {shared_dir}/workflow/source.tar "
+                    f"&& echo result > {shared_dir}/workflow/result.txt"
+                )
+            ]
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert only_log(task)["logs"][0]["stdout"] == "archive\n"
+    assert (shared_dir / "workflow" / "result.txt").read_text() == "result\n"
+
+
+def test_same_path_input_and_output_are_used_in_place_and_other_inputs_stay_read_only(
+    service: BridgeService, shared_dir: Path
+) -> None:
+    (shared_dir / "in").mkdir()
+    source = shared_dir / "in" / "data.txt"
+    source.write_text("live\n")
+    outside = service.data_dir / "ro.txt"
+    outside.write_text("copied\n")
+    out = shared_dir / "out" / "r.txt"
+    task = service.run(
+        {
+            "inputs": [
+                {"url": f"file://{source}", "path": str(source)},
+                {"url": f"file://{outside}", "path": "/in/ro.txt"},
+            ],
+            "outputs": [{"url": f"file://{out}", "path": str(out)}],
+            "executors": [
+                sh(
+                    f"stat -c %i {source}; "
+                    "if echo x >> /in/ro.txt; then echo ro-writable; else echo ro-refused; fi; "
+                    f"mkdir -p {out.parent} && echo out > {out}"
+                )
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    inode, verdict = only_log(task)["logs"][0]["stdout"].split()
+    # The executor reads the very file (same inode), not a copy; nothing appears in the task
+    # directory for it.
+    assert int(inode) == source.stat().st_ino
+    assert not list((service.work_dir / task["id"]).rglob("data.txt"))
+    # An input from an only allowed directory is still a read-only copy.
+    assert verdict == "ro-refused"
+    assert outside.read_text() == "copied\n"
+    assert out.read_text() == "out\n"
+    assert only_log(task)["outputs"] == [
+        {"url": f"file://{out}", "path": str(out), "size_bytes": "4"}
+    ]
