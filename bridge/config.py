@@ -98,6 +98,7 @@ class SlurmConfig(_Section):
     squeue: str = "squeue"
     sacct: str = "sacct"
     scancel: str = "scancel"
+    sinfo: str = "sinfo"
     command_timeout: float = Field(default=30.0, gt=0)
     poll_interval: float = Field(default=1.0, gt=0)
     #: Partitions a task may name in `resources.zones` or backend_parameters.partition;
@@ -107,6 +108,11 @@ class SlurmConfig(_Section):
     preemptible_partition: str | None = None
     preemptible_qos: str | None = None
     default_time_limit: str | None = None
+    #: What a task's `resources.disk_gb` becomes. auto: `--tmp` (MB, rounded up) only where
+    #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
+    #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.
+    disk_request: Literal["auto", "tmp", "ignore"] = "auto"
+    tmp_disk_refresh_seconds: float = Field(default=600.0, gt=0)
     #: Extra `#SBATCH` lines, written as given (without the `#SBATCH` prefix).
     extra_directives: list[str] = Field(default_factory=list)
     #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).

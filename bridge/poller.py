@@ -40,7 +40,7 @@ from bridge.job.layout import TaskLayout
 from bridge.job.owner import records_from_json
 from bridge.job.records import JobRecords, read_records
 from bridge.render import RenderError, prepare_task_dir, task_files
-from bridge.slurm import JobInfo, SlurmClient, SlurmError, SlurmRejected
+from bridge.slurm import JobInfo, SlurmClient, SlurmError, SlurmRejected, TmpDisk
 from bridge.store import Store, TaskRecord
 from bridge.tes import TERMINAL_STATES, State, format_time
 
@@ -286,6 +286,9 @@ class Poller:
         self._cancels_seen = 0
         #: Why the last task that could not be submitted waits.
         self._wait_reason: str | None = None
+        #: The partitions' TmpDisk (slurm.disk_request "auto"), and when it was read.
+        self._tmp_disk: TmpDisk | None = None
+        self._tmp_disk_at = 0.0
 
     # ------------------------------------------------------------------------------ cycle
     def cycle(self) -> CycleStats:
@@ -441,11 +444,23 @@ class Poller:
         if self.site and not owner:
             self._fail(task, "this task has no owner; in site mode tasks run only as their owner")
             return False
+        tmp_disk = None
+        if self.config.slurm.disk_request == "auto" and _disk_gb(document) > 0:
+            try:
+                tmp_disk = self._known_tmp_disk(stats)
+            except SlurmError as exc:
+                delay = self._pause_submissions()
+                reason = f"cannot read the nodes' TmpDisk from Slurm ({_short(exc)}); retrying"
+                self._wait(task, task.attempt + 1, reason, delay)
+                log.warning("sinfo failed, retry in %.0fs: %s", delay, exc)
+                return False
         try:
             if owner:
-                script = self._adopt(owner, document, image_paths)
+                script = self._adopt(owner, document, image_paths, tmp_disk)
             else:
-                script = prepare_task_dir(document, config=self.config, image_paths=image_paths)
+                script = prepare_task_dir(
+                    document, config=self.config, image_paths=image_paths, tmp_disk=tmp_disk
+                )
         except OSError as exc:
             if exc.errno not in TRANSIENT_ERRNOS:
                 self._fail(task, f"cannot prepare the task directory: {exc}")
@@ -479,9 +494,12 @@ class Poller:
                 script, job_name=job_name(task.id), comment=task.id, **site_args
             )
         except SlurmRejected as exc:
+            message = f"Slurm refused the job: {exc.stderr.strip() or exc}"
+            if _TMP_REFUSED in exc.stderr:
+                message += self._tmp_disk_hint(document, stats)
             self._fail(
                 task,
-                f"Slurm refused the job: {exc.stderr.strip() or exc}",
+                message,
                 attempt=attempt,
                 submit_started_at=None,
             )
@@ -526,6 +544,42 @@ class Poller:
             self._carry_out_cancels([now], stats)
         return True
 
+    def _known_tmp_disk(self, stats: CycleStats) -> TmpDisk:
+        """The partitions' TmpDisk, read again after `slurm.tmp_disk_refresh_seconds`. When
+        sinfo fails the last answer stays in use; with none yet, the SlurmError is raised."""
+        now = self.clock()
+        refresh = self.config.slurm.tmp_disk_refresh_seconds
+        if self._tmp_disk is None or now - self._tmp_disk_at >= refresh:
+            try:
+                stats.slurm_calls += 1
+                self._tmp_disk = self.slurm.tmp_disk()
+                log.info("node-local disk (TmpDisk) by partition: %s", self._tmp_disk.describe())
+            except SlurmError as exc:
+                if self._tmp_disk is None:
+                    raise
+                log.warning("sinfo failed; keeping the TmpDisk read before: %s", exc)
+            self._tmp_disk_at = now
+        return self._tmp_disk
+
+    def _tmp_disk_hint(self, document: dict[str, Any], stats: CycleStats) -> str:
+        """Why sbatch refused `--tmp`, and the setting that decides it."""
+        mode = self.config.slurm.disk_request
+        try:
+            self._tmp_disk_at = 0.0  # what the nodes declare may have changed: read it now
+            declared = f"the nodes declare TmpDisk {self._known_tmp_disk(stats).describe()}"
+        except SlurmError:
+            declared = "the nodes' TmpDisk could not be read"
+        hint = (
+            f". resources.disk_gb = {_disk_gb(document):g} asks Slurm for that much node-local "
+            f'disk (sbatch --tmp, slurm.disk_request = "{mode}"), and {declared}'
+        )
+        if mode == "tmp":
+            return hint + (
+                "; a node that declares no TmpDisk (0) gives no --tmp at all: set "
+                'slurm.disk_request = "auto" to pass disk_gb only where nodes declare TmpDisk'
+            )
+        return hint + "; ask for less disk_gb, or for a partition with larger TmpDisk"
+
     def _wait(
         self, task: TaskRecord, log_attempt: int, reason: str, delay: float, **changes: Any
     ) -> None:
@@ -564,9 +618,15 @@ class Poller:
             raise OwnerCommandError(f"{args[0]} exited {proc.returncode}: {detail}")
         return proc.stdout
 
-    def _adopt(self, owner: str, document: dict[str, Any], image_paths: dict[str, str]) -> Path:
+    def _adopt(
+        self,
+        owner: str,
+        document: dict[str, Any],
+        image_paths: dict[str, str],
+        tmp_disk: TmpDisk | None,
+    ) -> Path:
         # Rendered here; written by the owner, so the task directory is the owner's and private.
-        files = task_files(document, config=self.config, image_paths=image_paths)
+        files = task_files(document, config=self.config, image_paths=image_paths, tmp_disk=tmp_disk)
         task_dir = self.task_dir(document["id"])
         self._as_owner(owner, ["adopt", "--task-dir", str(task_dir)], json.dumps(files))
         return task_dir / "job.sh"
@@ -814,6 +874,16 @@ class OwnerCommandError(Exception):
     """A site-mode command run as a task's owner (sudo) failed."""
 
 
+#: sbatch's words for a `--tmp` no node can give (tests/data/slurm/sbatch-too-much-tmp.txt).
+_TMP_REFUSED = "Temporary disk specification can not be satisfied"
+
+
+def _disk_gb(document: dict[str, Any]) -> float:
+    value = (document.get("resources") or {}).get("disk_gb")
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok else 0.0
+
+
 def _short(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
@@ -852,6 +922,7 @@ def build_poller(config: Config, store: Store, *, wake: threading.Event | None =
         squeue=cfg.squeue,
         sacct=cfg.sacct,
         scancel=cfg.scancel,
+        sinfo=cfg.sinfo,
         timeout=cfg.command_timeout,
         sudo=config.site.sudo,
     )

@@ -30,6 +30,7 @@ from bridge.config import Config
 from bridge.job.layout import LayoutError, TaskLayout, check_container_path, relative_parts
 from bridge.job.settings import JobSettings
 from bridge.job.stage import has_wildcards
+from bridge.slurm import TmpDisk
 
 TEMPLATE = "job.sh.j2"
 JOB_MODULE = "bridge.job"
@@ -129,8 +130,29 @@ def _partition(name: str, where: str, config: Config) -> str:
     return name
 
 
-def sbatch_directives(task: dict[str, Any], *, config: Config, layout: TaskLayout) -> list[str]:
-    """The `#SBATCH` options (without the prefix), site directives last."""
+def disk_directive(
+    megabytes: int | None, partitions: list[str], config: Config, tmp_disk: TmpDisk | None
+) -> str | None:
+    """`--tmp` for a task's disk_gb, per `slurm.disk_request`.
+
+    auto passes it only where the smallest TmpDisk of the partition's nodes (learned with
+    sinfo; `partitions` empty: the default partition) is > 0: engines send disk_gb by default,
+    and on nodes that declare no TmpDisk sbatch refuses every `--tmp`. A request larger than
+    the nodes declare is passed on: Slurm refuses it with a message the poller explains.
+    """
+    mode = config.slurm.disk_request
+    if megabytes is None or mode == "ignore":
+        return None
+    if mode == "auto" and not (tmp_disk and tmp_disk.smallest(partitions)):
+        return None
+    return f"--tmp={megabytes}"
+
+
+def sbatch_directives(
+    task: dict[str, Any], *, config: Config, layout: TaskLayout, tmp_disk: TmpDisk | None = None
+) -> list[str]:
+    """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
+    the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
     task_id = task.get("id")
     if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
@@ -202,8 +224,10 @@ def sbatch_directives(task: dict[str, Any], *, config: Config, layout: TaskLayou
     if mem is not None:
         directives.append(f"--mem={mem}")
     disk = _megabytes(resources.get("disk_gb"), "resources.disk_gb")
-    if disk is not None:
-        directives.append(f"--tmp={disk}")
+    partitions = values["partition"].split(",") if "partition" in values else []
+    tmp = disk_directive(disk, partitions, config, tmp_disk)
+    if tmp is not None:
+        directives.append(tmp)
     for key in ("gres", "gpus", "constraint", "reservation"):
         if key in values:
             directives.append(f"{BACKEND_PARAMETERS[key][0]}={values[key]}")
@@ -252,6 +276,10 @@ class BindPlan:
     #: Of /tmp and /var/tmp, those that get the attempt's disk-backed scratch directory: each
     #: one the task mounts nothing at, under or above.
     scratch_targets: list[str]
+    #: Shared directories inside a scratch target: bound after the scratch binds, on mount
+    #: points (relative to the attempt's scratch directory) the job script makes.
+    after_scratch: list[Bind]
+    scratch_mountpoints: list[str]
     #: file:// inputs and outputs whose container path is their own host path inside a shared
     #: directory: the shared bind already shows them, so they are neither staged nor bound.
     in_place_inputs: list[int]
@@ -342,14 +370,28 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         )
         if not covered and bind not in keep:
             keep.append(bind)
-    task_paths = [b.container for b in wanted]
+    shared = shared_dirs(config)
+    task_paths = [b.container for b in wanted if b.container not in shared or b.uniform]
     scratch = [
         target
         for target in SCRATCH_TARGETS
         if not any(_under(p, target) or _under(target, p) for p in task_paths)
+        and not any(_under(target, d) for d in shared)
+    ]
+    # A shared directory below /tmp or /var/tmp (e.g. /var/tmp/project) is mounted on top of
+    # the attempt's scratch bind there, on a mount point the job makes in the scratch directory.
+    nested = [
+        (b, target)
+        for b in keep
+        for target in scratch
+        if not b.uniform and b.container in shared and _under(b.container, target)
     ]
     return BindPlan(
-        binds=keep,
+        binds=[b for b in keep if b not in [n for n, _ in nested]],
+        after_scratch=[b for b, _ in nested],
+        scratch_mountpoints=[
+            SCRATCH_TARGETS[target] + b.container[len(target) :] for b, target in nested
+        ],
         scratch_targets=scratch,
         mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
         bound_inputs=bound,
@@ -444,6 +486,7 @@ def _executor_context(
     config: Config,
     binds: list[str],
     scratch_targets: list[str],
+    after_scratch: list[str],
     image_paths: dict[str, str],
 ) -> dict[str, Any]:
     where = f"executors[{index}]"
@@ -473,7 +516,11 @@ def _executor_context(
     scratch = [
         f'--bind "$EXEC_TMP/{SCRATCH_TARGETS[target]}:{target}"' for target in scratch_targets
     ]
-    call[-2:-2] = scratch
+    after = [
+        " ".join(map(shlex.quote, after_scratch[i : i + 2]))
+        for i in range(0, len(after_scratch), 2)
+    ]
+    call[-2:-2] = scratch + after
     env = executor.get("env") or {}
     if not isinstance(env, dict):
         raise RenderError(f"{where}.env: expected an object")
@@ -523,11 +570,16 @@ def _environment(dirs: tuple[str, ...]) -> jinja2.Environment:
 
 
 def render_script(
-    task: dict[str, Any], *, config: Config, task_dir: Path, image_paths: dict[str, str]
+    task: dict[str, Any],
+    *,
+    config: Config,
+    task_dir: Path,
+    image_paths: dict[str, str],
+    tmp_disk: TmpDisk | None = None,
 ) -> str:
     """The job script for `task`; raises RenderError when a task value cannot be used."""
     layout = TaskLayout(task_dir)
-    directives = sbatch_directives(task, config=config, layout=layout)
+    directives = sbatch_directives(task, config=config, layout=layout, tmp_disk=tmp_disk)
     executors = task.get("executors")
     if not isinstance(executors, list) or not executors:
         raise RenderError("executors: expected a non-empty list")
@@ -543,6 +595,7 @@ def render_script(
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{task['id']}",
+        "scratch_mountpoints": plan.scratch_mountpoints,
         "executors": [
             _executor_context(
                 i,
@@ -550,6 +603,7 @@ def render_script(
                 config=config,
                 binds=flags,
                 scratch_targets=plan.scratch_targets,
+                after_scratch=bind_args(plan.after_scratch),
                 image_paths=image_paths,
             )
             for i, ex in enumerate(executors)
@@ -590,7 +644,13 @@ def _write_atomically(path: Path, text: str, mode: int) -> None:
     os.replace(tmp, path)
 
 
-def prepare_task_dir(task: dict[str, Any], *, config: Config, image_paths: dict[str, str]) -> Path:
+def prepare_task_dir(
+    task: dict[str, Any],
+    *,
+    config: Config,
+    image_paths: dict[str, str],
+    tmp_disk: TmpDisk | None = None,
+) -> Path:
     """Create `<work_dir>/<task id>/` with task.json, job-config.json and job.sh.
 
     Returns the script's path. Renders first, so a RenderError leaves nothing behind.
@@ -599,7 +659,7 @@ def prepare_task_dir(task: dict[str, Any], *, config: Config, image_paths: dict[
     if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     layout = TaskLayout(config.work_dir / task_id)
-    files = task_files(task, config=config, image_paths=image_paths)
+    files = task_files(task, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
@@ -612,7 +672,11 @@ def prepare_task_dir(task: dict[str, Any], *, config: Config, image_paths: dict[
 
 
 def task_files(
-    task: dict[str, Any], *, config: Config, image_paths: dict[str, str]
+    task: dict[str, Any],
+    *,
+    config: Config,
+    image_paths: dict[str, str],
+    tmp_disk: TmpDisk | None = None,
 ) -> dict[str, str]:
     """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
 
@@ -622,7 +686,9 @@ def task_files(
     if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     layout = TaskLayout(config.work_dir / task_id)
-    script = render_script(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    script = render_script(
+        task, config=config, task_dir=layout.task_dir, image_paths=image_paths, tmp_disk=tmp_disk
+    )
     settings = job_settings(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
     return {
         layout.task_json.name: json.dumps(task, ensure_ascii=True) + "\n",

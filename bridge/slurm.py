@@ -1,4 +1,4 @@
-"""The Slurm client: sbatch, squeue, sacct and scancel as argument lists, and their parsers.
+"""The Slurm client: sbatch, squeue, sacct, scancel and sinfo as argument lists, and their parsers.
 
 Knows nothing of HTTP or the store. Every command goes through :meth:`SlurmClient._run`, which
 raises a :class:`SlurmError` carrying argv, exit code, stdout and stderr. The error subclass tells
@@ -26,6 +26,9 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
   not know the job yet; the next poll gets the real one.
 - sbatch refusing a job for its size (exit 1, "Requested node configuration is not available")
   still uses a job id: sacct and squeue show a FAILED (1:0) job of that name that never ran.
+- ``sinfo -o '%P|%d'`` prints one line per partition and distinct TmpDisk (MB) of its nodes,
+  the default partition with a ``*``; a node that declares no TmpDisk shows 0. sbatch refuses
+  ``--tmp`` more than every node declares: "Temporary disk specification can not be satisfied".
 - With slurmctld down, sbatch, squeue and scancel each retry for about 9 s before failing with
   "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
 - A job whose memory use passes ``--mem`` under ``JobAcctGatherParams=OverMemoryKill`` ends FAILED
@@ -410,7 +413,56 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
 
 # --- the client --------------------------------------------------------------------------------
 
+
 # Arguments longer than this are refused by Linux (MAX_ARG_STRLEN is 128 KiB): split id lists.
+@dataclass(frozen=True)
+class TmpDisk:
+    """The node-local disk (`TmpDisk`, MB) Slurm can give a job with `--tmp`, per partition:
+    the smallest and the largest of the partition's nodes."""
+
+    smallest_by_partition: dict[str, int]
+    largest_by_partition: dict[str, int]
+    default_partition: str | None = None
+
+    def smallest(self, partitions: Sequence[str]) -> int | None:
+        """The smallest TmpDisk of these partitions' nodes (of the default partition when none
+        is named); None when sinfo did not list one of them."""
+        names = list(partitions) or ([self.default_partition] if self.default_partition else [])
+        if not names or any(name not in self.smallest_by_partition for name in names):
+            return None
+        return min(self.smallest_by_partition[name] for name in names)
+
+    def describe(self) -> str:
+        """`main 0 MB, big 1000-102400 MB` for messages."""
+        parts = []
+        for name, low in self.smallest_by_partition.items():
+            high = self.largest_by_partition[name]
+            parts.append(f"{name} {low if low == high else f'{low}-{high}'} MB")
+        return ", ".join(parts) or "no partition"
+
+
+SINFO_FORMAT = "%P|%d"
+
+
+def parse_sinfo_tmp_disk(text: str) -> TmpDisk:
+    """`sinfo -h -a -o '%P|%d'`: one line per partition and distinct TmpDisk of its nodes."""
+    low: dict[str, int] = {}
+    high: dict[str, int] = {}
+    default = None
+    for line in text.splitlines():
+        name, sep, size = line.strip().partition("|")
+        if not sep or not size.strip().isdigit():
+            continue
+        if name.endswith("*"):
+            name = name[:-1]
+            default = name
+        if name:
+            mb = int(size)
+            low[name] = min(mb, low.get(name, mb))
+            high[name] = max(mb, high.get(name, mb))
+    return TmpDisk(smallest_by_partition=low, largest_by_partition=high, default_partition=default)
+
+
 _MAX_LIST_CHARS = 100_000
 
 
@@ -451,6 +503,7 @@ class SlurmClient:
         squeue: str = "squeue",
         sacct: str = "sacct",
         scancel: str = "scancel",
+        sinfo: str = "sinfo",
         timeout: float = 30.0,
         history: timedelta = timedelta(days=30),
         sudo: str = "sudo",
@@ -460,6 +513,7 @@ class SlurmClient:
         self.squeue = squeue
         self.sacct = sacct
         self.scancel = scancel
+        self.sinfo = sinfo
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
@@ -644,6 +698,13 @@ class SlurmClient:
             if info.name in wanted:
                 result.setdefault(info.name, []).append(info)
         return result
+
+    def tmp_disk(self) -> TmpDisk:
+        """Each partition's smallest node TmpDisk, in one call (`-a`: hidden partitions too)."""
+        proc = self._run([self.sinfo, "-h", "-a", "-o", SINFO_FORMAT])
+        if proc.returncode != 0:
+            raise self._fail(proc, "reading the partitions' TmpDisk")
+        return parse_sinfo_tmp_disk(proc.stdout)
 
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""

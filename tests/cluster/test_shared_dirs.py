@@ -19,8 +19,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def shared_dir() -> Iterator[Path]:
-    # Outside /tmp, like a site's shared filesystem: a shared directory under /tmp would keep
-    # the executors' disk-backed /tmp from being bound (it would hide the shared one).
+    # Outside /tmp, like a site's shared filesystem (the last test covers one under /var/tmp).
     path = Path(tempfile.mkdtemp(prefix="tes-shared-", dir="/srv"))
     path.chmod(0o755)
     try:
@@ -137,3 +136,38 @@ def test_same_path_input_and_output_are_used_in_place_and_other_inputs_stay_read
     assert only_log(task)["outputs"] == [
         {"url": f"file://{out}", "path": str(out), "size_bytes": "4"}
     ]
+
+
+def test_a_shared_dir_under_var_tmp_lies_on_top_of_the_disk_backed_var_tmp(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Where the quickstart test keeps its state (and so its shared data directory).
+    shared = Path(tempfile.mkdtemp(prefix="tes-shared-", dir="/var/tmp"))
+    shared.chmod(0o755)
+    service = start_bridge_service(
+        local_cluster,
+        tmp_path_factory.mktemp("shared-var-tmp"),
+        storage_toml=f'shared_dirs = ["{shared}"]',
+    )
+    try:
+        task = service.run(
+            {
+                "executors": [
+                    sh(
+                        f"echo shared > {shared}/f && echo private > /var/tmp/private-marker "
+                        "&& ls /var/tmp && stat -f -c fs=%T /var/tmp"
+                    )
+                ]
+            }
+        )
+        assert task["state"] == "COMPLETE", task
+        assert (shared / "f").read_text() == "shared\n"
+        # /var/tmp is still the attempt's own directory: the file did not reach the host's,
+        # and the executor saw only the mount point of the shared directory there.
+        assert not Path("/var/tmp/private-marker").exists()
+        *listed, fs = only_log(task)["logs"][0]["stdout"].split()
+        assert sorted(listed) == sorted([shared.name, "private-marker"])
+        assert fs != "fs=tmpfs"  # on disk, not the runtime's RAM tmpfs
+    finally:
+        service.stop()
+        shutil.rmtree(shared, ignore_errors=True)

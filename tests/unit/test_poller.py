@@ -19,7 +19,13 @@ import pytest
 from bridge.config import Config, load_config
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
-from bridge.slurm import JobInfo, SlurmRejected, SlurmUnavailable
+from bridge.slurm import (
+    JobInfo,
+    SlurmRejected,
+    SlurmUnavailable,
+    TmpDisk,
+    parse_sinfo_tmp_disk,
+)
 from bridge.store import Store
 from bridge.tes import State
 
@@ -57,6 +63,9 @@ class FakeSlurm:
         self.unavailable_message = "Unable to contact slurm controller"
         self.reject: str | None = None
         self.create_then_fail = False  # sbatch creates the job but the answer is lost
+        #: What `sinfo -h -a -o '%P|%d'` prints (None: sinfo cannot reach slurmctld).
+        self.sinfo: str | None = "main*|102400\n"
+        self.scripts: list[str] = []
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -95,7 +104,16 @@ class FakeSlurm:
             )
         job_id = str(next(self.ids))
         self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
+        self.scripts.append(script.read_text())
         return job_id
+
+    def tmp_disk(self) -> TmpDisk:
+        self._check("sinfo")
+        if self.sinfo is None:
+            raise SlurmUnavailable(
+                "unreachable", argv=["sinfo"], returncode=1, stdout="", stderr="Unable to contact"
+            )
+        return parse_sinfo_tmp_disk(self.sinfo)
 
     def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
         self._check("squeue")
@@ -348,6 +366,81 @@ def test_rejected_job_is_a_system_error_with_slurm_message(env):
     record = store.get_task(task.id)
     assert record.state == "SYSTEM_ERROR"
     assert any("Memory specification" in line for line in record.logs[0]["system_logs"])
+
+
+DISK = {**ECHO, "resources": {"disk_gb": 2.15}}
+DATA = Path(__file__).parents[1] / "data" / "slurm"
+
+
+def tmp_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH --tmp")]
+
+
+def test_auto_disk_request_reads_tmp_disk_once_and_again_after_the_refresh(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    store.create_task(ECHO)  # no disk_gb: no sinfo
+    poller.cycle()
+    assert "sinfo" not in slurm.calls
+    store.create_task(DISK)
+    store.create_task(DISK)
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 1
+    with_tmp = ["#SBATCH --tmp=2202"]
+    assert [tmp_lines(s) for s in slurm.scripts] == [[], with_tmp, with_tmp]
+    # The node's TmpDisk is gone (slurm.conf changed): seen after the refresh, not before.
+    slurm.sinfo = "main*|0\n"
+    now[0] += 599
+    store.create_task(DISK)
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 1 and tmp_lines(slurm.scripts[-1]) != []
+    now[0] += 2
+    store.create_task(DISK)
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 2 and tmp_lines(slurm.scripts[-1]) == []
+    # sinfo failing later keeps the last answer.
+    slurm.sinfo = None
+    now[0] += 601
+    task = store.create_task(DISK)
+    poller.cycle()
+    assert store.get_task(task.id).job_id and tmp_lines(slurm.scripts[-1]) == []
+
+
+def test_auto_disk_request_waits_while_tmp_disk_cannot_be_read_at_first(env):
+    poller, store, slurm, _ = env
+    slurm.sinfo = None
+    task = store.create_task(DISK)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED" and "sbatch" not in slurm.calls
+    assert "cannot read the nodes' TmpDisk" in " ".join(record.logs[0]["system_logs"])
+    slurm.sinfo = "main*|102400\n"
+    poller.clock = lambda: 1e12  # the back-off has passed
+    poller.cycle()
+    assert tmp_lines(slurm.scripts[-1]) == ["#SBATCH --tmp=2202"]
+
+
+def test_tmp_disk_request_on_nodes_without_tmp_disk_fails_saying_why(tmp_path, sqlite_store):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.disk_request": "tmp"},
+    )
+    slurm = FakeSlurm()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    # What sbatch says (captured on the local cluster), on nodes that declare no TmpDisk.
+    slurm.reject = (DATA / "sbatch-too-much-tmp.txt.stderr").read_text()
+    slurm.sinfo = "main*|0\n"
+    task = sqlite_store.create_task(DISK)
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    (message,) = record.logs[0]["system_logs"]
+    assert "Temporary disk specification can not be satisfied" in message
+    assert "resources.disk_gb = 2.15" in message
+    assert 'slurm.disk_request = "tmp"' in message
+    assert "the nodes declare TmpDisk main 0 MB" in message
+    assert 'set slurm.disk_request = "auto"' in message
 
 
 def test_task_waits_in_queued_while_its_image_is_pulled(env):

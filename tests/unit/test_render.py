@@ -24,6 +24,7 @@ from bridge.render import (
     render_script,
     sbatch_directives,
 )
+from bridge.slurm import parse_sinfo_tmp_disk
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {"alpine": "/cache/alpine.sif"}
@@ -66,7 +67,7 @@ def bash_syntax_ok(script: str, tmp_path: Path) -> None:
 
 def test_typical_task_gets_name_output_chdir_and_resources(tmp_path: Path) -> None:
     task = make_task(resources={"cpu_cores": 4, "ram_gb": 2, "disk_gb": 1.5})
-    script = render(tmp_path, task)
+    script = render(tmp_path, task, slurm={"disk_request": "tmp"})
     task_dir = tmp_path / "state" / "work" / "task-1"
     assert directives(script) == [
         "--job-name=tes-task-1",
@@ -94,6 +95,76 @@ def test_memory_is_rounded_up_to_whole_megabytes_and_never_zero(
 def test_zero_memory_asks_for_nothing_rather_than_the_whole_node(tmp_path: Path) -> None:
     found = directives(render(tmp_path, make_task(resources={"ram_gb": 0, "disk_gb": 0})))
     assert not [d for d in found if d.startswith(("--mem", "--tmp"))]
+
+
+def disk_directives(
+    tmp_path: Path, resources: dict[str, Any], mode: str, sinfo: str | None, **backend: Any
+) -> list[str]:
+    """The --tmp directives of a task, with what sinfo said (None: not read)."""
+    config = make_config(tmp_path, slurm={"disk_request": mode})
+    task = make_task(resources={**resources, "backend_parameters": backend})
+    tmp_disk = parse_sinfo_tmp_disk(sinfo) if sinfo is not None else None
+    script = render_script(
+        task,
+        config=config,
+        task_dir=config.work_dir / "task-1",
+        image_paths=IMAGES,
+        tmp_disk=tmp_disk,
+    )
+    return [d for d in directives(script) if d.startswith("--tmp")]
+
+
+#: Real `sinfo -h -a -o '%P|%d'` of the local cluster, whose node declares TmpDisk.
+SINFO_TMP = (REPO / "tests/data/slurm/sinfo-tmp-disk.txt").read_text()
+#: The same for nodes that declare none, and for a site with several partitions and node groups.
+SINFO_NO_TMP = "main*|0\n"
+SINFO_MIXED = "main*|0\nmain*|102400\nbig|204800\nbig|51200\nnone|0\n"
+
+
+@pytest.mark.parametrize(
+    ("disk_gb", "expected"),
+    [(2.15, "--tmp=2202"), (0.00093, "--tmp=1"), (1, "--tmp=1024"), (1.00001, "--tmp=1025")],
+)
+def test_disk_gb_becomes_tmp_in_whole_megabytes_rounded_up(
+    tmp_path: Path, disk_gb: float, expected: str
+) -> None:
+    assert disk_directives(tmp_path, {"disk_gb": disk_gb}, "auto", SINFO_TMP) == [expected]
+    assert disk_directives(tmp_path, {"disk_gb": disk_gb}, "tmp", None) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("mode", "sinfo", "backend", "expected"),
+    [
+        # auto: only where every node of the task's partition declares TmpDisk.
+        ("auto", SINFO_TMP, {}, ["--tmp=1024"]),
+        ("auto", SINFO_NO_TMP, {}, []),
+        ("auto", None, {}, []),  # sinfo not read: never a --tmp Slurm may refuse
+        ("auto", SINFO_MIXED, {}, []),  # the default partition has a node without
+        ("auto", SINFO_MIXED, {"partition": "big"}, ["--tmp=1024"]),
+        ("auto", SINFO_MIXED, {"partition": "none"}, []),
+        ("auto", SINFO_MIXED, {"partition": "unknown"}, []),
+        # tmp: always, whatever the nodes declare; ignore: never.
+        ("tmp", SINFO_NO_TMP, {}, ["--tmp=1024"]),
+        ("tmp", None, {}, ["--tmp=1024"]),
+        ("ignore", SINFO_TMP, {}, []),
+    ],
+)
+def test_disk_request_setting_decides_where_disk_gb_becomes_tmp(
+    tmp_path: Path, mode: str, sinfo: str | None, backend: dict[str, str], expected: list[str]
+) -> None:
+    assert disk_directives(tmp_path, {"disk_gb": 1}, mode, sinfo, **backend) == expected
+
+
+def test_zones_use_the_smallest_tmp_disk_of_every_listed_partition(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    tmp_disk = parse_sinfo_tmp_disk(SINFO_MIXED)
+    for zones, expected in ((["big"], ["--tmp=1024"]), (["big", "none"], [])):
+        task = make_task(resources={"disk_gb": 1, "zones": zones})
+        script = render_script(
+            task, config=config, task_dir=config.work_dir / "t", image_paths=IMAGES,
+            tmp_disk=tmp_disk,
+        )  # fmt: skip
+        assert [d for d in directives(script) if d.startswith("--tmp")] == expected
 
 
 def test_zero_cpu_cores_asks_for_nothing(tmp_path: Path) -> None:
@@ -341,6 +412,26 @@ def test_shared_dirs_are_bound_read_write_at_their_own_path_in_every_executor(
     assert plan.mkdirs == [f"{shared}/vol"]  # nothing is made for the shared bind itself
     script = render(tmp_path, task, storage={"shared_dirs": [str(shared)]})
     assert script.count(f"--bind {shared}:{shared} ") == 2
+
+
+def test_a_shared_dir_under_tmp_is_mounted_on_top_of_the_scratch_bind(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"  # pytest's tmp_path lies under /tmp
+    shared.mkdir()
+    assert str(shared).startswith("/tmp/")
+    plan = binds_of(tmp_path, make_task(), storage={"shared_dirs": [str(shared)]})
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    assert plan.after_scratch == [Bind(str(shared), str(shared), False, uniform=False)]
+    assert plan.scratch_mountpoints == ["tmp" + str(shared)[len("/tmp") :]]
+    script = render(tmp_path, make_task(), storage={"shared_dirs": [str(shared)]})
+    lines = script.splitlines()
+    scratch = lines.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
+    assert lines[scratch + 2] == f"    --bind {shared}:{shared} \\"
+    assert f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]}' in lines
+    bash_syntax_ok(script, tmp_path)
+    # A shared directory at or above /tmp is what the site wants there: no scratch bind.
+    config = make_config(tmp_path, state_dir="/srv/tes-state", storage={"shared_dirs": ["/tmp"]})
+    plan = compute_binds(make_task(), config=config, layout=TaskLayout(config.work_dir / "t"))
+    assert plan.scratch_targets == ["/var/tmp"] and plan.after_scratch == []
 
 
 def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from bridge.slurm import (
     SlurmUnavailable,
     base_state,
     parse_sacct,
+    parse_sinfo_tmp_disk,
     parse_squeue,
     tes_state_for,
 )
@@ -266,6 +267,19 @@ def test_submit_returns_the_job_id(tmp_path: Path) -> None:
     ]
 
 
+def test_tmp_disk_is_one_sinfo_call_per_partition_smallest_and_largest(tmp_path: Path) -> None:
+    client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-tmp-disk.txt"))
+    tmp_disk = client.tmp_disk()
+    assert calls(tmp_path, "sinfo") == ["-h -a -o %P|%d"]
+    assert tmp_disk.default_partition == "main"
+    assert tmp_disk.smallest([]) == tmp_disk.smallest(["main"]) == 102400
+    # Several node groups per partition: one line per distinct TmpDisk.
+    mixed = parse_sinfo_tmp_disk("main*|0\nmain*|102400\nbig|204800\nbig|51200\n")
+    assert mixed.smallest([]) == 0 and mixed.smallest(["big"]) == 51200
+    assert mixed.smallest(["big", "main"]) == 0 and mixed.smallest(["nosuch"]) is None
+    assert mixed.describe() == "main 0-102400 MB, big 51200-204800 MB"
+
+
 def test_submit_strips_the_cluster_name(tmp_path: Path) -> None:
     sbatch = tmp_path / "sbatch"
     sbatch.write_text("#!/bin/sh\necho '1234;cluster2'\n")
@@ -281,6 +295,7 @@ def test_submit_strips_the_cluster_name(tmp_path: Path) -> None:
         "sbatch-bad-partition.txt",
         "sbatch-bad-time.txt",
         "sbatch-missing-script.txt",
+        "sbatch-too-much-tmp.txt",
     ],
 )
 def test_sbatch_refusals_are_rejections(tmp_path: Path, capture: str) -> None:

@@ -109,6 +109,8 @@ cap sbatch-too-many-cpus.txt sbatch --parsable -o /dev/null --cpus-per-task=64 -
 cap sbatch-bad-partition.txt sbatch --parsable -o /dev/null --partition=nosuch --wrap true
 cap sbatch-bad-time.txt sbatch --parsable -o /dev/null --time=bogus --wrap true
 cap sbatch-missing-script.txt sbatch --parsable /nonexistent/job.sh
+cap sbatch-too-much-tmp.txt sbatch --parsable -o /dev/null --tmp=99999999 --wrap true
+cap sinfo-tmp-disk.txt sinfo -h -a -o '%P|%d'
 
 # A drained node: jobs stay pending with reason ReqNodeNotAvail.
 node=$(sinfo -h -N -o %N | head -n 1)
