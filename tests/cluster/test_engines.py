@@ -30,13 +30,14 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="session")
 def snakemake7(local_cluster: Any) -> Engine:
-    # Snakemake 7 calls pulp.list_solvers, which pulp 2.8 renamed: a client bug, pinned here
-    # (and in the image, which runs Snakemake too) and named in the README.
+    # Client bugs, pinned here and named in the README: Snakemake 7 calls pulp.list_solvers,
+    # which pulp 2.8 renamed (the image runs Snakemake too); py-tes 0.4.2 imports six without
+    # declaring it.
     return build_engine(
         local_cluster,
         "snakemake7",
         ["snakemake==7.32.4", "pulp<2.8"],
-        client_only=["py-tes==0.4.2"],
+        client_only=["py-tes==0.4.2", "six"],
     )
 
 
@@ -49,7 +50,7 @@ def toil7(local_cluster: Any) -> Engine:
         local_cluster,
         "toil7",
         ["toil==7.*"],
-        client_only=["toil-batch-system-tes==2.0.*"],
+        client_only=["toil-batch-system-tes==2.0.*", "six"],
         tag_suffix="__import__('toil.version').version.dockerTag",
     )
 
