@@ -9,6 +9,7 @@ from tests/fixtures/engines.py (built once, then cached).
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -38,6 +39,25 @@ def snakemake7(local_cluster: Any) -> Engine:
         "snakemake7",
         ["snakemake==7.32.4", "pulp<2.8"],
         client_only=["py-tes==0.4.2", "six"],
+    )
+
+
+@pytest.fixture(scope="session")
+def snakemake9(local_cluster: Any) -> Engine:
+    # The fs storage plugin copies with rsync, in the client and in the jobs. Each job also
+    # runs `pip install --target` of the storage plugin: from the image's own wheels, here,
+    # where jobs cannot reach PyPI.
+    return build_engine(
+        local_cluster,
+        "snakemake9",
+        [
+            "snakemake==9.*",
+            "snakemake-executor-plugin-tes==0.1.*",
+            "snakemake-storage-plugin-fs",
+            "six",  # for py-tes, which jobs import too (Snakemake loads every executor plugin)
+        ],
+        debs=["rsync", "libpopt0"],
+        wheelhouse=True,
     )
 
 
@@ -96,6 +116,16 @@ def run_as_account(
     return result
 
 
+def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) -> str:
+    """The engine's output and the logs of the tasks that did not complete."""
+    failed = [
+        {"id": task["id"], "name": task.get("name"), "state": task["state"], "logs": task["logs"]}
+        for task in quickstart.list_tasks(view="FULL")
+        if task["state"] != "COMPLETE"
+    ]
+    return f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}\n{json.dumps(failed)[-5000:]}"
+
+
 SNAKEFILE = """
 localrules: all
 
@@ -132,7 +162,7 @@ def test_snakemake7_with_its_tes_executor(
         snakemake7,
         timeout=600,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    assert result.returncode == 0, explain(result, quickstart)
     assert (workdir / "total.txt").read_text() == "60\n"
     scaled = [(workdir / f"scaled/{n}.txt").read_text() for n in (1, 2, 3)]
     assert scaled == ["10\n", "20\n", "30\n"]
@@ -202,9 +232,35 @@ def test_toil7_with_the_tes_batch_system(
         timeout=600,
         env={"TOIL_APPLIANCE_SELF": toil7.image},
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    assert result.returncode == 0, explain(result, quickstart)
     assert (workdir / "total.txt").read_text() == "60\n"
     # Each job was a task of the service (Toil names them after the function), and completed.
     for name, count in (("'root'", 1), ("'scale'", 3), ("'total'", 1)):
         tasks = quickstart.list_tasks(name_prefix=name, view="BASIC")
         assert [task["state"] for task in tasks] == ["COMPLETE"] * count, (name, tasks)
+
+
+def test_snakemake9_with_the_tes_executor_plugin_and_fs_storage(
+    quickstart: Quickstart, snakemake9: Engine, workdir: Path
+) -> None:
+    """The same workflow; files, and the workflow's sources, go through the fs storage in the
+    shared data directory, which the jobs reach at its own path."""
+    (workdir / "Snakefile").write_text(textwrap.dedent(SNAKEFILE))
+    storage = workdir / "storage"
+    result = run_as_account(
+        [
+            "snakemake", "--executor", "tes", "--tes-url", quickstart.url,
+            "--container-image", snakemake9.image, "--jobs", "3",
+            "--default-storage-provider", "fs", "--default-storage-prefix", str(storage),
+            "--printshellcmds",
+        ],
+        workdir,
+        snakemake9,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, quickstart)
+    assert (storage / "total.txt").read_text() == "60\n"
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
+    assert len(tasks) == 5, result.stderr[-4000:]
+    for task_id in tasks:
+        assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
