@@ -18,6 +18,7 @@ pytest_plugins = [
     "tests.fixtures.service",
     "tests.fixtures.auth",
     "tests.fixtures.storage",
+    "tests.fixtures.quickstart",
 ]
 
 

@@ -21,91 +21,17 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
+from tests.fixtures.quickstart import ACCOUNT, Quickstart
 from tests.fixtures.service import start_bridge_service
-from tests.procs import free_port
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = REPO / "deploy" / "quickstart.sh"
-ACCOUNT = "tesbridge"
-TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 GIB = 1 << 30
-
-
-@dataclass
-class Quickstart:
-    root: Path
-    prefix: Path
-    state: Path
-    url: str
-    env: dict[str, str]
-
-    @property
-    def api(self) -> str:
-        return f"{self.url}/ga4gh/tes/v1"
-
-    def pid(self) -> int:
-        return int((self.state / "serve.pid").read_text())
-
-    def create(self, task: dict[str, Any]) -> str:
-        answer = requests.post(f"{self.api}/tasks", json=task, timeout=10)
-        assert answer.status_code == 200, answer.text
-        return answer.json()["id"]
-
-    def get(self, task_id: str) -> dict[str, Any]:
-        answer = requests.get(f"{self.api}/tasks/{task_id}", params={"view": "FULL"}, timeout=10)
-        assert answer.status_code == 200, answer.text
-        return answer.json()
-
-    def cancel(self, task_id: str) -> None:
-        assert requests.post(f"{self.api}/tasks/{task_id}:cancel", json={}, timeout=10).ok
-
-    def wait(self, task_id: str, states: set[str] = TERMINAL, timeout: float = 240) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            task = self.get(task_id)
-            if task["state"] in states:
-                return task
-            if time.monotonic() > deadline:
-                log = (self.state / "serve.log").read_text()[-3000:]
-                raise AssertionError(f"task {task_id} still {task['state']}:\n{task}\n{log}")
-            time.sleep(0.3)
-
-
-@pytest.fixture(scope="module")
-def quickstart(local_cluster: Any) -> Iterator[Quickstart]:
-    """deploy/quickstart.sh, for real, into a private prefix and state directory."""
-    root = Path(tempfile.mkdtemp(prefix="tes-quickstart-", dir="/var/tmp"))
-    os.chmod(root, 0o755)  # the account must reach its state directory and the venv
-    port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")},
-        "TES_BRIDGE_PREFIX": str(root / "opt"),
-        "TES_BRIDGE_STATE_DIR": str(root / "state"),
-        "TES_BRIDGE_BIND": f"127.0.0.1:{port}",
-    }
-    started = time.monotonic()
-    result = subprocess.run(
-        [str(QUICKSTART)], env=env, capture_output=True, text=True, timeout=1500, check=False
-    )
-    print(f"quickstart.sh took {time.monotonic() - started:.0f} s")
-    service = Quickstart(root, root / "opt", root / "state", f"http://127.0.0.1:{port}", env)
-    try:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert f"running as {ACCOUNT}" in result.stdout
-        yield service
-    finally:
-        subprocess.run([str(QUICKSTART), "stop"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _uids(pid: int) -> set[int]:
@@ -221,7 +147,7 @@ def test_executors_have_no_root_no_capability_and_see_no_other_task(quickstart: 
     # Another task, running, with a secret in its argv.
     other = quickstart.create({"executors": [sh("sleep 300; true", secret)]})
     try:
-        quickstart.wait(other, {"RUNNING"})
+        quickstart.wait(other, states={"RUNNING"})
         seen = _wait_for(lambda: _processes_with(secret), 60, "the other executor's processes")
         # On the host, the executor's processes belong to the account, never to root.
         assert all(uids == {uid} for uids in seen.values()), seen

@@ -1,0 +1,266 @@
+"""Real workflow engines, end to end, against the service the quickstart starts.
+
+Each engine runs as a client of the quickstart's service with its default resources and no
+client-side workaround, its files in the quickstart's data directory. The client runs as the
+service account, which owns that directory: the quickstart's jobs run as that account too, so
+it is the user whose files the workflow's tasks read and write. Engines and their images come
+from tests/fixtures/engines.py (built once, then cached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.engines import Engine, build_engine
+from tests.fixtures.quickstart import ACCOUNT, Quickstart
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="session")
+def snakemake7(local_cluster: Any) -> Engine:
+    # Client bugs, pinned here and named in the README: Snakemake 7 calls pulp.list_solvers,
+    # which pulp 2.8 renamed (the image runs Snakemake too); py-tes 0.4.2 imports six without
+    # declaring it.
+    return build_engine(
+        local_cluster,
+        "snakemake7",
+        ["snakemake==7.32.4", "pulp<2.8"],
+        client_only=["py-tes==0.4.2", "six"],
+    )
+
+
+@pytest.fixture(scope="session")
+def snakemake9(local_cluster: Any) -> Engine:
+    # The fs storage plugin copies with rsync, in the client and in the jobs. Each job also
+    # runs `pip install --target` of the storage plugin: from the image's own wheels, here,
+    # where jobs cannot reach PyPI.
+    return build_engine(
+        local_cluster,
+        "snakemake9",
+        [
+            "snakemake==9.*",
+            "snakemake-executor-plugin-tes==0.1.*",
+            "snakemake-storage-plugin-fs",
+            "six",  # for py-tes, which jobs import too (Snakemake loads every executor plugin)
+        ],
+        debs=["rsync", "libpopt0"],
+        wheelhouse=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def toil7(local_cluster: Any) -> Engine:
+    # Toil accepts an appliance image only after an HTTPS request to its registry, which the
+    # local one (plain HTTP) cannot answer, or when the tag names Toil's own commit, as the
+    # official appliance tags do.
+    return build_engine(
+        local_cluster,
+        "toil7",
+        ["toil==7.*"],
+        client_only=["toil-batch-system-tes==2.0.*", "six"],
+        tag_suffix="__import__('toil.version').version.dockerTag",
+    )
+
+
+@pytest.fixture
+def workdir(quickstart: Quickstart) -> Iterator[Path]:
+    """A fresh directory of the service account's, in the quickstart's data directory."""
+    account = pwd.getpwnam(ACCOUNT)
+    path = quickstart.data_dir / f"engine-{uuid.uuid4().hex[:8]}"
+    (path / "home").mkdir(parents=True)
+    for directory in (path, path / "home"):
+        os.chown(directory, account.pw_uid, account.pw_gid)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_as_account(
+    command: list[str], cwd: Path, engine: Engine, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run an engine's command as the service account, in `cwd` (its HOME is cwd/home)."""
+    account = pwd.getpwnam(ACCOUNT)
+    started = time.monotonic()
+    result = subprocess.run(
+        command,
+        cwd=cwd,
+        env={
+            "PATH": f"{engine.bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(cwd / "home"),
+            "USER": ACCOUNT,
+            "LOGNAME": ACCOUNT,
+            "LANG": "C.UTF-8",
+            **(env or {}),
+        },
+        user=account.pw_uid,
+        group=account.pw_gid,
+        extra_groups=os.getgrouplist(ACCOUNT, account.pw_gid),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    print(f"{engine.name}: {command[0]} took {time.monotonic() - started:.0f} s")
+    return result
+
+
+def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) -> str:
+    """The engine's output and the logs of the tasks that did not complete."""
+    failed = [
+        {"id": task["id"], "name": task.get("name"), "state": task["state"], "logs": task["logs"]}
+        for task in quickstart.list_tasks(view="FULL")
+        if task["state"] != "COMPLETE"
+    ]
+    return f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}\n{json.dumps(failed)[-5000:]}"
+
+
+SNAKEFILE = """
+localrules: all
+
+rule all:
+    input: "total.txt"
+
+rule seed:
+    output: "base.txt"
+    shell: "echo 10 > {output}"
+
+rule scale:
+    input: "base.txt"
+    output: "scaled/{n}.txt"
+    shell: "echo $(( $(cat {input}) * {wildcards.n} )) > {output}"
+
+rule total:
+    input: expand("scaled/{n}.txt", n=[1, 2, 3])
+    output: "total.txt"
+    shell: "t=0; for f in {input}; do t=$(( t + $(cat $f) )); done; echo $t > {output}"
+"""
+
+
+def test_snakemake7_with_its_tes_executor(
+    quickstart: Quickstart, snakemake7: Engine, workdir: Path
+) -> None:
+    """seed, then scale fanned out to three jobs, then total: five TES tasks."""
+    (workdir / "Snakefile").write_text(textwrap.dedent(SNAKEFILE))
+    result = run_as_account(
+        [
+            "snakemake", "--tes", quickstart.url, "--container-image", snakemake7.image,
+            "--jobs", "3", "--latency-wait", "5", "--printshellcmds",
+        ],
+        workdir,
+        snakemake7,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, quickstart)
+    assert (workdir / "total.txt").read_text() == "60\n"
+    scaled = [(workdir / f"scaled/{n}.txt").read_text() for n in (1, 2, 3)]
+    assert scaled == ["10\n", "20\n", "30\n"]
+    # Every job was a task of the service, and each one completed.
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
+    assert len(tasks) == 5, result.stderr[-4000:]
+    for task_id in tasks:
+        assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+
+
+TOIL_WORKFLOW = """
+import os
+
+from toil.common import Toil
+from toil.job import Job
+
+
+def scale(job, base_id, n):
+    with open(job.fileStore.readGlobalFile(base_id)) as base:
+        value = int(base.read()) * n
+    path = job.fileStore.getLocalTempFile()
+    with open(path, "w") as out:
+        out.write(f"{value}\\n")
+    return job.fileStore.writeGlobalFile(path)
+
+
+def total(job, ids):
+    values = [int(open(job.fileStore.readGlobalFile(i)).read()) for i in ids]
+    path = job.fileStore.getLocalTempFile()
+    with open(path, "w") as out:
+        out.write(f"{sum(values)}\\n")
+    return job.fileStore.writeGlobalFile(path)
+
+
+def root(job, base_id):
+    scaled = [job.addChildJobFn(scale, base_id, n).rv() for n in (1, 2, 3)]
+    return job.addFollowOnJobFn(total, scaled).rv()
+
+
+if __name__ == "__main__":
+    parser = Job.Runner.getDefaultArgumentParser()
+    parser.add_argument("output")
+    options = parser.parse_args()
+    with Toil(options) as toil:
+        with open("base.txt", "w") as base:
+            base.write("10\\n")
+        base_id = toil.importFile("file://" + os.path.abspath(base.name))
+        result = toil.start(Job.wrapJobFn(root, base_id))
+        toil.exportFile(result, "file://" + options.output)
+"""
+
+
+def test_toil7_with_the_tes_batch_system(
+    quickstart: Quickstart, toil7: Engine, workdir: Path
+) -> None:
+    """A root job, three children, a follow-on: files passed through the job store, which the
+    tasks reach at its own path on the shared filesystem."""
+    (workdir / "workflow.py").write_text(TOIL_WORKFLOW)
+    result = run_as_account(
+        [
+            str(toil7.bin / "python"), "workflow.py", f"file:{workdir / 'jobstore'}",
+            str(workdir / "total.txt"), "--batchSystem", "tes", "--tesEndpoint", quickstart.url,
+            "--logInfo",
+        ],
+        workdir,
+        toil7,
+        timeout=600,
+        env={"TOIL_APPLIANCE_SELF": toil7.image},
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, quickstart)
+    assert (workdir / "total.txt").read_text() == "60\n"
+    # Each job was a task of the service (Toil names them after the function), and completed.
+    for name, count in (("'root'", 1), ("'scale'", 3), ("'total'", 1)):
+        tasks = quickstart.list_tasks(name_prefix=name, view="BASIC")
+        assert [task["state"] for task in tasks] == ["COMPLETE"] * count, (name, tasks)
+
+
+def test_snakemake9_with_the_tes_executor_plugin_and_fs_storage(
+    quickstart: Quickstart, snakemake9: Engine, workdir: Path
+) -> None:
+    """The same workflow; files, and the workflow's sources, go through the fs storage in the
+    shared data directory, which the jobs reach at its own path."""
+    (workdir / "Snakefile").write_text(textwrap.dedent(SNAKEFILE))
+    storage = workdir / "storage"
+    result = run_as_account(
+        [
+            "snakemake", "--executor", "tes", "--tes-url", quickstart.url,
+            "--container-image", snakemake9.image, "--jobs", "3",
+            "--default-storage-provider", "fs", "--default-storage-prefix", str(storage),
+            "--printshellcmds",
+        ],
+        workdir,
+        snakemake9,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, quickstart)
+    assert (storage / "total.txt").read_text() == "60\n"
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
+    assert len(tasks) == 5, result.stderr[-4000:]
+    for task_id in tasks:
+        assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
