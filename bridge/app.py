@@ -52,17 +52,21 @@ class DatabaseSession:
 class Authentication:
     """Sets `req.context.identity` (user, is_admin); a 401 when the credentials do not do.
 
-    service-info (both shapes) and the OpenAPI document stay public. The 401 never says which
-    part of the credentials was wrong; the reason goes to the log.
+    service-info (both shapes) and the OpenAPI document stay public: those exact paths, not
+    every path ending like them (`/tasks/openapi.json` is a task id, and needs an identity).
+    The 401 never says which part of the credentials was wrong; the reason goes to the log.
     """
 
-    PUBLIC_SUFFIXES = ("/service-info", "/openapi.json")
+    PUBLIC_PATHS = frozenset(
+        [f"{p}/{name}" for p in PREFIXES for name in ("service-info", "openapi.json")]
+        + ["/v1/tasks/service-info"]
+    )
 
     def __init__(self, authenticator: Authenticator):
         self.authenticator = authenticator
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.path.endswith(self.PUBLIC_SUFFIXES):
+        if req.path in self.PUBLIC_PATHS:
             req.context.identity = None
             return
         try:

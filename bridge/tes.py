@@ -85,7 +85,11 @@ class TaskValidationError(ValueError):
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WILDCARD = re.compile(r"[*?\[]")
-_INT32_MAX = 2**31 - 1
+#: Slurm counts a job's CPUs in 16 bits, the two largest values meaning "unset" and
+#: "unlimited"; more would be refused or wrapped around by sbatch.
+MAX_CPU_CORES = 2**16 - 3
+#: ram_gb and disk_gb: far beyond any node (an exabyte), and still an exact number of MB.
+MAX_GIGABYTES = 1e9
 
 
 class FileType(StrEnum):
@@ -194,21 +198,22 @@ def _non_negative_number(value: Any) -> Any:
         raise ValueError("must be a number")
     if not math.isfinite(value) or value < 0:
         raise ValueError("must be a non-negative number")
+    if value > MAX_GIGABYTES:
+        raise ValueError(f"must be at most {MAX_GIGABYTES:.0f} (GB)")
     return float(value)
 
 
-NonNegativeNumber = Annotated[float, BeforeValidator(_non_negative_number)]
+# Field before the validator, so that the schema says minimum/maximum (the OpenAPI document).
+Gigabytes = Annotated[float, Field(ge=0, le=MAX_GIGABYTES), BeforeValidator(_non_negative_number)]
 
 
 class ResourcesModel(_Document):
-    cpu_cores: Annotated[int, BeforeValidator(_integral), Field(ge=0, le=_INT32_MAX)] | None = (
+    cpu_cores: Annotated[int, Field(ge=0, le=MAX_CPU_CORES), BeforeValidator(_integral)] | None = (
         Field(default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores"))
     )
     preemptible: StrictBool | None = None
-    ram_gb: NonNegativeNumber | None = Field(
-        default=None, validation_alias=AliasChoices("ram_gb", "ramGb")
-    )
-    disk_gb: NonNegativeNumber | None = Field(
+    ram_gb: Gigabytes | None = Field(default=None, validation_alias=AliasChoices("ram_gb", "ramGb"))
+    disk_gb: Gigabytes | None = Field(
         default=None, validation_alias=AliasChoices("disk_gb", "diskGb")
     )
     zones: list[Annotated[StrictStr, Field(min_length=1)]] | None = None
@@ -237,7 +242,7 @@ _FIELD_MESSAGES = {
     "env": "must be an object whose values are strings",
     "tags": "must be an object whose values are strings",
     "backend_parameters": "must be an object whose values are strings",
-    "cpu_cores": "must be a non-negative integer",
+    "cpu_cores": f"must be a non-negative integer, at most {MAX_CPU_CORES}",
     "type": "must be FILE or DIRECTORY",
 }
 

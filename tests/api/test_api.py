@@ -719,3 +719,115 @@ def test_local_sif_images_only_from_the_configured_directories(tmp_path, store):
         error = error_of(client, body(str(path)))
         assert [e["field"] for e in error["errors"]] == ["executors[1].image"], path
         assert reason in error["errors"][0]["message"], (path, error)
+
+
+# ----------------------------------------------------------------------- hostile requests
+
+
+def test_as_many_tag_filters_as_a_task_may_have_tags(client):
+    """One more than `limits.max_tags` is a 400 naming tag_key; up to it, the filter works
+    (it once overflowed the stack building the query: a 500 from 319 keys on)."""
+    tags = {f"k{i}": f"v{i}" for i in range(256)}
+    task_id = create(client, {"tags": tags, **ECHO})
+    create(client, {"tags": {"k0": "v0"}, **ECHO})
+    keys = "&".join(f"tag_key=k{i}" for i in range(256))
+    values = "&".join(f"tag_value=v{i}" for i in range(256))
+    for query in (keys, f"{keys}&{values}"):
+        result = client.simulate_get("/v1/tasks", query_string=query)
+        assert result.status_code == 200, result.text
+        assert [t["id"] for t in result.json["tasks"]] == [task_id]
+    for count in (257, 2000):
+        query = "&".join(f"tag_key=k{i}" for i in range(count))
+        result = client.simulate_get("/v1/tasks", query_string=query)
+        assert result.status_code == 400, result.text
+        assert result.json["errors"][0]["field"] == "tag_key"
+        assert "256" in result.json["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "field"),
+    [
+        ("/v1/tasks/a%00b", "", "id"),
+        ("/ga4gh/tes/v1/tasks/%00", "view=FULL", "id"),
+        ("/v1/tasks", "name_prefix=a%00", "name_prefix"),
+        ("/v1/tasks", "tag_key=a%00b", "tag_key"),
+        ("/v1/tasks", "tag_key=a&tag_value=%00", "tag_value"),
+        ("/v1/tasks", "state=QUEUED%00", "state"),
+        ("/v1/tasks", "view=%00", "view"),
+        ("/v1/tasks", "page_token=%00", "page_token"),
+    ],
+)
+def test_nul_in_a_path_or_query_parameter_is_400_naming_it(client, path, query, field):
+    """PostgreSQL refuses NUL in a string parameter; the answer must not be a 500."""
+    create(client, {"name": "a", "tags": {"a": "b"}, **ECHO})
+    result = client.simulate_get(path, query_string=query)
+    assert result.status_code == 400, result.text
+    assert result.json["errors"][0]["field"] == field
+    if field == "id":
+        result = client.simulate_post(f"{path}:cancel")
+        assert result.status_code == 400, result.text
+        assert result.json["errors"][0]["field"] == "id"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"name": "a\u0000", **ECHO}, "name"),
+        ({"tags": {"k\u0000": "v"}, **ECHO}, "tags.k\u0000"),
+        ({"tags": {"k": "\u0000"}, **ECHO}, "tags.k"),
+        ({"executors": [{"image": "a", "command": ["x"], "env": {"A": "\u0000"}}]}, "env.A"),
+        ({"inputs": [{"path": "/a", "content": "\u0000"}], **ECHO}, "inputs[0].content"),
+    ],
+)
+def test_nul_anywhere_in_a_created_task_is_400_naming_the_field(client, body, field):
+    error = error_of(client, body)
+    assert error["errors"][0]["field"].endswith(field), error
+    assert "NUL" in error["errors"][0]["message"]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize("name", ["service-info", "openapi.json"])
+def test_documents_below_tasks_are_not_a_500(client, prefix, name):
+    """`/tasks/service-info` is the old clients' service-info under /v1 and an unknown task
+    id elsewhere, like `/tasks/openapi.json`: never the 500 of a public path without an
+    identity."""
+    result = client.simulate_get(f"{prefix}/tasks/{name}")
+    if prefix == "/v1" and name == "service-info":
+        assert result.status_code == 200 and set(result.json) == {"name", "doc", "storage"}
+    else:
+        assert result.status_code == 404, result.text
+        assert result.json["code"] == 404
+        assert client.simulate_post(f"{prefix}/tasks/{name}:cancel").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"ram_gb": 1e308}, "resources.ram_gb"),
+        ({"ramGb": 1e300}, "resources.ramGb"),
+        ({"disk_gb": 1e308}, "resources.disk_gb"),
+        ({"ram_gb": 1e9 + 1}, "resources.ram_gb"),
+        ({"cpu_cores": 65534}, "resources.cpu_cores"),
+        ({"cpu_cores": 2**31 - 1}, "resources.cpu_cores"),
+        ({"cpu_cores": 1e300}, "resources.cpu_cores"),
+        ({"preemptible": 1}, "resources.preemptible"),
+        ({"preemptible": "true"}, "resources.preemptible"),
+        ({"backend_parameters_strict": 0}, "resources.backend_parameters_strict"),
+    ],
+)
+def test_absurd_resources_are_400_naming_the_field(client, resources, field):
+    """A value no Slurm job can take is refused at create (1e308 GB was accepted, and the
+    poller's conversion to MB then failed the task with an internal error)."""
+    error = error_of(client, {"resources": resources, **ECHO})
+    assert error["errors"][0]["field"] == field, error
+
+
+def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp_path, config):
+    from bridge.job.layout import TaskLayout
+    from bridge.render import sbatch_directives
+
+    resources = {"cpu_cores": 65533, "ram_gb": 1e9, "disk_gb": 1e9}
+    task = get(client, create(client, {"resources": resources, **ECHO}), "FULL")
+    directives = sbatch_directives(task, config=config, layout=TaskLayout(tmp_path / task["id"]))
+    assert "--cpus-per-task=65533" in directives
+    assert f"--mem={10**9 * 1024}" in directives and f"--tmp={10**9 * 1024}" in directives
