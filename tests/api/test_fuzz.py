@@ -29,8 +29,7 @@ def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(tmp_path: 
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "bridge", "serve", "--bind", f"127.0.0.1:{port}"]
-            + ["--workers", "2", "--no-poller"],
+            [sys.executable, "-m", "bridge", "serve", "--bind", f"127.0.0.1:{port}", "--no-poller"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
