@@ -113,6 +113,7 @@ class Tasks:
                 page_size=page_size,
                 page_token=page_token,
                 full=view is not View.MINIMAL,
+                budget_bytes=self.config.limits.list_budget_bytes,
             )
         except InvalidPageToken as exc:
             raise RequestError(

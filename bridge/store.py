@@ -298,9 +298,47 @@ class Store:
         page_size: int,
         page_token: str | None = None,
         full: bool = True,
+        budget_bytes: int | None = None,
     ) -> tuple[list[TaskRecord], str | None]:
-        """Newest first; returns the page and the token of the next page (None at the end)."""
-        query = TaskRow.select(*self._columns(full))
+        """Newest first; returns the page and the token of the next page (None at the end).
+
+        With `full` and `budget_bytes`, the page also ends before the stored documents and logs
+        it holds pass `budget_bytes` (with at least one task): their sizes are read first, so
+        a worker never loads more than one page's budget."""
+        if full and budget_bytes is not None:
+            return self._list_within_budget(task_filter, page_size, page_token, budget_bytes)
+        query = self._filtered(TaskRow.select(*self._columns(full)), task_filter, page_token)
+        rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
+        more = len(rows) > page_size
+        rows = rows[:page_size]
+        token = self._encode_token(rows[-1].seq) if more and rows else None
+        return [_record(row, full) for row in rows], token
+
+    def _list_within_budget(
+        self, task_filter: TaskFilter, page_size: int, page_token: str | None, budget: int
+    ) -> tuple[list[TaskRecord], str | None]:
+        # The stored JSON is ASCII (json.dumps escapes the rest): characters are bytes.
+        size = peewee.fn.LENGTH(TaskRow.document) + peewee.fn.LENGTH(TaskRow.logs)
+        query = self._filtered(
+            TaskRow.select(TaskRow.seq, size.alias("size")), task_filter, page_token
+        )
+        sizes = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1).tuples())
+        seqs: list[int] = []
+        total = 0
+        for seq, nbytes in sizes[:page_size]:
+            total += nbytes
+            if seqs and total > budget:
+                break
+            seqs.append(seq)
+        if not seqs:
+            return [], None
+        rows = TaskRow.select().where(TaskRow.seq.in_(seqs)).order_by(TaskRow.seq.desc())
+        token = self._encode_token(seqs[-1]) if len(sizes) > len(seqs) else None
+        return [_record(row, True) for row in rows], token
+
+    def _filtered(
+        self, query: peewee.ModelSelect, task_filter: TaskFilter, page_token: str | None
+    ) -> peewee.ModelSelect:
         if page_token:
             query = query.where(TaskRow.seq < self._decode_token(page_token))
         if task_filter.owner is not None:
@@ -311,11 +349,7 @@ class Store:
             query = query.where(self._prefix_condition(task_filter.name_prefix))
         if task_filter.tags:
             query = query.where(self._tags_condition(task_filter.tags))
-        rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
-        more = len(rows) > page_size
-        rows = rows[:page_size]
-        token = self._encode_token(rows[-1].seq) if more and rows else None
-        return [_record(row, full) for row in rows], token
+        return query
 
     def _tags_condition(self, tags: Sequence[tuple[str, str | None]]) -> peewee.Node:
         """`seq` has every (key, value) pair; value None matches any value of the key.

@@ -885,3 +885,34 @@ def test_every_view_is_valid_against_the_served_openapi_document(client, store):
         jsonschema.Draft202012Validator.check_schema(
             {**document["components"]["schemas"][name], "components": document["components"]}
         )
+
+
+def test_a_list_page_stops_at_its_byte_budget_with_a_token(tmp_path, store):
+    """30 tasks of 1 MB with a 4 MB budget: pages of at most 4 MB (a task alone may be larger),
+    every task exactly once, in order; MINIMAL pages are not cut."""
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"limits.list_budget_bytes": 4 * 1024 * 1024},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    big = {"inputs": [{"path": "/in/a", "content": "x" * (1024 * 1024)}], **ECHO}
+    ids = [store.create_task({"name": f"t{i}", **big}).id for i in range(30)]
+    huge = {"inputs": [{"path": f"/in/{i}", "content": "y" * (1024 * 1024)} for i in range(5)]}
+    ids.append(store.create_task({**huge, **ECHO}).id)
+    for view, most in (("FULL", 4), ("BASIC", 31)):
+        seen: list[str] = []
+        token = None
+        while True:
+            params = {"view": view, **({"page_token": token} if token else {})}
+            result = client.simulate_get("/v1/tasks", params=params)
+            assert result.status_code == 200
+            tasks = result.json["tasks"]
+            assert 1 <= len(tasks) <= most, view
+            assert len(result.content) <= 4 * 1024 * 1024 or len(tasks) == 1
+            seen += [t["id"] for t in tasks]
+            token = result.json.get("next_page_token")
+            if not token:
+                break
+        assert seen == ids[::-1], view
+    minimal = client.simulate_get("/v1/tasks").json
+    assert len(minimal["tasks"]) == 31 and "next_page_token" not in minimal
