@@ -88,6 +88,13 @@ _WILDCARD = re.compile(r"[*?\[]")
 #: Slurm counts a job's CPUs in 16 bits, the two largest values meaning "unset" and
 #: "unlimited"; more would be refused or wrapped around by sbatch.
 MAX_CPU_CORES = 2**16 - 3
+#: Linux refuses to exec a single argument or environment string of 128 KiB or more
+#: (MAX_ARG_STRLEN, with its NUL); the runtime adds a prefix of up to 16 bytes to each
+#: variable's name (SINGULARITYENV_).
+MAX_ARG_BYTES = 128 * 1024 - 64
+#: All of an executor's arguments and variables (strings, NULs and pointers): half of the usual
+#: ARG_MAX (2 MiB), the other half left to the runtime's own flags and the job's environment.
+MAX_EXEC_BYTES = 1024 * 1024
 #: ram_gb and disk_gb: far beyond any node (an exabyte), and still an exact number of MB.
 MAX_GIGABYTES = 1e9
 
@@ -396,6 +403,8 @@ def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
     ):
         if count > limit:
             problems.append((field, f"at most {limit} allowed on this server, got {count}"))
+    for index, executor in enumerate(model.executors):
+        problems += _check_exec_size(index, executor)
     for index, item in enumerate(model.inputs or ()):
         if item.content is not None and len(item.content.encode()) > limits.max_content_bytes:
             problems.append(
@@ -405,6 +414,34 @@ def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
                     "server; stage larger files by `url`",
                 )
             )
+    return problems
+
+
+def _check_exec_size(index: int, executor: ExecutorModel) -> list[tuple[str, str]]:
+    """What the kernel would refuse to exec (the executor would end 126 with no reason)."""
+    problems = []
+    total = 0
+    strings = [(f"command[{i}]", arg) for i, arg in enumerate(executor.command)]
+    strings += [(f"env.{name}", f"{name}={value}") for name, value in (executor.env or {}).items()]
+    for where, text in strings:
+        size = len(text.encode())
+        total += size + 1 + 8
+        if size > MAX_ARG_BYTES:
+            problems.append(
+                (
+                    f"executors[{index}].{where}",
+                    f"is {size} bytes; one argument or variable may have at most "
+                    f"{MAX_ARG_BYTES} bytes (Linux's limit is 128 KiB)",
+                )
+            )
+    if total > MAX_EXEC_BYTES and not problems:
+        problems.append(
+            (
+                f"executors[{index}]",
+                f"command and env take {total} bytes; at most {MAX_EXEC_BYTES} bytes "
+                "(Linux's ARG_MAX) for all of an executor's arguments and variables",
+            )
+        )
     return problems
 
 

@@ -916,3 +916,24 @@ def test_a_list_page_stops_at_its_byte_budget_with_a_token(tmp_path, store):
         assert seen == ids[::-1], view
     minimal = client.simulate_get("/v1/tasks").json
     assert len(minimal["tasks"]) == 31 and "next_page_token" not in minimal
+
+
+def test_an_argument_or_environment_the_kernel_cannot_pass_is_400(client):
+    """Linux refuses exec of one argument or environment string over 128 KiB (MAX_ARG_STRLEN),
+    or of more than ARG_MAX in all: such a task once ended EXECUTOR_ERROR 126 with no reason."""
+    step = {"image": "alpine"}
+    most = 128 * 1024 - 64
+    assert create(client, {"executors": [{**step, "command": ["echo", "x" * most]}]})
+    assert create(client, {"executors": [{**step, "command": ["env"], "env": {"V": "x" * 1000}}]})
+    for executor, field in [
+        ({"command": ["echo", "x" * (128 * 1024)]}, "executors[0].command[1]"),
+        ({"command": ["echo", "é" * (64 * 1024)]}, "executors[0].command[1]"),
+        ({"command": ["env"], "env": {"BIG": "x" * (128 * 1024)}}, "executors[0].env.BIG"),
+        ({"command": ["echo"] + ["x" * 100_000] * 11}, "executors[0]"),
+        ({"command": ["env"], "env": {f"V{i}": "x" * 100_000 for i in range(11)}}, "executors[0]"),
+    ]:
+        body = {"executors": [ECHO["executors"][0], {**step, **executor}]}
+        body["executors"].reverse()
+        error = error_of(client, body)
+        assert [e["field"] for e in error["errors"]] == [field], error
+        assert "bytes" in error["errors"][0]["message"]
