@@ -158,6 +158,33 @@ def open_database(url: str) -> peewee.Database:
     return connect_url(url)
 
 
+#: PostgreSQL error classes that pass: insufficient resources (53: disk full, out of memory,
+#: too many connections), connection exceptions (08) and an administrator's shutdown (57P).
+_PG_TRANSIENT_CLASSES = ("53", "08", "57P")
+
+
+def unavailable_reason(exc: BaseException) -> str | None:
+    """Why the database cannot take a request for now (full, locked, out of reach), or None.
+
+    Looks through the whole chain: when SQLite finds its disk full it rolls the transaction
+    back itself, and peewee's own rollback then fails with "cannot rollback", which is the
+    error that arrives here."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if "database or disk is full" in text:
+            return "the database's disk is full"
+        if "database is locked" in text:
+            return "the database is busy"
+        code = getattr(current, "pgcode", None)
+        if isinstance(code, str) and code.startswith(_PG_TRANSIENT_CLASSES):
+            return f"the database cannot take the request now ({code}: {text.strip()})"
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _now() -> float:
     return time.time()
 

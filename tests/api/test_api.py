@@ -937,3 +937,56 @@ def test_an_argument_or_environment_the_kernel_cannot_pass_is_400(client):
         error = error_of(client, body)
         assert [e["field"] for e in error["errors"]] == [field], error
         assert "bytes" in error["errors"][0]["message"]
+
+
+@pytest.fixture
+def full_disk_store(tmp_path):
+    """A SQLite store on a 1 MiB tmpfs (root mounts it; the suite runs as root) and a function
+    that fills the filesystem up; the filler is removed by the test to free it again."""
+    import os
+    import subprocess
+
+    from tests.conftest import _fresh_store
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    store = _fresh_store(f"sqlite:///{mount / 'tes.db'}")
+
+    def fill() -> None:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    try:
+        yield store, fill, mount / "filler"
+    finally:
+        store.db.close()
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_database_answers_503_with_retry_after_and_loses_nothing(config, full_disk_store):
+    store, fill, filler = full_disk_store
+    client = testing.TestClient(create_app(config, store=store))
+    before = [create(client, {"name": f"t{i}", **ECHO}) for i in range(3)]
+    fill()
+    for result in (
+        client.simulate_post("/v1/tasks", json={"name": "x" * 100_000, **ECHO}),
+        client.simulate_post(f"/v1/tasks/{before[0]}:cancel"),
+    ):
+        assert result.status_code == 503, result.text
+        assert int(result.headers["retry-after"]) > 0
+        assert result.json["code"] == 503 and "full" in result.json["message"]
+    # Reads still answer, and nothing was half-written.
+    assert [t["id"] for t in client.simulate_get("/v1/tasks").json["tasks"]] == before[::-1]
+    filler.unlink()
+    late = create(client, {"name": "x" * 100_000, **ECHO})
+    assert client.simulate_post(f"/v1/tasks/{before[0]}:cancel").status_code == 200
+    tasks = client.simulate_get("/v1/tasks").json["tasks"]
+    assert [t["id"] for t in tasks] == [late, *before[::-1]]
+    assert [t["state"] for t in tasks] == ["QUEUED", "QUEUED", "QUEUED", "CANCELED"]
