@@ -95,6 +95,10 @@ MAX_ARG_BYTES = 128 * 1024 - 64
 #: All of an executor's arguments and variables (strings, NULs and pointers): half of the usual
 #: ARG_MAX (2 MiB), the other half left to the runtime's own flags and the job's environment.
 MAX_EXEC_BYTES = 1024 * 1024
+#: Each argument or variable costs at least this much of MAX_EXEC_BYTES (a NUL, a pointer).
+MAX_EXEC_STRINGS = MAX_EXEC_BYTES // 9
+MAX_ZONES = 1024
+MAX_BACKEND_PARAMETERS = 64
 #: ram_gb and disk_gb: far beyond any node (an exabyte), and still an exact number of MB.
 MAX_GIGABYTES = 1e9
 
@@ -362,6 +366,9 @@ def validate_task(
     `local_image_dirs` (container.local_image_dirs), links resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
+    oversized = _oversized_collections(body, limits)
+    if oversized:
+        raise TaskValidationError(oversized)
     body = _drop_nulls(body)
     bad_strings = list(_unstorable_strings(body))
     if bad_strings:
@@ -392,17 +399,39 @@ def validate_task(
     return ValidatedTask(document=document, warnings=warnings)
 
 
+def _oversized_collections(body: dict[str, Any], limits: Limits) -> list[tuple[str, str]]:
+    """Arrays and objects with more items than allowed, counted before validation: pydantic
+    makes one error per bad item, and 16 MiB of `{},` took minutes and gigabytes."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field: str, value: Any, limit: int) -> bool:
+        if isinstance(value, list | dict) and len(value) > limit:
+            problems.append((field, f"at most {limit} allowed on this server, got {len(value)}"))
+            return False
+        return True
+
+    for field in ("inputs", "outputs", "volumes", "tags"):
+        check(field, body.get(field), getattr(limits, f"max_{field}"))
+    resources = body.get("resources")
+    if isinstance(resources, dict):
+        check("resources.zones", resources.get("zones"), MAX_ZONES)
+        check(
+            "resources.backend_parameters",
+            resources.get("backend_parameters"),
+            MAX_BACKEND_PARAMETERS,
+        )
+    executors = body.get("executors")
+    if check("executors", executors, limits.max_executors) and isinstance(executors, list):
+        for index, executor in enumerate(executors):
+            if isinstance(executor, dict):
+                for field in ("command", "env"):
+                    where = f"executors[{index}].{field}"
+                    check(where, executor.get(field), MAX_EXEC_STRINGS)
+    return problems
+
+
 def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
     problems = []
-    for field, count, limit in (
-        ("executors", len(model.executors), limits.max_executors),
-        ("inputs", len(model.inputs or ()), limits.max_inputs),
-        ("outputs", len(model.outputs or ()), limits.max_outputs),
-        ("volumes", len(model.volumes or ()), limits.max_volumes),
-        ("tags", len(model.tags or ()), limits.max_tags),
-    ):
-        if count > limit:
-            problems.append((field, f"at most {limit} allowed on this server, got {count}"))
     for index, executor in enumerate(model.executors):
         problems += _check_exec_size(index, executor)
     for index, item in enumerate(model.inputs or ()):
