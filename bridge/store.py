@@ -346,10 +346,12 @@ class Store:
     ) -> tuple[list[TaskRecord], str | None]:
         # The stored JSON is ASCII (json.dumps escapes the rest): characters are bytes.
         size = peewee.fn.LENGTH(TaskRow.document) + peewee.fn.LENGTH(TaskRow.logs)
-        query = self._filtered(
-            TaskRow.select(TaskRow.seq, size.alias("size")), task_filter, page_token
-        )
-        sizes = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1).tuples())
+        # The page's seqs first (as a MINIMAL list), then the sizes of those rows only: computed
+        # in the filtering query, every matching row's document would be read before the LIMIT.
+        page = self._filtered(TaskRow.select(TaskRow.seq), task_filter, page_token)
+        page = page.order_by(TaskRow.seq.desc()).limit(page_size + 1)
+        query = TaskRow.select(TaskRow.seq, size.alias("size")).where(TaskRow.seq.in_(page))
+        sizes = list(query.order_by(TaskRow.seq.desc()).tuples())
         seqs: list[int] = []
         total = 0
         for seq, nbytes in sizes[:page_size]:
