@@ -13,8 +13,8 @@ from pathlib import Path
 from tests.api.test_server import wait_until_up
 from tests.procs import free_port
 
-#: Per operation and phase: about 2,000 requests over the five operations in under 3 minutes.
-MAX_EXAMPLES = 150
+#: Per operation and phase: about 2,200 requests over the five operations in 1.5 minutes.
+MAX_EXAMPLES = 250
 
 #: Whether a request that breaks the schema is refused (and a valid one accepted) is not what
 #: these checks are for: the server is deliberately more lenient in places (explicit nulls,
@@ -47,6 +47,10 @@ def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(tmp_path: 
                 "all",
                 "--exclude-checks",
                 EXCLUDED_CHECKS,
+                # Not the coverage phase: it crashes inside schemathesis now and then on
+                # Python 3.11 ("AST constructor recursion depth mismatch").
+                "--phases",
+                "fuzzing,stateful",
                 "--max-examples",
                 str(MAX_EXAMPLES),
                 "--workers",
@@ -67,6 +71,6 @@ def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(tmp_path: 
     server_log = (tmp_path / "server.log").read_text()
     assert run.returncode == 0, output[-20000:] + "\nserver log:\n" + server_log[-5000:]
     generated = re.search(r"(\d+) generated", output)
-    assert generated and int(generated.group(1)) >= 1500, output[-3000:]
+    assert generated and int(generated.group(1)) >= 2000, output[-3000:]
     assert "unhandled error" not in server_log, server_log[-5000:]
     print(output[-1500:])
