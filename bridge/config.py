@@ -81,6 +81,9 @@ class LimitsConfig(_Section):
     max_tags: int = Field(default=256, ge=0)
     #: Inline input `content`, per input. The TES document asks servers to accept 128 KiB.
     max_content_bytes: int = Field(default=1024 * 1024, ge=128 * 1024)
+    #: A list page (BASIC, FULL) stops before the stored tasks it reads pass this many bytes,
+    #: and gives a next_page_token; a page always has at least one task.
+    list_budget_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)
 
 
 class ServiceInfoConfig(_Section):

@@ -1,7 +1,8 @@
 """The API's own OpenAPI 3 document, served at `<prefix>/openapi.json`.
 
 Request schemas come from the same pydantic models that validate requests (bridge.tes), so the
-document cannot drift from what the server accepts; response schemas follow TES 1.1.0.
+document cannot drift from what the server accepts; response schemas follow TES 1.1.0 and
+describe the views as served: in a MINIMAL task only `id` and `state` are present.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def _string(description: str = "") -> dict[str, Any]:
     return {"type": "string", "description": description} if description else {"type": "string"}
 
 
-def _response_schemas() -> dict[str, Any]:
+def _response_schemas(request_properties: dict[str, Any]) -> dict[str, Any]:
     return {
         "tesState": {"type": "string", "enum": [s.value for s in State]},
         "tesExecutorLog": {
@@ -55,19 +56,21 @@ def _response_schemas() -> dict[str, Any]:
             },
         },
         "tesTask": {
-            "allOf": [
-                {"$ref": _REF + "tesTaskRequest"},
-                {
-                    "type": "object",
-                    "required": ["id", "state"],
-                    "properties": {
-                        "id": _string(),
-                        "state": {"$ref": _REF + "tesState"},
-                        "logs": {"type": "array", "items": {"$ref": _REF + "tesTaskLog"}},
-                        "creation_time": _string("RFC 3339"),
-                    },
-                },
-            ]
+            "type": "object",
+            "description": (
+                "A task in one view. MINIMAL: `id` and `state` only. BASIC: the task as its "
+                "client sent it (without input `content`), `creation_time` and `logs` without "
+                "`system_logs` and executor `stdout`/`stderr`. FULL: everything. So only `id` "
+                "and `state` are always present."
+            ),
+            "required": ["id", "state"],
+            "properties": {
+                **request_properties,
+                "id": _string(),
+                "state": {"$ref": _REF + "tesState"},
+                "logs": {"type": "array", "items": {"$ref": _REF + "tesTaskLog"}},
+                "creation_time": _string("RFC 3339"),
+            },
         },
         "tesCreateTaskResponse": {
             "type": "object",
@@ -112,10 +115,11 @@ def openapi_document(config: Config) -> dict[str, Any]:
     request = TaskModel.model_json_schema(ref_template=_REF + "{model}", mode="validation")
     schemas = request.pop("$defs", {})
     schemas["tesTaskRequest"] = request
-    schemas.update(_response_schemas())
+    schemas.update(_response_schemas(request["properties"]))
     errors = {
         "400": _json_response("Error", "The request is malformed; `errors` names the fields."),
         "404": _json_response("Error", "No such task."),
+        "default": _json_response("Error", "Any other error (401, 405, 413, 503, ...)."),
     }
     view = {
         "name": "view",
@@ -124,7 +128,8 @@ def openapi_document(config: Config) -> dict[str, Any]:
     }
     task_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
-        "openapi": "3.0.1",
+        # 3.1: its schemas are JSON Schema 2020-12, which pydantic writes (`"type": "null"`).
+        "openapi": "3.1.0",
         "info": {
             "title": config.service_info.name,
             "description": "GA4GH Task Execution Service 1.1.0 on Slurm",
@@ -181,6 +186,7 @@ def openapi_document(config: Config) -> dict[str, Any]:
                         "200": _json_response("tesCreateTaskResponse"),
                         "400": errors["400"],
                         "413": _json_response("Error", "The request body is too large."),
+                        "default": errors["default"],
                     },
                 },
             },

@@ -41,7 +41,7 @@ from bridge.job.owner import records_from_json
 from bridge.job.records import JobRecords, read_records
 from bridge.render import RenderError, prepare_task_dir, task_files
 from bridge.slurm import JobInfo, SlurmClient, SlurmError, SlurmRejected, TmpDisk
-from bridge.store import Store, TaskRecord
+from bridge.store import Store, TaskRecord, unavailable_reason
 from bridge.tes import TERMINAL_STATES, State, format_time
 
 log = logging.getLogger("bridge.poller")
@@ -406,7 +406,12 @@ class Poller:
             try:
                 if self._submit(task, stats):
                     stats.submitted += 1
-            except Exception:  # one broken task must not stop the others
+            except Exception as exc:  # one broken task must not stop the others
+                reason = unavailable_reason(exc)
+                if reason:
+                    # Passing (a full or locked database): the task stays QUEUED for later.
+                    log.error("submitting task %s postponed: %s", task.id, reason)
+                    break
                 log.exception("submitting task %s failed unexpectedly", task.id)
                 self._fail(task, "internal error while submitting the task; see the poller log")
             if self.clock() < self._submissions_paused_until:
@@ -964,8 +969,12 @@ def run_poller(config: Config, *, once: bool = False) -> int:
             stats = poller.cycle()
             if stats.submitted or stats.updated or stats.canceled:
                 log.info("poll cycle", extra=stats.__dict__)
-        except Exception:
-            log.exception("poll cycle failed; trying again")
+        except Exception as exc:
+            reason = unavailable_reason(exc)
+            if reason:
+                log.error("poll cycle failed: %s; trying again", reason)
+            else:
+                log.exception("poll cycle failed; trying again")
         if once:
             break
         deadline = time.monotonic() + config.slurm.poll_interval

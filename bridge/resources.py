@@ -95,23 +95,25 @@ class Tasks:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
-            view = parse_view(req.get_param("view"))
-            state = req.get_param("state")
+            view = parse_view(_param(req, "view"))
+            state = _param(req, "state")
             task_filter = TaskFilter(
-                name_prefix=req.get_param("name_prefix") or None,
+                name_prefix=_param(req, "name_prefix") or None,
                 state=parse_state(state).value if state else None,
-                tags=_tag_pairs(req),
+                tags=_tag_pairs(req, self.config.limits.max_tags),
                 owner=req.context.identity.owner_filter,
             )
-            page_size = _page_size(req.get_param("page_size"))
+            page_size = _page_size(_param(req, "page_size"))
+            page_token = _param(req, "page_token") or None
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
         try:
             records, next_token = self.store.list_tasks(
                 task_filter,
                 page_size=page_size,
-                page_token=req.get_param("page_token") or None,
+                page_token=page_token,
                 full=view is not View.MINIMAL,
+                budget_bytes=self.config.limits.list_budget_bytes,
             )
         except InvalidPageToken as exc:
             raise RequestError(
@@ -135,16 +137,35 @@ def _wire(record: TaskRecord, view: View) -> dict[str, Any]:
     )
 
 
-def _tag_pairs(req: falcon.Request) -> list[tuple[str, str | None]]:
-    """tag_key/tag_value are paired by position; a missing or empty value matches any value."""
-    keys = req.get_param_as_list("tag_key") or []
-    values = req.get_param_as_list("tag_value") or []
+def _no_nul(name: str, value: str) -> str:
+    # PostgreSQL cannot take a NUL in a string parameter, and no stored string holds one.
+    if "\x00" in value:
+        raise TaskValidationError([(name, "must not contain NUL characters")])
+    return value
+
+
+def _param(req: falcon.Request, name: str) -> str | None:
+    value = req.get_param(name)
+    return None if value is None else _no_nul(name, value)
+
+
+def _tag_pairs(req: falcon.Request, max_pairs: int) -> list[tuple[str, str | None]]:
+    """tag_key/tag_value are paired by position; a missing or empty value matches any value.
+
+    At most `max_pairs` (limits.max_tags, the most tags a task may have) keep the query small."""
+    keys = [_no_nul("tag_key", k) for k in req.get_param_as_list("tag_key") or []]
+    values = [_no_nul("tag_value", v) for v in req.get_param_as_list("tag_value") or []]
+    if len(keys) > max_pairs:
+        raise TaskValidationError(
+            [("tag_key", f"at most {max_pairs} tag_key parameters allowed on this server")]
+        )
     if len(values) > len(keys):
         raise TaskValidationError([("tag_value", "more tag_value than tag_key parameters")])
-    return [
+    pairs = [
         (key, values[i] if i < len(values) and values[i] != "" else None)
         for i, key in enumerate(keys)
     ]
+    return list(dict.fromkeys(pairs))
 
 
 def _page_size(value: str | None) -> int:
@@ -167,7 +188,8 @@ class Task:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
         try:
-            view = parse_view(req.get_param("view"))
+            _no_nul("id", task_id)
+            view = parse_view(_param(req, "view"))
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
         # Another owner's task answers 404, as an unknown one: ids are not confirmed to exist.
@@ -179,6 +201,10 @@ class Task:
 
     def on_post_cancel(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
         # The body is ignored (the compliance suite sends `{}`).
+        try:
+            _no_nul("id", task_id)
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
         if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
             raise _not_found(task_id)
         resp.media = {}

@@ -85,7 +85,22 @@ class TaskValidationError(ValueError):
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WILDCARD = re.compile(r"[*?\[]")
-_INT32_MAX = 2**31 - 1
+#: Slurm counts a job's CPUs in 16 bits, the two largest values meaning "unset" and
+#: "unlimited"; more would be refused or wrapped around by sbatch.
+MAX_CPU_CORES = 2**16 - 3
+#: Linux refuses to exec a single argument or environment string of 128 KiB or more
+#: (MAX_ARG_STRLEN, with its NUL); the runtime adds a prefix of up to 16 bytes to each
+#: variable's name (SINGULARITYENV_).
+MAX_ARG_BYTES = 128 * 1024 - 64
+#: All of an executor's arguments and variables (strings, NULs and pointers): half of the usual
+#: ARG_MAX (2 MiB), the other half left to the runtime's own flags and the job's environment.
+MAX_EXEC_BYTES = 1024 * 1024
+#: Each argument or variable costs at least this much of MAX_EXEC_BYTES (a NUL, a pointer).
+MAX_EXEC_STRINGS = MAX_EXEC_BYTES // 9
+MAX_ZONES = 1024
+MAX_BACKEND_PARAMETERS = 64
+#: ram_gb and disk_gb: far beyond any node (an exabyte), and still an exact number of MB.
+MAX_GIGABYTES = 1e9
 
 
 class FileType(StrEnum):
@@ -194,21 +209,22 @@ def _non_negative_number(value: Any) -> Any:
         raise ValueError("must be a number")
     if not math.isfinite(value) or value < 0:
         raise ValueError("must be a non-negative number")
+    if value > MAX_GIGABYTES:
+        raise ValueError(f"must be at most {MAX_GIGABYTES:.0f} (GB)")
     return float(value)
 
 
-NonNegativeNumber = Annotated[float, BeforeValidator(_non_negative_number)]
+# Field before the validator, so that the schema says minimum/maximum (the OpenAPI document).
+Gigabytes = Annotated[float, Field(ge=0, le=MAX_GIGABYTES), BeforeValidator(_non_negative_number)]
 
 
 class ResourcesModel(_Document):
-    cpu_cores: Annotated[int, BeforeValidator(_integral), Field(ge=0, le=_INT32_MAX)] | None = (
+    cpu_cores: Annotated[int, Field(ge=0, le=MAX_CPU_CORES), BeforeValidator(_integral)] | None = (
         Field(default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores"))
     )
     preemptible: StrictBool | None = None
-    ram_gb: NonNegativeNumber | None = Field(
-        default=None, validation_alias=AliasChoices("ram_gb", "ramGb")
-    )
-    disk_gb: NonNegativeNumber | None = Field(
+    ram_gb: Gigabytes | None = Field(default=None, validation_alias=AliasChoices("ram_gb", "ramGb"))
+    disk_gb: Gigabytes | None = Field(
         default=None, validation_alias=AliasChoices("disk_gb", "diskGb")
     )
     zones: list[Annotated[StrictStr, Field(min_length=1)]] | None = None
@@ -237,7 +253,7 @@ _FIELD_MESSAGES = {
     "env": "must be an object whose values are strings",
     "tags": "must be an object whose values are strings",
     "backend_parameters": "must be an object whose values are strings",
-    "cpu_cores": "must be a non-negative integer",
+    "cpu_cores": f"must be a non-negative integer, at most {MAX_CPU_CORES}",
     "type": "must be FILE or DIRECTORY",
 }
 
@@ -350,6 +366,9 @@ def validate_task(
     `local_image_dirs` (container.local_image_dirs), links resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
+    oversized = _oversized_collections(body, limits)
+    if oversized:
+        raise TaskValidationError(oversized)
     body = _drop_nulls(body)
     bad_strings = list(_unstorable_strings(body))
     if bad_strings:
@@ -380,17 +399,41 @@ def validate_task(
     return ValidatedTask(document=document, warnings=warnings)
 
 
+def _oversized_collections(body: dict[str, Any], limits: Limits) -> list[tuple[str, str]]:
+    """Arrays and objects with more items than allowed, counted before validation: pydantic
+    makes one error per bad item, and 16 MiB of `{},` took minutes and gigabytes."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field: str, value: Any, limit: int) -> bool:
+        if isinstance(value, list | dict) and len(value) > limit:
+            problems.append((field, f"at most {limit} allowed on this server, got {len(value)}"))
+            return False
+        return True
+
+    for field in ("inputs", "outputs", "volumes", "tags"):
+        check(field, body.get(field), getattr(limits, f"max_{field}"))
+    resources = body.get("resources")
+    if isinstance(resources, dict):
+        check("resources.zones", resources.get("zones"), MAX_ZONES)
+        check(
+            "resources.backend_parameters",
+            resources.get("backend_parameters"),
+            MAX_BACKEND_PARAMETERS,
+        )
+    executors = body.get("executors")
+    if check("executors", executors, limits.max_executors) and isinstance(executors, list):
+        for index, executor in enumerate(executors):
+            if isinstance(executor, dict):
+                for field in ("command", "env"):
+                    where = f"executors[{index}].{field}"
+                    check(where, executor.get(field), MAX_EXEC_STRINGS)
+    return problems
+
+
 def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
     problems = []
-    for field, count, limit in (
-        ("executors", len(model.executors), limits.max_executors),
-        ("inputs", len(model.inputs or ()), limits.max_inputs),
-        ("outputs", len(model.outputs or ()), limits.max_outputs),
-        ("volumes", len(model.volumes or ()), limits.max_volumes),
-        ("tags", len(model.tags or ()), limits.max_tags),
-    ):
-        if count > limit:
-            problems.append((field, f"at most {limit} allowed on this server, got {count}"))
+    for index, executor in enumerate(model.executors):
+        problems += _check_exec_size(index, executor)
     for index, item in enumerate(model.inputs or ()):
         if item.content is not None and len(item.content.encode()) > limits.max_content_bytes:
             problems.append(
@@ -400,6 +443,34 @@ def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
                     "server; stage larger files by `url`",
                 )
             )
+    return problems
+
+
+def _check_exec_size(index: int, executor: ExecutorModel) -> list[tuple[str, str]]:
+    """What the kernel would refuse to exec (the executor would end 126 with no reason)."""
+    problems = []
+    total = 0
+    strings = [(f"command[{i}]", arg) for i, arg in enumerate(executor.command)]
+    strings += [(f"env.{name}", f"{name}={value}") for name, value in (executor.env or {}).items()]
+    for where, text in strings:
+        size = len(text.encode())
+        total += size + 1 + 8
+        if size > MAX_ARG_BYTES:
+            problems.append(
+                (
+                    f"executors[{index}].{where}",
+                    f"is {size} bytes; one argument or variable may have at most "
+                    f"{MAX_ARG_BYTES} bytes (Linux's limit is 128 KiB)",
+                )
+            )
+    if total > MAX_EXEC_BYTES and not problems:
+        problems.append(
+            (
+                f"executors[{index}]",
+                f"command and env take {total} bytes; at most {MAX_EXEC_BYTES} bytes "
+                "(Linux's ARG_MAX) for all of an executor's arguments and variables",
+            )
+        )
     return problems
 
 

@@ -757,3 +757,310 @@ def test_local_sif_images_only_from_the_configured_directories(tmp_path, store):
         error = error_of(client, body(str(path)))
         assert [e["field"] for e in error["errors"]] == ["executors[1].image"], path
         assert reason in error["errors"][0]["message"], (path, error)
+
+
+# ----------------------------------------------------------------------- hostile requests
+
+
+def test_as_many_tag_filters_as_a_task_may_have_tags(client):
+    """One more than `limits.max_tags` is a 400 naming tag_key; up to it, the filter works
+    (it once overflowed the stack building the query: a 500 from 319 keys on)."""
+    tags = {f"k{i}": f"v{i}" for i in range(256)}
+    task_id = create(client, {"tags": tags, **ECHO})
+    create(client, {"tags": {"k0": "v0"}, **ECHO})
+    keys = "&".join(f"tag_key=k{i}" for i in range(256))
+    values = "&".join(f"tag_value=v{i}" for i in range(256))
+    for query in (keys, f"{keys}&{values}"):
+        result = client.simulate_get("/v1/tasks", query_string=query)
+        assert result.status_code == 200, result.text
+        assert [t["id"] for t in result.json["tasks"]] == [task_id]
+    for count in (257, 2000):
+        query = "&".join(f"tag_key=k{i}" for i in range(count))
+        result = client.simulate_get("/v1/tasks", query_string=query)
+        assert result.status_code == 400, result.text
+        assert result.json["errors"][0]["field"] == "tag_key"
+        assert "256" in result.json["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "field"),
+    [
+        ("/v1/tasks/a%00b", "", "id"),
+        ("/ga4gh/tes/v1/tasks/%00", "view=FULL", "id"),
+        ("/v1/tasks", "name_prefix=a%00", "name_prefix"),
+        ("/v1/tasks", "tag_key=a%00b", "tag_key"),
+        ("/v1/tasks", "tag_key=a&tag_value=%00", "tag_value"),
+        ("/v1/tasks", "state=QUEUED%00", "state"),
+        ("/v1/tasks", "view=%00", "view"),
+        ("/v1/tasks", "page_token=%00", "page_token"),
+    ],
+)
+def test_nul_in_a_path_or_query_parameter_is_400_naming_it(client, path, query, field):
+    """PostgreSQL refuses NUL in a string parameter; the answer must not be a 500."""
+    create(client, {"name": "a", "tags": {"a": "b"}, **ECHO})
+    result = client.simulate_get(path, query_string=query)
+    assert result.status_code == 400, result.text
+    assert result.json["errors"][0]["field"] == field
+    if field == "id":
+        result = client.simulate_post(f"{path}:cancel")
+        assert result.status_code == 400, result.text
+        assert result.json["errors"][0]["field"] == "id"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"name": "a\u0000", **ECHO}, "name"),
+        ({"tags": {"k\u0000": "v"}, **ECHO}, "tags.k\u0000"),
+        ({"tags": {"k": "\u0000"}, **ECHO}, "tags.k"),
+        ({"executors": [{"image": "a", "command": ["x"], "env": {"A": "\u0000"}}]}, "env.A"),
+        ({"inputs": [{"path": "/a", "content": "\u0000"}], **ECHO}, "inputs[0].content"),
+    ],
+)
+def test_nul_anywhere_in_a_created_task_is_400_naming_the_field(client, body, field):
+    error = error_of(client, body)
+    assert error["errors"][0]["field"].endswith(field), error
+    assert "NUL" in error["errors"][0]["message"]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize("name", ["service-info", "openapi.json"])
+def test_documents_below_tasks_are_not_a_500(client, prefix, name):
+    """`/tasks/service-info` is the old clients' service-info under /v1 and an unknown task
+    id elsewhere, like `/tasks/openapi.json`: never the 500 of a public path without an
+    identity."""
+    result = client.simulate_get(f"{prefix}/tasks/{name}")
+    if prefix == "/v1" and name == "service-info":
+        assert result.status_code == 200 and set(result.json) == {"name", "doc", "storage"}
+    else:
+        assert result.status_code == 404, result.text
+        assert result.json["code"] == 404
+        assert client.simulate_post(f"{prefix}/tasks/{name}:cancel").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"ram_gb": 1e308}, "resources.ram_gb"),
+        ({"ramGb": 1e300}, "resources.ramGb"),
+        ({"disk_gb": 1e308}, "resources.disk_gb"),
+        ({"ram_gb": 1e9 + 1}, "resources.ram_gb"),
+        ({"cpu_cores": 65534}, "resources.cpu_cores"),
+        ({"cpu_cores": 2**31 - 1}, "resources.cpu_cores"),
+        ({"cpu_cores": 1e300}, "resources.cpu_cores"),
+        ({"preemptible": 1}, "resources.preemptible"),
+        ({"preemptible": "true"}, "resources.preemptible"),
+        ({"backend_parameters_strict": 0}, "resources.backend_parameters_strict"),
+    ],
+)
+def test_absurd_resources_are_400_naming_the_field(client, resources, field):
+    """A value no Slurm job can take is refused at create (1e308 GB was accepted, and the
+    poller's conversion to MB then failed the task with an internal error)."""
+    error = error_of(client, {"resources": resources, **ECHO})
+    assert error["errors"][0]["field"] == field, error
+
+
+def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp_path, config):
+    from bridge.job.layout import TaskLayout
+    from bridge.render import sbatch_directives
+
+    resources = {"cpu_cores": 65533, "ram_gb": 1e9, "disk_gb": 1e9}
+    task = get(client, create(client, {"resources": resources, **ECHO}), "FULL")
+    directives = sbatch_directives(task, config=config, layout=TaskLayout(tmp_path / task["id"]))
+    assert "--cpus-per-task=65533" in directives
+    assert f"--mem={10**9 * 1024}" in directives and f"--tmp={10**9 * 1024}" in directives
+
+
+# ----------------------------------------------------------------------- the served OpenAPI
+
+
+def test_every_view_is_valid_against_the_served_openapi_document(client, store):
+    """GET and list answers in each view validate against the schemas of the document the
+    server serves (the MINIMAL view once broke a schema that required `executors`)."""
+    import jsonschema
+
+    document = client.simulate_get("/ga4gh/tes/v1/openapi.json").json
+    assert document["openapi"].startswith("3.1")
+
+    def validator(path: str, method: str, status: str = "200") -> jsonschema.Validator:
+        schema = document["paths"][path][method]["responses"][status]["content"]
+        schema = {**schema["application/json"]["schema"], "components": document["components"]}
+        return jsonschema.Draft202012Validator(schema)
+
+    body = {
+        "name": "n",
+        "inputs": [{"path": "/in/a", "content": "c"}, {"path": "/in/b", "url": "s3://b/k"}],
+        "outputs": [{"path": "/out/x", "url": "s3://b/x"}],
+        "resources": {"cpu_cores": 2, "ramGb": 1.5, "backend_parameters": {"qos": "q"}},
+        "volumes": ["/vol"],
+        "tags": {"k": "v"},
+        **ECHO,
+    }
+    task_id = create(client, body)
+    create(client, ECHO)
+    store.update_task(
+        task_id,
+        logs=[
+            {
+                "logs": [{"exit_code": 0, "stdout": "o", "stderr": "", "start_time": "t"}],
+                "outputs": [{"url": "s3://b/x", "path": "/out/x", "size_bytes": "3"}],
+                "system_logs": ["ran"],
+                "metadata": {"slurm_job_id": "1"},
+            }
+        ],
+    )
+    get_task = validator("/tasks/{id}", "get")
+    list_tasks = validator("/tasks", "get")
+    for view in ("MINIMAL", "BASIC", "FULL"):
+        get_task.validate(get(client, task_id, view))
+        page = client.simulate_get("/v1/tasks", params={"view": view, "page_size": "1"}).json
+        assert page["next_page_token"]
+        list_tasks.validate(page)
+    validator("/tasks", "post").validate(client.simulate_post("/v1/tasks", json=ECHO).json)
+    error = client.simulate_get("/v1/tasks/nope")
+    validator("/tasks/{id}", "get", "404").validate(error.json)
+    for name in ("tesTaskRequest", "tesTask"):
+        jsonschema.Draft202012Validator.check_schema(
+            {**document["components"]["schemas"][name], "components": document["components"]}
+        )
+
+
+def test_a_list_page_stops_at_its_byte_budget_with_a_token(tmp_path, store):
+    """30 tasks of 1 MB with a 4 MB budget: pages of at most 4 MB (a task alone may be larger),
+    every task exactly once, in order; MINIMAL pages are not cut."""
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"limits.list_budget_bytes": 4 * 1024 * 1024},
+    )
+    client = testing.TestClient(create_app(config, store=store))
+    big = {"inputs": [{"path": "/in/a", "content": "x" * (1024 * 1024)}], **ECHO}
+    ids = [store.create_task({"name": f"t{i}", **big}).id for i in range(30)]
+    huge = {"inputs": [{"path": f"/in/{i}", "content": "y" * (1024 * 1024)} for i in range(5)]}
+    ids.append(store.create_task({**huge, **ECHO}).id)
+    for view, most in (("FULL", 4), ("BASIC", 31)):
+        seen: list[str] = []
+        token = None
+        while True:
+            params = {"view": view, **({"page_token": token} if token else {})}
+            result = client.simulate_get("/v1/tasks", params=params)
+            assert result.status_code == 200
+            tasks = result.json["tasks"]
+            assert 1 <= len(tasks) <= most, view
+            assert len(result.content) <= 4 * 1024 * 1024 or len(tasks) == 1
+            seen += [t["id"] for t in tasks]
+            token = result.json.get("next_page_token")
+            if not token:
+                break
+        assert seen == ids[::-1], view
+    minimal = client.simulate_get("/v1/tasks").json
+    assert len(minimal["tasks"]) == 31 and "next_page_token" not in minimal
+
+
+def test_an_argument_or_environment_the_kernel_cannot_pass_is_400(client):
+    """Linux refuses exec of one argument or environment string over 128 KiB (MAX_ARG_STRLEN),
+    or of more than ARG_MAX in all: such a task once ended EXECUTOR_ERROR 126 with no reason."""
+    step = {"image": "alpine"}
+    most = 128 * 1024 - 64
+    assert create(client, {"executors": [{**step, "command": ["echo", "x" * most]}]})
+    assert create(client, {"executors": [{**step, "command": ["env"], "env": {"V": "x" * 1000}}]})
+    for executor, field in [
+        ({"command": ["echo", "x" * (128 * 1024)]}, "executors[0].command[1]"),
+        ({"command": ["echo", "é" * (64 * 1024)]}, "executors[0].command[1]"),
+        ({"command": ["env"], "env": {"BIG": "x" * (128 * 1024)}}, "executors[0].env.BIG"),
+        ({"command": ["echo"] + ["x" * 100_000] * 11}, "executors[0]"),
+        ({"command": ["env"], "env": {f"V{i}": "x" * 100_000 for i in range(11)}}, "executors[0]"),
+    ]:
+        body = {"executors": [ECHO["executors"][0], {**step, **executor}]}
+        body["executors"].reverse()
+        error = error_of(client, body)
+        assert [e["field"] for e in error["errors"]] == [field], error
+        assert "bytes" in error["errors"][0]["message"]
+
+
+@pytest.fixture
+def full_disk_store(tmp_path):
+    """A SQLite store on a 1 MiB tmpfs (root mounts it; the suite runs as root) and a function
+    that fills the filesystem up; the filler is removed by the test to free it again."""
+    import os
+    import subprocess
+
+    from tests.conftest import _fresh_store
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    store = _fresh_store(f"sqlite:///{mount / 'tes.db'}")
+
+    def fill() -> None:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    try:
+        yield store, fill, mount / "filler"
+    finally:
+        store.db.close()
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_database_answers_503_with_retry_after_and_loses_nothing(config, full_disk_store):
+    store, fill, filler = full_disk_store
+    client = testing.TestClient(create_app(config, store=store))
+    before = [create(client, {"name": f"t{i}", **ECHO}) for i in range(3)]
+    fill()
+    for result in (
+        client.simulate_post("/v1/tasks", json={"name": "x" * 100_000, **ECHO}),
+        client.simulate_post(f"/v1/tasks/{before[0]}:cancel"),
+    ):
+        assert result.status_code == 503, result.text
+        assert int(result.headers["retry-after"]) > 0
+        assert result.json["code"] == 503 and "full" in result.json["message"]
+    # Reads still answer, and nothing was half-written.
+    assert [t["id"] for t in client.simulate_get("/v1/tasks").json["tasks"]] == before[::-1]
+    filler.unlink()
+    late = create(client, {"name": "x" * 100_000, **ECHO})
+    assert client.simulate_post(f"/v1/tasks/{before[0]}:cancel").status_code == 200
+    tasks = client.simulate_get("/v1/tasks").json["tasks"]
+    assert [t["id"] for t in tasks] == [late, *before[::-1]]
+    assert [t["state"] for t in tasks] == ["QUEUED", "QUEUED", "QUEUED", "CANCELED"]
+
+
+def test_a_body_of_millions_of_items_is_refused_fast(client):
+    """16 MiB of `{},` once took 272 s and 14 GB in one worker: pydantic made one error per
+    item. Counts are checked before validation, each collection naming its field."""
+    import time
+
+    count = (16 * 1024 * 1024 - 100) // 3
+    bodies = [
+        ('{"executors": [' + "{}," * count + "{}]}", "executors"),
+        ('{"volumes": [' + "0," * count + "0]}", "volumes"),
+        ('{"tags": {' + ",".join(f'"{i}":0' for i in range(1_000_000)) + "}}", "tags"),
+        (
+            '{"executors": [{"image": "a", "command": [' + "0," * count + "0]}]}",
+            "executors[0].command",
+        ),
+        (
+            '{"executors": [{"image": "a", "command": ["x"], "env": {'
+            + ",".join(f'"V{i}":0' for i in range(1_000_000))
+            + "}}]}",
+            "executors[0].env",
+        ),
+        ('{"resources": {"zones": [' + "0," * count + "0]}}", "resources.zones"),
+        (
+            '{"resources": {"backend_parameters": {'
+            + ",".join(f'"k{i}":0' for i in range(1_000_000))
+            + "}}}",
+            "resources.backend_parameters",
+        ),
+    ]
+    for body, field in bodies:
+        started = time.monotonic()
+        result = client.simulate_post("/v1/tasks", body=body)
+        assert result.status_code == 400, result.text[:300]
+        assert [e["field"] for e in result.json["errors"]] == [field]
+        assert time.monotonic() - started < 10, field

@@ -131,6 +131,10 @@ def test_service_info_and_openapi_stay_public(basic_client: testing.TestClient):
     assert basic_client.simulate_post(f"{API}/tasks", json=TASK).status_code == 401
     assert basic_client.simulate_get(f"{API}/tasks/x").status_code == 401
     assert basic_client.simulate_post(f"{API}/tasks/x:cancel").status_code == 401
+    # Only those exact paths: a task id that looks like a document needs credentials (it once
+    # went through without an identity and answered 500).
+    for path in (f"{API}/tasks/openapi.json", f"{API}/tasks/service-info", "/v1/x/openapi.json"):
+        assert basic_client.simulate_get(path).status_code == 401, path
 
 
 def test_htpasswd_changes_apply_without_restart(

@@ -13,6 +13,7 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,10 @@ from tests.procs import children, cmdline
 pytestmark = pytest.mark.cluster
 
 ALPINE = "alpine"
+
+#: The concurrent test: threads creating tasks, and tasks each creates (every other canceled).
+CREATORS = 8
+CREATES_PER_THREAD = 8
 
 #: An sbatch on a slow way to slurmctld: it sleeps before and after the real sbatch, which runs
 #: as its child (not exec'd), as a site's wrapper might. The delays are read from files beside
@@ -252,6 +257,66 @@ def test_a_canceled_task_never_runs_its_executors_whenever_the_cancel_lands(
         for name, jobs in found.items():
             assert len(jobs) == 1, (name, jobs)
             assert jobs[0].state == "CANCELLED", jobs
+    finally:
+        service.stop()
+
+
+def test_concurrent_creates_cancels_and_lists_never_5xx_and_cancels_hold(local_cluster, tmp_path):
+    """Threads create tasks, cancel every other one shortly after, and list, all at once, on
+    the SQLite store: no answer is a 5xx (cancels once failed with "database is locked"),
+    each canceled task ends CANCELED without running, and the others complete, once each."""
+    service = start_bridge_service(local_cluster, tmp_path)
+    statuses: list[int] = []
+    created: list[tuple[str, bool]] = []
+    lock = threading.Lock()
+    creating = threading.Event()
+    creating.set()
+
+    def note(result: requests.Response) -> requests.Response:
+        with lock:
+            statuses.append(result.status_code)
+        return result
+
+    def creator(seed: int) -> None:
+        rng = random.Random(seed)
+        for index in range(CREATES_PER_THREAD):
+            task = {"name": f"c{seed}-{index}", "executors": [executor("true")]}
+            result = note(requests.post(f"{service.api}/tasks", json=task, timeout=30))
+            if result.status_code != 200:
+                continue
+            cancel = index % 2 == 0
+            with lock:
+                created.append((result.json()["id"], cancel))
+            if cancel:
+                time.sleep(rng.uniform(0, 0.3))  # before, during or after the submission
+                note(requests.post(f"{service.api}/tasks/{result.json()['id']}:cancel", timeout=30))
+
+    def lister() -> None:
+        while creating.is_set():
+            for params in ({"view": "BASIC"}, {"name_prefix": "c1-"}, {"state": "CANCELED"}):
+                note(requests.get(f"{service.api}/tasks", params=params, timeout=30))
+
+    try:
+        listers = [threading.Thread(target=lister) for _ in range(2)]
+        creators = [threading.Thread(target=creator, args=(seed,)) for seed in range(CREATORS)]
+        for thread in listers + creators:
+            thread.start()
+        for thread in creators:
+            thread.join()
+        creating.clear()
+        for thread in listers:
+            thread.join()
+        assert not [s for s in statuses if s >= 500], sorted(set(statuses))
+        assert len(created) == CREATORS * CREATES_PER_THREAD and len(statuses) > len(created) * 2
+        tasks = {task_id: service.wait(task_id, timeout=300) for task_id, _ in created}
+        for task_id, canceled in created:
+            task = tasks[task_id]
+            if canceled:
+                assert task["state"] == "CANCELED", task
+                assert not executors_ran(service, task_id), task_id
+            else:
+                assert task["state"] == "COMPLETE", task
+        assert_one_job_per_attempt({t: tasks[t] for t, canceled in created if not canceled})
     finally:
         service.stop()
 

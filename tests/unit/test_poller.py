@@ -855,3 +855,25 @@ def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, mon
     assert record.job_id not in (None, first), record
     assert record.attempt == 2 and record.state == "QUEUED"
     assert slurm.calls.count("sbatch") == 2
+
+
+def test_a_full_database_while_submitting_postpones_and_never_fails_the_task(env, monkeypatch):
+    """SQLite's "database or disk is full" passes: the task stays QUEUED and is submitted once
+    there is room again (it was failed with "internal error")."""
+    import peewee
+
+    poller, store, slurm, _ = env
+    task_id = store.create_task(ECHO).id
+    submit = poller._submit
+
+    def full(task, stats):
+        raise peewee.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(poller, "_submit", full)
+    poller.cycle()
+    assert store.get_task(task_id).state == State.QUEUED.value
+    monkeypatch.setattr(poller, "_submit", submit)
+    poller.cycle()
+    record = store.get_task(task_id)
+    assert record.job_id is not None and record.state == State.QUEUED.value
+    assert slurm.calls.count("sbatch") == 1

@@ -154,3 +154,26 @@ def test_a_cancel_waits_for_another_writer_instead_of_failing(sqlite_store: Stor
     assert not errors, errors
     assert canceled is not None and canceled.state == State.CANCELED.value
     assert store.get_task(victim.id).state == State.CANCELED.value
+
+
+def test_unavailable_reason_sees_through_the_rollback_error():
+    import peewee
+
+    from bridge.store import unavailable_reason
+
+    class PgError(Exception):
+        def __init__(self, message: str, pgcode: str) -> None:
+            super().__init__(message)
+            self.pgcode = pgcode
+
+    try:
+        try:
+            raise peewee.OperationalError("database or disk is full")
+        except peewee.OperationalError:
+            raise peewee.OperationalError("cannot rollback - no transaction is active") from None
+    except peewee.OperationalError as exc:
+        assert exc.__cause__ is None and exc.__context__ is not None
+        assert unavailable_reason(exc) == "the database's disk is full"
+    assert "53100" in unavailable_reason(PgError("could not extend file", "53100"))
+    assert unavailable_reason(PgError("syntax error", "42601")) is None
+    assert unavailable_reason(ValueError("bad")) is None
