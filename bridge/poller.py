@@ -564,8 +564,9 @@ class Poller:
     def _tmp_disk_hint(self, document: dict[str, Any], stats: CycleStats) -> str:
         """Why sbatch refused `--tmp`, and the setting that decides it."""
         mode = self.config.slurm.disk_request
+        if self.clock() - self._tmp_disk_at > TMP_DISK_RECHECK:
+            self._tmp_disk_at = float("-inf")  # what the nodes declare may have changed
         try:
-            self._tmp_disk_at = 0.0  # what the nodes declare may have changed: read it now
             declared = f"the nodes declare TmpDisk {self._known_tmp_disk(stats).describe()}"
         except SlurmError:
             declared = "the nodes' TmpDisk could not be read"
@@ -873,6 +874,10 @@ class Poller:
 class OwnerCommandError(Exception):
     """A site-mode command run as a task's owner (sudo) failed."""
 
+
+#: After sbatch refuses a `--tmp`, TmpDisk is read again if the last read is older than this
+#: (at most one sinfo per this many seconds, however many tasks are refused).
+TMP_DISK_RECHECK = 30.0
 
 #: sbatch's words for a `--tmp` no node can give (tests/data/slurm/sbatch-too-much-tmp.txt).
 _TMP_REFUSED = "Temporary disk specification can not be satisfied"

@@ -36,7 +36,8 @@ class JobSettings:
     linkable_inputs: list[int] = field(default_factory=list)
     #: file:// inputs and outputs at their own host path inside a shared directory
     #: (storage.shared_dirs): the executors see them through the shared bind; stage-in only
-    #: checks that an input is there, stage-out records an output without copying it.
+    #: checks that an input is there and makes an output's directory, stage-out records an
+    #: output without copying it.
     in_place_inputs: list[int] = field(default_factory=list)
     in_place_outputs: list[int] = field(default_factory=list)
     #: container.allow_root: executors may run as root (refused otherwise, see bridge.job.execute).

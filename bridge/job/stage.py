@@ -121,7 +121,7 @@ def stage_in(task_dir: Path, records_dir: Path) -> int:
         return STAGE_FAILED
 
     ctx = _context(layout, settings, log)
-    failed = 0
+    failed = _make_in_place_output_dirs(task, settings, ctx, log)
     for index, item in enumerate(task.get("inputs") or []):
         url = item.get("url") if isinstance(item, dict) else None
         path = item.get("path") if isinstance(item, dict) else None
@@ -147,6 +147,25 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
     return str(exc)
+
+
+def _make_in_place_output_dirs(
+    task: dict[str, Any], settings: JobSettings, ctx: StagingContext, log: RecordsWriter
+) -> int:
+    """As for any output, its directory exists before the executors run: for an output used
+    in place, in the shared directory itself (links resolved, never outside it)."""
+    failed = 0
+    outputs = task.get("outputs") or []
+    for index in settings.in_place_outputs:
+        item = outputs[index]
+        path = item["path"]
+        directory = path if item.get("type") == "DIRECTORY" else os.path.dirname(path)
+        try:
+            file.ensure_directory(directory, ctx)
+        except StagingError as exc:
+            failed += 1
+            log.system_log(f"output {index} {path}: {exc}")
+    return failed
 
 
 def _check_in_place(path: str, kind: str) -> None:

@@ -93,4 +93,4 @@ def test_py_tes_0_4_2_runs_a_task_end_to_end(old_clients_service, old_py_tes):
         "basic_content": None,
         "listed": True,
     }
-    assert "file://" in seen["storage"]
+    assert f"file://{bridge_service.data_dir}/" in seen["storage"]

@@ -118,7 +118,7 @@ def test_same_path_input_and_output_are_used_in_place_and_other_inputs_stay_read
                 sh(
                     f"stat -c %i {source}; "
                     "if echo x >> /in/ro.txt; then echo ro-writable; else echo ro-refused; fi; "
-                    f"mkdir -p {out.parent} && echo out > {out}"
+                    f"echo out > {out}"  # its directory was made for it, as for any output
                 )
             ],
         }

@@ -224,7 +224,9 @@ def test_file_url_outside_the_allowed_directories_is_a_400(staging_service):
 
 def test_service_info_lists_what_this_deployment_stages(staging_service):
     info = requests.get(f"{staging_service.api}/service-info", timeout=10).json()
-    assert info["storage"] == ["file://", "http://", "https://", "s3://", "ftp://"]
+    # file:// per allowed directory: a bare file:// would claim every local path.
+    local = f"file://{staging_service.data_dir}/"
+    assert info["storage"] == [local, "http://", "https://", "s3://", "ftp://"]
 
 
 def test_bad_credentials_are_a_system_error_that_leaks_nothing(

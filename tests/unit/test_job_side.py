@@ -282,6 +282,26 @@ def test_in_place_outputs_are_recorded_not_copied_onto_themselves(tmp_path: Path
     assert "none.txt: not found" in task.read().system_logs[0]
 
 
+def test_in_place_outputs_get_their_directory_in_the_shared_dir_before_the_executors(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (shared / "link").symlink_to(tmp_path / "elsewhere")
+    outputs = [
+        {"path": f"{shared}/a/b/x.txt", "url": f"file://{shared}/a/b/x.txt"},
+        {"path": f"{shared}/d", "url": f"file://{shared}/d", "type": "DIRECTORY"},
+        {"path": f"{shared}/link/sub/y.txt", "url": f"file://{shared}/link/sub/y.txt"},
+    ]
+    task = Task(tmp_path, {"outputs": outputs}, in_place_outputs=[0, 1, 2])
+    assert task.stage_in() == STAGE_FAILED
+    assert (shared / "a" / "b").is_dir() and (shared / "d").is_dir()
+    # A link in the shared directory does not lead the job to make directories elsewhere.
+    assert not (tmp_path / "elsewhere" / "sub").exists()
+    assert "outside the allowed directories" in task.read().system_logs[0]
+
+
 def test_file_and_directory_outputs_are_uploaded_and_recorded(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     task = Task(

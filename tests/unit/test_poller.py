@@ -432,7 +432,10 @@ def test_tmp_disk_request_on_nodes_without_tmp_disk_fails_saying_why(tmp_path, s
     slurm.reject = (DATA / "sbatch-too-much-tmp.txt.stderr").read_text()
     slurm.sinfo = "main*|0\n"
     task = sqlite_store.create_task(DISK)
+    other = sqlite_store.create_task(DISK)
     poller.cycle()
+    assert slurm.calls.count("sinfo") == 1  # one read explains every refusal of the cycle
+    assert sqlite_store.get_task(other.id).state == "SYSTEM_ERROR"
     record = sqlite_store.get_task(task.id)
     assert record.state == "SYSTEM_ERROR"
     (message,) = record.logs[0]["system_logs"]
