@@ -474,17 +474,135 @@ class Store:
         return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
 
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
-        """Apply poller changes; a terminal task's state never changes.
+        """Set columns directly, for tests and repairs; the poller uses the transitions below.
 
-        `logs` may be given as a list (stored as JSON). Returns whether a row changed.
+        A terminal task's state never changes unless `allow_terminal`. `logs` may be given as a
+        list (stored as JSON). Returns whether a row changed.
         """
+        if not allow_terminal:
+            return self._transition(task_id, _UNFINISHED, **changes)
+        return self._transition(task_id, None, **changes)
+
+    # ----------------------------------------------------------------------------- transitions
+    # The poller's state changes. Each is one UPDATE, conditional on the state it expects (an
+    # API cancel may land between the poller's read and its write), and returns whether the
+    # task was in that state and changed.
+
+    def _transition(self, task_id: str, where: peewee.Expression | None, **changes: Any) -> bool:
         if "logs" in changes:
             changes["logs"] = json.dumps(changes["logs"])
         changes["updated_at"] = _now()
-        query = TaskRow.update(**changes).where(TaskRow.id == task_id)
-        if not allow_terminal:
-            query = query.where(TaskRow.state.not_in([s.value for s in TERMINAL_STATES]))
-        return query.execute() > 0
+        condition = TaskRow.id == task_id
+        if where is not None:
+            condition &= where
+        return TaskRow.update(**changes).where(condition).execute() > 0
+
+    def mark_submitting(self, task_id: str, *, attempt: int, now: float) -> bool:
+        """QUEUED, no job, no submission in flight -> submission in flight (`attempt`).
+
+        Recorded just before sbatch runs: after a crash the job is looked for by name, never
+        submitted twice. False when the task was canceled meanwhile."""
+        return self._transition(task_id, _READY_TO_SUBMIT, submit_started_at=now, attempt=attempt)
+
+    def record_job(
+        self, task_id: str, job_id: str, *, logs: list[dict[str, Any]] | None = None
+    ) -> bool:
+        """Submission in flight (any state) -> has job `job_id`; clears the back-off.
+
+        Returns True when the task was canceled while its sbatch ran: its cancel is then
+        marked pending, for the poller to scancel the job."""
+        changes: dict[str, Any] = {"job_id": job_id, "submit_started_at": None}
+        if logs is not None:
+            changes.update(next_submit_at=None, logs=logs)
+        with self.db.atomic():
+            if not self._transition(task_id, _IN_FLIGHT, **changes):
+                return False
+            return self._transition(
+                task_id, TaskRow.state == State.CANCELED.value, cancel_pending=True
+            )
+
+    def forget_submission(self, task_id: str, *, attempt: int) -> bool:
+        """Submission in flight (any state) whose sbatch created no job -> no submission,
+        `attempt` given back, no cancel to carry out: the task may be submitted again."""
+        return self._transition(
+            task_id, _IN_FLIGHT, submit_started_at=None, attempt=attempt, cancel_pending=False
+        )
+
+    def defer_submission(
+        self,
+        task_id: str,
+        *,
+        until: float,
+        logs: list[dict[str, Any]],
+        submission: SubmissionFailure | None = None,
+    ) -> bool:
+        """Unfinished task -> tried again after `until`, its logs saying why.
+
+        Without `submission` the task had no sbatch yet. With one, its sbatch failed without
+        an answer: see :class:`SubmissionFailure`."""
+        changes: dict[str, Any] = {"next_submit_at": until, "logs": logs}
+        if submission is not None:
+            changes["submit_started_at"] = submission.maybe_started_at
+            if submission.maybe_started_at is None:
+                changes["attempt"] = submission.attempt
+        return self._transition(task_id, _UNFINISHED, **changes)
+
+    def note(self, task_id: str, logs: list[dict[str, Any]]) -> bool:
+        """Unfinished task: new `logs` (a condition line, image notes), same state."""
+        return self._transition(task_id, _UNFINISHED, logs=logs)
+
+    def amend_final_logs(self, task_id: str, logs: list[dict[str, Any]]) -> bool:
+        """Finished task: `logs` with the final Slurm facts that sacct had late."""
+        return self._transition(task_id, TaskRow.state.in_(_TERMINAL), logs=logs)
+
+    def apply_decision(
+        self,
+        task_id: str,
+        *,
+        job_id: str,
+        state: State | None = None,
+        logs: list[dict[str, Any]] | None = None,
+        resubmit: bool = False,
+        cancel_job: bool = False,
+    ) -> bool:
+        """Unfinished task with job `job_id` -> what the poller decided from Slurm and the
+        job's records: a new `state` and/or `logs`; `resubmit` forgets the job (lost through
+        no fault of the task) so the task is submitted again; `cancel_job` marks the job for
+        scancel."""
+        changes: dict[str, Any] = {}
+        if resubmit:
+            changes.update(job_id=None, submit_started_at=None, next_submit_at=None)
+        if cancel_job:
+            changes["cancel_pending"] = True
+        if state is not None:
+            changes["state"] = state.value
+        if logs is not None:
+            changes["logs"] = logs
+        if not changes:
+            return False
+        return self._transition(task_id, _UNFINISHED & (TaskRow.job_id == job_id), **changes)
+
+    def fail(
+        self,
+        task_id: str,
+        logs: list[dict[str, Any]],
+        *,
+        attempt: int | None = None,
+        end_submission: bool = False,
+    ) -> bool:
+        """Unfinished task -> SYSTEM_ERROR with `logs` saying why. `attempt` records the
+        attempt that failed; `end_submission` clears the submission in flight (sbatch refused
+        the job)."""
+        changes: dict[str, Any] = {"state": State.SYSTEM_ERROR.value, "logs": logs}
+        if attempt is not None:
+            changes["attempt"] = attempt
+        if end_submission:
+            changes["submit_started_at"] = None
+        return self._transition(task_id, _UNFINISHED, **changes)
+
+    def finish_cancel(self, task_id: str) -> bool:
+        """Cancel pending (any state) -> carried out: scancel was sent for the task's job."""
+        return self._transition(task_id, TaskRow.cancel_pending == True, cancel_pending=False)  # noqa: E712
 
     def finished_before(
         self, cutoff: float, states: Iterable[str], *, limit: int = 1000
@@ -503,6 +621,27 @@ class Store:
 
     def mark_cleaned(self, task_id: str) -> None:
         TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
+
+
+_TERMINAL = [s.value for s in TERMINAL_STATES]
+_UNFINISHED = TaskRow.state.not_in(_TERMINAL)
+#: A submission in flight: sbatch started, its job id not stored yet.
+_IN_FLIGHT = TaskRow.job_id.is_null() & TaskRow.submit_started_at.is_null(False)
+_READY_TO_SUBMIT = (
+    (TaskRow.state == State.QUEUED.value)
+    & TaskRow.job_id.is_null()
+    & TaskRow.submit_started_at.is_null()
+)
+
+
+@dataclass(frozen=True)
+class SubmissionFailure:
+    """An sbatch that failed without an answer. `maybe_started_at` None: it never reached
+    slurmctld, so no job exists and `attempt` is given back; else recovery looks for the job
+    by name once the settle time after `maybe_started_at` has passed."""
+
+    attempt: int
+    maybe_started_at: float | None
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]
