@@ -569,34 +569,32 @@ class SlurmClient:
     def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
         argv = [str(a) for a in proc.args]
         detail = _error_lines(proc.stderr or proc.stdout)
-        kwargs = {
-            "argv": argv,
-            "returncode": proc.returncode,
-            "stdout": proc.stdout,
-            "stderr": proc.stderr,
-        }
         # Through sudo (site mode) the Slurm tool is the word after `--`.
         tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
+        kind: type[SlurmError] = SlurmError
         if _UNAVAILABLE.search(proc.stderr):
             daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
-            return SlurmUnavailable(
+            kind = SlurmUnavailable
+            message = (
                 f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
-                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log",
-                **kwargs,
+                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log"
             )
-        if tool == Path(self.sbatch).name:
-            return SlurmRejected(
+        elif tool == Path(self.sbatch).name:
+            kind = SlurmRejected
+            message = (
                 f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
-                f"with `sinfo -o '%P %c %m %l'`",
-                **kwargs,
+                f"with `sinfo -o '%P %c %m %l'`"
             )
-        if "accounting storage is disabled" in proc.stderr:
-            return SlurmError(
+        elif "accounting storage is disabled" in proc.stderr:
+            message = (
                 f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
-                f"accounting_storage/slurmdbd in slurm.conf)",
-                **kwargs,
+                f"accounting_storage/slurmdbd in slurm.conf)"
             )
-        return SlurmError(f"{what}: {tool} exited {proc.returncode} ({detail})", **kwargs)
+        else:
+            message = f"{what}: {tool} exited {proc.returncode} ({detail})"
+        return kind(
+            message, argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+        )
 
     def submit(
         self,

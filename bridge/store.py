@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import peewee
-from playhouse.db_url import connect as connect_url
+from playhouse.db_url import connect as connect_url  # type: ignore[import-untyped]  # no stubs
 
 from bridge.tes import TERMINAL_STATES, State, format_time
 
@@ -155,8 +155,9 @@ def open_database(url: str) -> peewee.Database:
         # A small pool: each API worker is one process; connections are reused across requests.
         pooled = url.replace(f"{parsed.scheme}://", "postgres+pool://", 1)
         sep = "&" if "?" in pooled else "?"
-        return connect_url(f"{pooled}{sep}max_connections=8&stale_timeout=300")
-    return connect_url(url)
+        url = f"{pooled}{sep}max_connections=8&stale_timeout=300"
+    database: peewee.Database = connect_url(url)
+    return database
 
 
 def _now() -> float:
@@ -167,247 +168,32 @@ def new_task_id() -> str:
     return str(uuid.uuid4())
 
 
-class Store:
-    def __init__(self, database: peewee.Database):
-        self.db = database
-        database_proxy.initialize(database)
-        self._secret: bytes | None = None
+_TERMINAL = [s.value for s in TERMINAL_STATES]
+_UNFINISHED = TaskRow.state.not_in(_TERMINAL)
+#: A submission in flight: sbatch started, its job id not stored yet.
+_IN_FLIGHT = TaskRow.job_id.is_null() & TaskRow.submit_started_at.is_null(False)
+_READY_TO_SUBMIT = (
+    (TaskRow.state == State.QUEUED.value)
+    & TaskRow.job_id.is_null()
+    & TaskRow.submit_started_at.is_null()
+)
 
-    @classmethod
-    def from_url(cls, url: str) -> Store:
-        return cls(open_database(url))
 
-    @property
-    def is_sqlite(self) -> bool:
-        return isinstance(self.db, peewee.SqliteDatabase)
+@dataclass(frozen=True)
+class SubmissionFailure:
+    """An sbatch that failed without an answer. `maybe_started_at` None: it never reached
+    slurmctld, so no job exists and `attempt` is given back; else recovery looks for the job
+    by name once the settle time after `maybe_started_at` has passed."""
 
-    # ----------------------------------------------------------------------------- schema
-    def init_schema(self, version: str = "") -> None:
-        """Create missing tables and record the schema version (safe to run concurrently)."""
-        with self.db.connection_context(), self.db.atomic():
-            self.db.create_tables(MODELS, safe=True)
-            # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
-            self.db.execute_sql(
-                "CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)"
-            )
-            if not self.is_sqlite:
-                # For the name_prefix range, which compares with the "C" collation.
-                self.db.execute_sql(
-                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
-                )
-            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
-            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"the database has schema version {recorded.value}, newer than this "
-                    f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
-                )
-            now = format_time(datetime.now(UTC))
-            for key, value in (
-                ("schema_version", str(SCHEMA_VERSION)),
-                ("created_at", now),
-                ("page_token_secret", secrets.token_hex(32)),
-            ):
-                MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
-            if version:
-                previous = MetaRow.get_or_none(MetaRow.key == "version")
-                if previous is None or previous.value != version:
-                    for key, value in (("version", version), ("updated_at", now)):
-                        MetaRow.insert(key=key, value=value).on_conflict(
-                            conflict_target=[MetaRow.key], update={MetaRow.value: value}
-                        ).execute()
+    attempt: int
+    maybe_started_at: float | None
 
-    def meta(self, key: str) -> str | None:
-        row = MetaRow.get_or_none(MetaRow.key == key)
-        return None if row is None else row.value
 
-    # ----------------------------------------------------------------------------- create/read
-    def create_task(
-        self,
-        document: dict[str, Any],
-        *,
-        system_logs: Sequence[str] = (),
-        owner: str | None = None,
-    ) -> TaskRecord:
-        task_id = new_task_id()
-        created = format_time(datetime.now(UTC))
-        logs = (
-            [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
-        )
-        values = {
-            "id": task_id,
-            "state": State.QUEUED.value,
-            "name": document.get("name"),
-            "owner": owner,
-            "creation_time": created,
-            "document": json.dumps(document, separators=(",", ":")),
-            "logs": json.dumps(logs),
-            "updated_at": _now(),
-        }
-        tags = document.get("tags") or {}
-        if not self.is_sqlite:
-            # One statement (atomic by itself), one round trip to the server.
-            seq = self._insert_task(values, tags)
-        else:
-            with self.db.atomic():
-                seq = self._insert_task(values)
-                if tags:
-                    params = [p for k, v in tags.items() for p in (seq, k, v)]
-                    sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
-                    self.db.execute_sql(sql, params)
-        return TaskRecord(
-            seq=seq,
-            id=task_id,
-            state=State.QUEUED.value,
-            creation_time=created,
-            document=document,
-            logs=logs,
-            owner=owner,
-        )
+class _PollerQueries:
+    """The poller's queries and its state changes (a part of :class:`Store`)."""
 
-    def _insert_task(self, values: dict[str, Any], tags: dict[str, str] | None = None) -> int:
-        """INSERT of one task row with a cached statement (peewee builds its SQL on each call,
-        about a third of the cost of a create); the fields' defaults fill what is not given.
-        On PostgreSQL the `tags` rows go in with the same statement."""
-        params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
-        sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
-        if self.is_sqlite:
-            return self.db.execute_sql(sql, params).lastrowid
-        if not tags:
-            return self.db.execute_sql(f'{sql} RETURNING "seq"', params).fetchone()[0]
-        pairs = ", ".join(["(%s, %s)"] * len(tags))
-        statement = (
-            f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
-            f'("task_seq", "key", "value") SELECT t.seq, v.k, v.v FROM t, (VALUES {pairs}) '
-            f"AS v(k, v)) SELECT seq FROM t"
-        )
-        params += [p for item in tags.items() for p in item]
-        return self.db.execute_sql(statement, params).fetchone()[0]
+    db: peewee.Database
 
-    def get_task(
-        self, task_id: str, *, owner: str | None = None, full: bool = True
-    ) -> TaskRecord | None:
-        query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
-        if owner is not None:
-            query = query.where(TaskRow.owner == owner)
-        row = query.first()
-        return None if row is None else _record(row, full)
-
-    def list_tasks(
-        self,
-        task_filter: TaskFilter,
-        *,
-        page_size: int,
-        page_token: str | None = None,
-        full: bool = True,
-    ) -> tuple[list[TaskRecord], str | None]:
-        """Newest first; returns the page and the token of the next page (None at the end)."""
-        query = TaskRow.select(*self._columns(full))
-        if page_token:
-            query = query.where(TaskRow.seq < self._decode_token(page_token))
-        if task_filter.owner is not None:
-            query = query.where(TaskRow.owner == task_filter.owner)
-        if task_filter.state:
-            query = query.where(TaskRow.state == task_filter.state)
-        if task_filter.name_prefix:
-            query = query.where(self._prefix_condition(task_filter.name_prefix))
-        tag_sets = []
-        for key, value in task_filter.tags:
-            tag = TagRow.select(TagRow.task_seq).where(TagRow.key == key)
-            if value is not None:
-                tag = tag.where(TagRow.value == value)
-            tag_sets.append(tag)
-        if self.is_sqlite and tag_sets:
-            # One INTERSECT of the pairs: with an IN per pair SQLite looks up every task of the
-            # first pair (14,000 for a common tag) whatever the others match. PostgreSQL plans
-            # the INs better than the INTERSECT.
-            tag_sets = [functools.reduce(operator.and_, tag_sets)]
-        for tag in tag_sets:
-            query = query.where(TaskRow.seq.in_(tag))
-        rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
-        more = len(rows) > page_size
-        rows = rows[:page_size]
-        token = self._encode_token(rows[-1].seq) if more and rows else None
-        return [_record(row, full) for row in rows], token
-
-    def _prefix_condition(self, prefix: str) -> peewee.Expression:
-        """Case-sensitive prefix match that can use an index on `name`.
-
-        A range `prefix <= name < successor(prefix)` plus an exact check. SQLite compares text
-        byte-wise (UTF-8 order is code point order); PostgreSQL compares with the "C" collation
-        so the range means the same whatever the database's locale.
-        """
-        exact = peewee.fn.substr(TaskRow.name, 1, len(prefix)) == prefix
-        upper = _prefix_successor(prefix)
-        if self.is_sqlite:
-            name: Any = TaskRow.name
-            low: Any = prefix
-            high: Any = upper
-        else:
-            collate_c = peewee.SQL('COLLATE "C"')
-            name = peewee.NodeList((TaskRow.name, collate_c))
-            low = peewee.NodeList((peewee.Value(prefix), collate_c))
-            high = upper and peewee.NodeList((peewee.Value(upper), collate_c))
-        condition = (name >= low) & exact
-        return condition & (name < high) if upper else condition
-
-    @staticmethod
-    def _columns(full: bool) -> list[peewee.Field]:
-        if full:
-            return list(TaskRow._meta.sorted_fields)
-        return [TaskRow.seq, TaskRow.id, TaskRow.state]
-
-    # ----------------------------------------------------------------------------- tokens
-    def _token_secret(self) -> bytes:
-        if self._secret is None:
-            value = self.meta("page_token_secret")
-            if value is None:
-                raise RuntimeError("the store is not initialised; run init_schema() first")
-            self._secret = bytes.fromhex(value)
-        return self._secret
-
-    def _encode_token(self, seq: int) -> str:
-        payload = str(seq).encode()
-        mac = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
-        return base64.urlsafe_b64encode(payload + b"." + mac).decode().rstrip("=")
-
-    def _decode_token(self, token: str) -> int:
-        try:
-            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-            payload, mac = raw.split(b".", 1)
-            expected = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
-            if hmac.compare_digest(mac, expected):
-                return int(payload)
-        except (ValueError, TypeError):
-            pass
-        raise InvalidPageToken("page_token was not issued by this server")
-
-    # ----------------------------------------------------------------------------- cancel
-    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
-        """Mark a task CANCELED at once (clients treat only final states as final).
-
-        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
-        terminal task keeps its state. Returns None for an unknown id.
-        """
-        with self.db.atomic():
-            query = TaskRow.select(
-                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
-            ).where(TaskRow.id == task_id)
-            if owner is not None:
-                query = query.where(TaskRow.owner == owner)
-            row = query.first()
-            if row is None:
-                return None
-            if row.state in TERMINAL_STATES:
-                return _record(row, False)
-            may_have_job = row.job_id is not None or row.submit_started_at is not None
-            TaskRow.update(
-                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
-            ).where(
-                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
-            ).execute()
-        return self.get_task(task_id, full=False)
-
-    # ----------------------------------------------------------------------------- poller
     def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
         """QUEUED tasks with no job and no submission in flight, oldest first."""
         rows = (
@@ -471,7 +257,8 @@ class Store:
 
     def newest_seq(self) -> int | None:
         """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
-        return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
+        newest: int | None = TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
+        return newest
 
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
         """Set columns directly, for tests and repairs; the poller uses the transitions below.
@@ -495,7 +282,8 @@ class Store:
         condition = TaskRow.id == task_id
         if where is not None:
             condition &= where
-        return TaskRow.update(**changes).where(condition).execute() > 0
+        changed: int = TaskRow.update(**changes).where(condition).execute()
+        return changed > 0
 
     def mark_submitting(self, task_id: str, *, attempt: int, now: float) -> bool:
         """QUEUED, no job, no submission in flight -> submission in flight (`attempt`).
@@ -604,6 +392,251 @@ class Store:
         """Cancel pending (any state) -> carried out: scancel was sent for the task's job."""
         return self._transition(task_id, TaskRow.cancel_pending == True, cancel_pending=False)  # noqa: E712
 
+
+class Store(_PollerQueries):
+    def __init__(self, database: peewee.Database):
+        self.db = database
+        database_proxy.initialize(database)
+        self._secret: bytes | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> Store:
+        return cls(open_database(url))
+
+    def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """A raw statement; returns the cursor."""
+        # peewee's stubs leave execute_sql untyped.
+        return self.db.execute_sql(sql, params)  # type: ignore[no-untyped-call]
+
+    @property
+    def is_sqlite(self) -> bool:
+        return isinstance(self.db, peewee.SqliteDatabase)
+
+    # ----------------------------------------------------------------------------- schema
+    def init_schema(self, version: str = "") -> None:
+        """Create missing tables and record the schema version (safe to run concurrently)."""
+        with self.db.connection_context(), self.db.atomic():
+            self.db.create_tables(MODELS, safe=True)
+            # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
+            self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
+            if not self.is_sqlite:
+                # For the name_prefix range, which compares with the "C" collation.
+                self._sql(
+                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
+                )
+            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
+            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"the database has schema version {recorded.value}, newer than this "
+                    f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
+                )
+            now = format_time(datetime.now(UTC))
+            for key, value in (
+                ("schema_version", str(SCHEMA_VERSION)),
+                ("created_at", now),
+                ("page_token_secret", secrets.token_hex(32)),
+            ):
+                MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
+            if version:
+                previous = MetaRow.get_or_none(MetaRow.key == "version")
+                if previous is None or previous.value != version:
+                    for key, value in (("version", version), ("updated_at", now)):
+                        MetaRow.insert(key=key, value=value).on_conflict(
+                            conflict_target=[MetaRow.key], update={MetaRow.value: value}
+                        ).execute()
+
+    def meta(self, key: str) -> str | None:
+        row = MetaRow.get_or_none(MetaRow.key == key)
+        return None if row is None else row.value
+
+    # ----------------------------------------------------------------------------- create/read
+    def create_task(
+        self,
+        document: dict[str, Any],
+        *,
+        system_logs: Sequence[str] = (),
+        owner: str | None = None,
+    ) -> TaskRecord:
+        task_id = new_task_id()
+        created = format_time(datetime.now(UTC))
+        logs = (
+            [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
+        )
+        values = {
+            "id": task_id,
+            "state": State.QUEUED.value,
+            "name": document.get("name"),
+            "owner": owner,
+            "creation_time": created,
+            "document": json.dumps(document, separators=(",", ":")),
+            "logs": json.dumps(logs),
+            "updated_at": _now(),
+        }
+        tags = document.get("tags") or {}
+        if not self.is_sqlite:
+            # One statement (atomic by itself), one round trip to the server.
+            seq = self._insert_task(values, tags)
+        else:
+            with self.db.atomic():
+                seq = self._insert_task(values)
+                if tags:
+                    params = [p for k, v in tags.items() for p in (seq, k, v)]
+                    sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
+                    self._sql(sql, params)
+        return TaskRecord(
+            seq=seq,
+            id=task_id,
+            state=State.QUEUED.value,
+            creation_time=created,
+            document=document,
+            logs=logs,
+            owner=owner,
+        )
+
+    def _insert_task(self, values: dict[str, Any], tags: dict[str, str] | None = None) -> int:
+        """INSERT of one task row with a cached statement (peewee builds its SQL on each call,
+        about a third of the cost of a create); the fields' defaults fill what is not given.
+        On PostgreSQL the `tags` rows go in with the same statement."""
+        params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
+        sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
+        if self.is_sqlite:
+            return int(self._sql(sql, params).lastrowid)
+        if not tags:
+            return int(self._sql(f'{sql} RETURNING "seq"', params).fetchone()[0])
+        pairs = ", ".join(["(%s, %s)"] * len(tags))
+        statement = (
+            f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
+            f'("task_seq", "key", "value") SELECT t.seq, v.k, v.v FROM t, (VALUES {pairs}) '
+            f"AS v(k, v)) SELECT seq FROM t"
+        )
+        params += [p for item in tags.items() for p in item]
+        return int(self._sql(statement, params).fetchone()[0])
+
+    def get_task(
+        self, task_id: str, *, owner: str | None = None, full: bool = True
+    ) -> TaskRecord | None:
+        query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
+        if owner is not None:
+            query = query.where(TaskRow.owner == owner)
+        row = query.first()
+        return None if row is None else _record(row, full)
+
+    def list_tasks(
+        self,
+        task_filter: TaskFilter,
+        *,
+        page_size: int,
+        page_token: str | None = None,
+        full: bool = True,
+    ) -> tuple[list[TaskRecord], str | None]:
+        """Newest first; returns the page and the token of the next page (None at the end)."""
+        query = TaskRow.select(*self._columns(full))
+        if page_token:
+            query = query.where(TaskRow.seq < self._decode_token(page_token))
+        if task_filter.owner is not None:
+            query = query.where(TaskRow.owner == task_filter.owner)
+        if task_filter.state:
+            query = query.where(TaskRow.state == task_filter.state)
+        if task_filter.name_prefix:
+            query = query.where(self._prefix_condition(task_filter.name_prefix))
+        tag_sets = []
+        for key, value in task_filter.tags:
+            tag = TagRow.select(TagRow.task_seq).where(TagRow.key == key)
+            if value is not None:
+                tag = tag.where(TagRow.value == value)
+            tag_sets.append(tag)
+        if self.is_sqlite and tag_sets:
+            # One INTERSECT of the pairs: with an IN per pair SQLite looks up every task of the
+            # first pair (14,000 for a common tag) whatever the others match. PostgreSQL plans
+            # the INs better than the INTERSECT.
+            tag_sets = [functools.reduce(operator.and_, tag_sets)]
+        for tag in tag_sets:
+            query = query.where(TaskRow.seq.in_(tag))
+        rows = list(query.order_by(TaskRow.seq.desc()).limit(page_size + 1))
+        more = len(rows) > page_size
+        rows = rows[:page_size]
+        token = self._encode_token(rows[-1].seq) if more and rows else None
+        return [_record(row, full) for row in rows], token
+
+    def _prefix_condition(self, prefix: str) -> peewee.Expression:
+        """Case-sensitive prefix match that can use an index on `name`.
+
+        A range `prefix <= name < successor(prefix)` plus an exact check. SQLite compares text
+        byte-wise (UTF-8 order is code point order); PostgreSQL compares with the "C" collation
+        so the range means the same whatever the database's locale.
+        """
+        exact = peewee.fn.substr(TaskRow.name, 1, len(prefix)) == prefix
+        upper = _prefix_successor(prefix)
+        if self.is_sqlite:
+            name: Any = TaskRow.name
+            low: Any = prefix
+            high: Any = upper
+        else:
+            collate_c = peewee.SQL('COLLATE "C"')
+            name = peewee.NodeList((TaskRow.name, collate_c))
+            low = peewee.NodeList((peewee.Value(prefix), collate_c))
+            high = upper and peewee.NodeList((peewee.Value(upper), collate_c))
+        condition = (name >= low) & exact
+        result: peewee.Expression = condition & (name < high) if upper else condition
+        return result
+
+    @staticmethod
+    def _columns(full: bool) -> list[peewee.Field]:
+        if full:
+            return list(TaskRow._meta.sorted_fields)
+        return [TaskRow.seq, TaskRow.id, TaskRow.state]
+
+    # ----------------------------------------------------------------------------- tokens
+    def _token_secret(self) -> bytes:
+        if self._secret is None:
+            value = self.meta("page_token_secret")
+            if value is None:
+                raise RuntimeError("the store is not initialised; run init_schema() first")
+            self._secret = bytes.fromhex(value)
+        return self._secret
+
+    def _encode_token(self, seq: int) -> str:
+        payload = str(seq).encode()
+        mac = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
+        return base64.urlsafe_b64encode(payload + b"." + mac).decode().rstrip("=")
+
+    def _decode_token(self, token: str) -> int:
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            payload, mac = raw.split(b".", 1)
+            expected = hmac.new(self._token_secret(), payload, hashlib.sha256).digest()[:12]
+            if hmac.compare_digest(mac, expected):
+                return int(payload)
+        except (ValueError, TypeError):
+            pass
+        raise InvalidPageToken("page_token was not issued by this server")
+
+    # ----------------------------------------------------------------------------- cancel
+    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
+        """Mark a task CANCELED at once (clients treat only final states as final).
+
+        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
+        terminal task keeps its state. Returns None for an unknown id.
+        """
+        with self.db.atomic():
+            query = TaskRow.select(
+                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
+            ).where(TaskRow.id == task_id)
+            if owner is not None:
+                query = query.where(TaskRow.owner == owner)
+            row = query.first()
+            if row is None:
+                return None
+            if row.state in TERMINAL_STATES:
+                return _record(row, False)
+            may_have_job = row.job_id is not None or row.submit_started_at is not None
+            TaskRow.update(
+                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
+            ).where(
+                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+            ).execute()
+        return self.get_task(task_id, full=False)
+
     def finished_before(
         self, cutoff: float, states: Iterable[str], *, limit: int = 1000
     ) -> list[TaskRecord]:
@@ -621,27 +654,6 @@ class Store:
 
     def mark_cleaned(self, task_id: str) -> None:
         TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
-
-
-_TERMINAL = [s.value for s in TERMINAL_STATES]
-_UNFINISHED = TaskRow.state.not_in(_TERMINAL)
-#: A submission in flight: sbatch started, its job id not stored yet.
-_IN_FLIGHT = TaskRow.job_id.is_null() & TaskRow.submit_started_at.is_null(False)
-_READY_TO_SUBMIT = (
-    (TaskRow.state == State.QUEUED.value)
-    & TaskRow.job_id.is_null()
-    & TaskRow.submit_started_at.is_null()
-)
-
-
-@dataclass(frozen=True)
-class SubmissionFailure:
-    """An sbatch that failed without an answer. `maybe_started_at` None: it never reached
-    slurmctld, so no job exists and `attempt` is given back; else recovery looks for the job
-    by name once the settle time after `maybe_started_at` has passed."""
-
-    attempt: int
-    maybe_started_at: float | None
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]

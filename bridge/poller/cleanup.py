@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 
-from bridge.images import ImageCache
-from bridge.poller.context import PollerContext
+from bridge.poller.context import ImageSource, PollerContext
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.tes import State
 
@@ -17,7 +16,7 @@ _DAY = 86400.0
 
 
 class Cleaner:
-    def __init__(self, ctx: PollerContext, images: ImageCache, owners: OwnerRunner | None):
+    def __init__(self, ctx: PollerContext, images: ImageSource, owners: OwnerRunner | None):
         self.ctx = ctx
         self.images = images
         #: Site mode: directories are removed as their owner.

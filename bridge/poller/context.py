@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from bridge.config import Config
 from bridge.slurm import SlurmBackend
 from bridge.store import Store
 from bridge.tes import format_time
+
+
+class ImageSource(Protocol):
+    """What the poller needs of the image cache (bridge.images.ImageCache; a fake in tests)."""
+
+    def resolve(self, images: Sequence[str]) -> dict[str, str] | None: ...
+
+    def problem(self, image: str) -> str | None: ...
+
+    def prune(self, oldest_unfinished: float | None) -> object: ...
 
 
 @dataclass

@@ -17,7 +17,7 @@ from bridge.images import ImageCache
 from bridge.job.layout import TaskLayout
 from bridge.poller.cancel import Canceller
 from bridge.poller.cleanup import Cleaner
-from bridge.poller.context import CycleStats, PollerContext
+from bridge.poller.context import CycleStats, ImageSource, PollerContext
 from bridge.poller.follow import Follower
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.recover import Recovery
@@ -46,7 +46,7 @@ class Poller:
         store: Store,
         *,
         slurm_client: SlurmBackend,
-        images: ImageCache,
+        images: ImageSource,
         clock: Callable[[], float] = time.time,
     ):
         self.ctx = PollerContext(config, store, slurm_client, clock)

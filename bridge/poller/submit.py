@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bridge.images import ImageCache, ImagePullError
+from bridge.images import ImagePullError
 from bridge.poller.cancel import Canceller
-from bridge.poller.context import CycleStats, PollerContext, format_time_now, short
+from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (
     attempt_log,
     copy_logs,
@@ -60,8 +60,9 @@ class _Fail(Exception):
 
 def disk_gb(document: dict[str, Any]) -> float:
     value = (document.get("resources") or {}).get("disk_gb")
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok else 0.0
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
 
 
 class Backoff:
@@ -82,7 +83,7 @@ class Backoff:
         self.reason = reason
         cfg = self.ctx.config.slurm
         exponent = min(self.failures - 1, 16)
-        delay = min(cfg.submit_backoff_initial * 2**exponent, cfg.submit_backoff_max)
+        delay = min(cfg.submit_backoff_initial * 2.0**exponent, cfg.submit_backoff_max)
         self.paused_until = self.ctx.clock() + delay
         return delay
 
@@ -141,7 +142,7 @@ class Submitter:
     def __init__(
         self,
         ctx: PollerContext,
-        images: ImageCache,
+        images: ImageSource,
         owners: OwnerRunner | None,
         canceller: Canceller,
     ) -> None:

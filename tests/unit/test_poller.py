@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,8 +33,8 @@ from bridge.tes import State
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
 
 
-def job(job_id: str = "1", state: str = "RUNNING", **kw) -> JobInfo:
-    fields = dict(
+def job(job_id: str = "1", state: str = "RUNNING", **kw: Any) -> JobInfo:
+    fields: dict[str, Any] = dict(
         job_id=job_id,
         name="tes-x",
         state=state,
