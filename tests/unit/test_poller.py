@@ -861,3 +861,31 @@ def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, mon
     assert record.job_id not in (None, first), record
     assert record.attempt == 2 and record.state == "QUEUED"
     assert slurm.calls.count("sbatch") == 2
+
+
+def test_owner_commands_run_through_the_one_sudo_argv(tmp_path: Path) -> None:
+    from bridge.poller.owners import OwnerCommandError, OwnerRunner
+
+    sudo = tmp_path / "sudo"
+    log = tmp_path / "argv"
+    sudo.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > {log}\n'
+        'case "$8" in remove) echo "no such directory" >&2; exit 2;; esac\n'
+        "cat\n"
+    )
+    sudo.chmod(0o755)
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"site.sudo": str(sudo)},
+    )
+    runner = OwnerRunner(config)
+    assert runner.run("alice", ["adopt", "--task-dir", "/w/t"], stdin="{}") == "{}"
+    work = str(config.work_dir)
+    python = config.job.python
+    assert log.read_text().split("\n")[:-1] == [
+        "-n", "-u", "alice", "--", python, "-m", "bridge.job", "adopt", "--work-dir", work,
+        "--task-dir", "/w/t",
+    ]  # fmt: skip
+    with pytest.raises(OwnerCommandError, match="remove exited 2: no such directory"):
+        runner.remove("alice", Path("/w/t"))
