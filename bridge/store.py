@@ -9,6 +9,10 @@ Listing is keyset-paginated over ``seq``, an integer that grows with creation or
 token names the last ``seq`` seen and is signed with a per-store secret, so tasks created while
 a client pages never shift its pages, and a token the server did not issue is refused. Tags
 live in their own indexed table, so tag filters never scan task documents.
+
+After its creation a task changes only through named transitions (``cancel_task`` for the
+API; ``mark_submitting``, ``record_job``, ``apply_decision``, ... for the poller), each one
+UPDATE conditional on the state it expects, so concurrent writers never undo each other.
 """
 
 from __future__ import annotations
@@ -190,9 +194,7 @@ class SubmissionFailure:
 
 
 class _PollerQueries:
-    """The poller's queries and its state changes (a part of :class:`Store`)."""
-
-    db: peewee.Database
+    """What the poller reads (a part of :class:`Store`)."""
 
     def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
         """QUEUED tasks with no job and no submission in flight, oldest first."""
@@ -259,6 +261,57 @@ class _PollerQueries:
         """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
         newest: int | None = TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
         return newest
+
+    def finished_before(
+        self, cutoff: float, states: Iterable[str], *, limit: int = 1000
+    ) -> list[TaskRecord]:
+        """Tasks in `states` last changed before `cutoff` whose directory is still there."""
+        rows = (
+            TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
+            .where(
+                TaskRow.state.in_(list(states))
+                & (TaskRow.updated_at < cutoff)
+                & (TaskRow.cleaned == False)  # noqa: E712 (peewee expression)
+            )
+            .limit(limit)
+        )
+        return [_record(row, False) for row in rows]
+
+    def mark_cleaned(self, task_id: str) -> None:
+        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
+
+
+class _Transitions:
+    """The state changes of a task after its creation (a part of :class:`Store`)."""
+
+    db: peewee.Database
+
+    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
+        """Mark a task CANCELED at once (clients treat only final states as final).
+
+        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
+        terminal task keeps its state. Returns None for an unknown id.
+        """
+        with self.db.atomic():
+            query = TaskRow.select(
+                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
+            ).where(TaskRow.id == task_id)
+            if owner is not None:
+                query = query.where(TaskRow.owner == owner)
+            row = query.first()
+            if row is None:
+                return None
+            if row.state in TERMINAL_STATES:
+                return _record(row, False)
+            may_have_job = row.job_id is not None or row.submit_started_at is not None
+            TaskRow.update(
+                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
+            ).where(
+                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+            ).execute()
+        minimal = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
+        after = minimal.where(TaskRow.id == task_id).first()
+        return None if after is None else _record(after, False)
 
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
         """Set columns directly, for tests and repairs; the poller uses the transitions below.
@@ -393,7 +446,7 @@ class _PollerQueries:
         return self._transition(task_id, TaskRow.cancel_pending == True, cancel_pending=False)  # noqa: E712
 
 
-class Store(_PollerQueries):
+class Store(_PollerQueries, _Transitions):
     def __init__(self, database: peewee.Database):
         self.db = database
         database_proxy.initialize(database)
@@ -610,50 +663,6 @@ class Store(_PollerQueries):
         except (ValueError, TypeError):
             pass
         raise InvalidPageToken("page_token was not issued by this server")
-
-    # ----------------------------------------------------------------------------- cancel
-    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
-        """Mark a task CANCELED at once (clients treat only final states as final).
-
-        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
-        terminal task keeps its state. Returns None for an unknown id.
-        """
-        with self.db.atomic():
-            query = TaskRow.select(
-                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
-            ).where(TaskRow.id == task_id)
-            if owner is not None:
-                query = query.where(TaskRow.owner == owner)
-            row = query.first()
-            if row is None:
-                return None
-            if row.state in TERMINAL_STATES:
-                return _record(row, False)
-            may_have_job = row.job_id is not None or row.submit_started_at is not None
-            TaskRow.update(
-                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
-            ).where(
-                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
-            ).execute()
-        return self.get_task(task_id, full=False)
-
-    def finished_before(
-        self, cutoff: float, states: Iterable[str], *, limit: int = 1000
-    ) -> list[TaskRecord]:
-        """Tasks in `states` last changed before `cutoff` whose directory is still there."""
-        rows = (
-            TaskRow.select(*self._columns(False))
-            .where(
-                TaskRow.state.in_(list(states))
-                & (TaskRow.updated_at < cutoff)
-                & (TaskRow.cleaned == False)  # noqa: E712 (peewee expression)
-            )
-            .limit(limit)
-        )
-        return [_record(row, False) for row in rows]
-
-    def mark_cleaned(self, task_id: str) -> None:
-        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]
