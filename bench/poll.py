@@ -71,7 +71,7 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
     config = Config(state_dir=root / "state", database=url, slurm=wrappers(root, log, real))
     store = Store.from_url(url)
     poller = build_poller(config, store)
-    poller._last_cleanup = time.time()  # the hourly directory cleanup is not part of a cycle
+    poller.cleaner.last_cleanup = time.time()  # the hourly directory cleanup is not part of a cycle
     cycles = []
     for _ in range(CYCLES + 1):
         before = len(log.read_text().splitlines())

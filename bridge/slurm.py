@@ -1,7 +1,9 @@
 """The Slurm client: sbatch, squeue, sacct, scancel and sinfo as argument lists, and their parsers.
 
-Knows nothing of HTTP or the store. Every command goes through :meth:`SlurmClient._run`, which
-raises a :class:`SlurmError` carrying argv, exit code, stdout and stderr. The error subclass tells
+Knows nothing of HTTP or the store. Every command goes through :meth:`SlurmClient._run` (on
+:func:`bridge.proc.run`), which raises a :class:`SlurmError` carrying argv, exit code, stdout and
+stderr. :class:`SlurmBackend` is what the poller needs of a Slurm client; the real one and the
+tests' fake both satisfy it. The error subclass tells
 the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off) or
 :class:`SlurmRejected` (sbatch refused this job for good).
 
@@ -45,8 +47,9 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Protocol
 
-from bridge.proc import die_with_parent, kill_group
+from bridge.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
 
 log = logging.getLogger(__name__)
 
@@ -157,23 +160,8 @@ def tes_state_for(slurm_state: str) -> str:
 # --- errors ----------------------------------------------------------------------------------
 
 
-class SlurmError(Exception):
+class SlurmError(CommandError):
     """A Slurm command failed. Carries the command, its exit code and what it printed."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        argv: Sequence[str] = (),
-        returncode: int | None = None,
-        stdout: str = "",
-        stderr: str = "",
-    ) -> None:
-        super().__init__(message)
-        self.argv = list(argv)
-        self.returncode = returncode
-        self.stdout = stdout
-        self.stderr = stderr
 
 
 class SlurmUnavailable(SlurmError):
@@ -398,16 +386,16 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
         job = jobs.get(job_id)
         if job is None:
             continue
-        rss = [r for r in (parse_size(s[10]) for s in job_steps) if r is not None]
+        sizes = [r for r in (parse_size(s[10]) for s in job_steps) if r is not None]
         if job.max_rss_bytes is not None:
-            rss.append(job.max_rss_bytes)
+            sizes.append(job.max_rss_bytes)
         signal = job.signal
         if job.ended and job.exit_code == 0 and job.signal == 0:
             # Cancel and time-out leave 0:0 on the job line; the batch step has the signal.
             for s in job_steps:
                 if s[0].endswith(".batch"):
                     signal = parse_exit_code(s[3])[1] or 0
-        jobs[job_id] = replace(job, max_rss_bytes=max(rss) if rss else None, signal=signal)
+        jobs[job_id] = replace(job, max_rss_bytes=max(sizes) if sizes else None, signal=signal)
     return jobs
 
 
@@ -493,6 +481,33 @@ def _check_text(what: str, value: str) -> None:
         raise ValueError(f"{what} must be non-empty, one line, without '|': {value!r}")
 
 
+class SlurmBackend(Protocol):
+    """What the poller needs of Slurm (:class:`SlurmClient`; a fake in the unit tests).
+
+    Every call may raise :class:`SlurmError`; ``as_user`` runs the command as that user
+    (site mode)."""
+
+    def submit(
+        self,
+        script: Path,
+        *,
+        job_name: str,
+        comment: str | None = None,
+        extra_args: Sequence[str] = (),
+        as_user: str | None = None,
+    ) -> str: ...
+
+    def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]: ...
+
+    def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]: ...
+
+    def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]: ...
+
+    def tmp_disk(self) -> TmpDisk: ...
+
+    def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None: ...
+
+
 class SlurmClient:
     """Runs Slurm's command-line tools; one call per operation for any number of jobs."""
 
@@ -523,7 +538,7 @@ class SlurmClient:
         if user is None:
             return argv
         _check_text("user", user)
-        return [self.sudo, "-n", "-u", user, "--", *argv]
+        return as_user(self.sudo, user, argv)
 
     # The one place that runs a command.
     def _run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -533,74 +548,53 @@ class SlurmClient:
         env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
         env["SLURM_TIME_FORMAT"] = "standard"
         try:
-            # Its own process group, killed whole on a time-out (a wrapper's children too), and
-            # SIGKILL when the poller dies: an sbatch never outlives the poller that started it
-            # (see the poller's recovery of interrupted submissions).
-            child = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                process_group=0,
-                preexec_fn=die_with_parent(),
-            )
-        except FileNotFoundError as exc:
+            # Killed at its time-out and when the poller dies: an sbatch never outlives the
+            # poller that started it (see the poller's recovery of interrupted submissions).
+            return run(argv, timeout=self.timeout, env=env)
+        except CommandNotFound as exc:
             raise SlurmError(
                 f"{argv[0]} not found; install the Slurm client commands on this host or set "
                 f"the path in the [slurm] section of the configuration",
                 argv=argv,
             ) from exc
-        try:
-            stdout, stderr = child.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired as exc:
-            kill_group(child.pid)
-            child.wait()
+        except CommandTimeout as exc:
             raise SlurmUnavailable(
                 f"{Path(argv[0]).name} did not answer within {self.timeout:g} s "
                 f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
                 argv=argv,
-                stdout=_text(exc.stdout),
-                stderr=_text(exc.stderr),
+                stdout=exc.stdout,
+                stderr=exc.stderr,
             ) from exc
-        except BaseException:
-            kill_group(child.pid)
-            child.wait()
-            raise
-        return subprocess.CompletedProcess(list(argv), child.returncode, stdout, stderr)
 
     def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
         argv = [str(a) for a in proc.args]
         detail = _error_lines(proc.stderr or proc.stdout)
-        kwargs = {
-            "argv": argv,
-            "returncode": proc.returncode,
-            "stdout": proc.stdout,
-            "stderr": proc.stderr,
-        }
         # Through sudo (site mode) the Slurm tool is the word after `--`.
         tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
+        kind: type[SlurmError] = SlurmError
         if _UNAVAILABLE.search(proc.stderr):
             daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
-            return SlurmUnavailable(
+            kind = SlurmUnavailable
+            message = (
                 f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
-                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log",
-                **kwargs,
+                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log"
             )
-        if tool == Path(self.sbatch).name:
-            return SlurmRejected(
+        elif tool == Path(self.sbatch).name:
+            kind = SlurmRejected
+            message = (
                 f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
-                f"with `sinfo -o '%P %c %m %l'`",
-                **kwargs,
+                f"with `sinfo -o '%P %c %m %l'`"
             )
-        if "accounting storage is disabled" in proc.stderr:
-            return SlurmError(
+        elif "accounting storage is disabled" in proc.stderr:
+            message = (
                 f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
-                f"accounting_storage/slurmdbd in slurm.conf)",
-                **kwargs,
+                f"accounting_storage/slurmdbd in slurm.conf)"
             )
-        return SlurmError(f"{what}: {tool} exited {proc.returncode} ({detail})", **kwargs)
+        else:
+            message = f"{what}: {tool} exited {proc.returncode} ({detail})"
+        return kind(
+            message, argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+        )
 
     def submit(
         self,
@@ -725,9 +719,3 @@ def _merge(accounting: JobInfo, queue: JobInfo) -> JobInfo:
         start_time=accounting.start_time or queue.start_time,
         end_time=accounting.end_time or queue.end_time,
     )
-
-
-def _text(value: str | bytes | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -9,6 +9,10 @@ Listing is keyset-paginated over ``seq``, an integer that grows with creation or
 token names the last ``seq`` seen and is signed with a per-store secret, so tasks created while
 a client pages never shift its pages, and a token the server did not issue is refused. Tags
 live in their own indexed table, so tag filters never scan task documents.
+
+After its creation a task changes only through named transitions (``cancel_task`` for the
+API; ``mark_submitting``, ``record_job``, ``apply_decision``, ... for the poller), each one
+UPDATE conditional on the state it expects, so concurrent writers never undo each other.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import peewee
-from playhouse.db_url import connect as connect_url
+from playhouse.db_url import connect as connect_url  # type: ignore[import-untyped]  # no stubs
 
 from bridge.tes import TERMINAL_STATES, State, format_time
 
@@ -154,8 +158,9 @@ def open_database(url: str) -> peewee.Database:
         # A small pool: each API worker is one process; connections are reused across requests.
         pooled = url.replace(f"{parsed.scheme}://", "postgres+pool://", 1)
         sep = "&" if "?" in pooled else "?"
-        return connect_url(f"{pooled}{sep}max_connections=8&stale_timeout=300")
-    return connect_url(url)
+        url = f"{pooled}{sep}max_connections=8&stale_timeout=300"
+    database: peewee.Database = connect_url(url)
+    return database
 
 
 #: PostgreSQL error classes that pass: insufficient resources (53: disk full, out of memory,
@@ -193,7 +198,281 @@ def new_task_id() -> str:
     return str(uuid.uuid4())
 
 
-class Store:
+_TERMINAL = [s.value for s in TERMINAL_STATES]
+_UNFINISHED = TaskRow.state.not_in(_TERMINAL)
+#: A submission in flight: sbatch started, its job id not stored yet.
+_IN_FLIGHT = TaskRow.job_id.is_null() & TaskRow.submit_started_at.is_null(False)
+_READY_TO_SUBMIT = (
+    (TaskRow.state == State.QUEUED.value)
+    & TaskRow.job_id.is_null()
+    & TaskRow.submit_started_at.is_null()
+)
+
+
+@dataclass(frozen=True)
+class SubmissionFailure:
+    """An sbatch that failed without an answer. `maybe_started_at` None: it never reached
+    slurmctld, so no job exists and `attempt` is given back; else recovery looks for the job
+    by name once the settle time after `maybe_started_at` has passed."""
+
+    attempt: int
+    maybe_started_at: float | None
+
+
+class _PollerQueries:
+    """What the poller reads (a part of :class:`Store`)."""
+
+    def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
+        """QUEUED tasks with no job and no submission in flight, oldest first."""
+        rows = (
+            TaskRow.select()
+            .where(
+                (TaskRow.state == State.QUEUED.value)
+                & TaskRow.job_id.is_null()
+                & TaskRow.submit_started_at.is_null()
+                & (TaskRow.next_submit_at.is_null() | (TaskRow.next_submit_at <= now))
+            )
+            .order_by(TaskRow.seq)
+            .limit(limit)
+        )
+        return [_record(row, True) for row in rows]
+
+    def tasks_in_flight(self, *, with_document: bool = True) -> list[TaskRecord]:
+        """Tasks that have (or may have) a Slurm job the poller must watch or cancel.
+
+        Following jobs needs no task document: without it (`document` None) a poll cycle of
+        10,000 jobs parses half the JSON."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        fields = [f for f in TaskRow._meta.sorted_fields if with_document or f.name != "document"]
+        rows = (
+            TaskRow.select(*fields)
+            .where(
+                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .order_by(TaskRow.seq)
+        )
+        return [_record(row, True) for row in rows]
+
+    def interrupted_submissions(self) -> list[TaskRecord]:
+        """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        rows = (
+            TaskRow.select()
+            .where(
+                TaskRow.job_id.is_null()
+                & TaskRow.submit_started_at.is_null(False)
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .order_by(TaskRow.seq)
+        )
+        return [_record(row, True) for row in rows]
+
+    def cancels_pending(self) -> int:
+        """How many tasks have a cancel the poller has not carried out yet."""
+        return TaskRow.select().where(TaskRow.cancel_pending == True).count()  # noqa: E712
+
+    def oldest_unfinished_time(self) -> float | None:
+        """Creation time (epoch seconds) of the oldest task not yet final, or whose job may
+        still exist (a cancel not carried out yet); None when there is none."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        oldest = (
+            TaskRow.select(peewee.fn.MIN(TaskRow.creation_time))
+            .where(TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            .scalar()
+        )
+        return datetime.fromisoformat(oldest).timestamp() if oldest else None
+
+    def newest_seq(self) -> int | None:
+        """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
+        newest: int | None = TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
+        return newest
+
+    def finished_before(
+        self, cutoff: float, states: Iterable[str], *, limit: int = 1000
+    ) -> list[TaskRecord]:
+        """Tasks in `states` last changed before `cutoff` whose directory is still there."""
+        rows = (
+            TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
+            .where(
+                TaskRow.state.in_(list(states))
+                & (TaskRow.updated_at < cutoff)
+                & (TaskRow.cleaned == False)  # noqa: E712 (peewee expression)
+            )
+            .limit(limit)
+        )
+        return [_record(row, False) for row in rows]
+
+    def mark_cleaned(self, task_id: str) -> None:
+        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
+
+
+class _Transitions:
+    """The state changes of a task after its creation (a part of :class:`Store`)."""
+
+    db: peewee.Database
+
+    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
+        """Mark a task CANCELED at once (clients treat only final states as final).
+
+        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
+        terminal task keeps its state. Returns None for an unknown id.
+        """
+        with self.db.atomic():
+            query = TaskRow.select(
+                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
+            ).where(TaskRow.id == task_id)
+            if owner is not None:
+                query = query.where(TaskRow.owner == owner)
+            row = query.first()
+            if row is None:
+                return None
+            if row.state in TERMINAL_STATES:
+                return _record(row, False)
+            may_have_job = row.job_id is not None or row.submit_started_at is not None
+            TaskRow.update(
+                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
+            ).where(
+                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+            ).execute()
+        minimal = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
+        after = minimal.where(TaskRow.id == task_id).first()
+        return None if after is None else _record(after, False)
+
+    def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
+        """Set columns directly, for tests and repairs; the poller uses the transitions below.
+
+        A terminal task's state never changes unless `allow_terminal`. `logs` may be given as a
+        list (stored as JSON). Returns whether a row changed.
+        """
+        if not allow_terminal:
+            return self._transition(task_id, _UNFINISHED, **changes)
+        return self._transition(task_id, None, **changes)
+
+    # ----------------------------------------------------------------------------- transitions
+    # The poller's state changes. Each is one UPDATE, conditional on the state it expects (an
+    # API cancel may land between the poller's read and its write), and returns whether the
+    # task was in that state and changed.
+
+    def _transition(self, task_id: str, where: peewee.Expression | None, **changes: Any) -> bool:
+        if "logs" in changes:
+            changes["logs"] = json.dumps(changes["logs"])
+        changes["updated_at"] = _now()
+        condition = TaskRow.id == task_id
+        if where is not None:
+            condition &= where
+        changed: int = TaskRow.update(**changes).where(condition).execute()
+        return changed > 0
+
+    def mark_submitting(self, task_id: str, *, attempt: int, now: float) -> bool:
+        """QUEUED, no job, no submission in flight -> submission in flight (`attempt`).
+
+        Recorded just before sbatch runs: after a crash the job is looked for by name, never
+        submitted twice. False when the task was canceled meanwhile."""
+        return self._transition(task_id, _READY_TO_SUBMIT, submit_started_at=now, attempt=attempt)
+
+    def record_job(
+        self, task_id: str, job_id: str, *, logs: list[dict[str, Any]] | None = None
+    ) -> bool:
+        """Submission in flight (any state) -> has job `job_id`; clears the back-off.
+
+        Returns True when the task was canceled while its sbatch ran: its cancel is then
+        marked pending, for the poller to scancel the job."""
+        changes: dict[str, Any] = {"job_id": job_id, "submit_started_at": None}
+        if logs is not None:
+            changes.update(next_submit_at=None, logs=logs)
+        with self.db.atomic():
+            if not self._transition(task_id, _IN_FLIGHT, **changes):
+                return False
+            return self._transition(
+                task_id, TaskRow.state == State.CANCELED.value, cancel_pending=True
+            )
+
+    def forget_submission(self, task_id: str, *, attempt: int) -> bool:
+        """Submission in flight (any state) whose sbatch created no job -> no submission,
+        `attempt` given back, no cancel to carry out: the task may be submitted again."""
+        return self._transition(
+            task_id, _IN_FLIGHT, submit_started_at=None, attempt=attempt, cancel_pending=False
+        )
+
+    def defer_submission(
+        self,
+        task_id: str,
+        *,
+        until: float,
+        logs: list[dict[str, Any]],
+        submission: SubmissionFailure | None = None,
+    ) -> bool:
+        """Unfinished task -> tried again after `until`, its logs saying why.
+
+        Without `submission` the task had no sbatch yet. With one, its sbatch failed without
+        an answer: see :class:`SubmissionFailure`."""
+        changes: dict[str, Any] = {"next_submit_at": until, "logs": logs}
+        if submission is not None:
+            changes["submit_started_at"] = submission.maybe_started_at
+            if submission.maybe_started_at is None:
+                changes["attempt"] = submission.attempt
+        return self._transition(task_id, _UNFINISHED, **changes)
+
+    def note(self, task_id: str, logs: list[dict[str, Any]]) -> bool:
+        """Unfinished task: new `logs` (a condition line, image notes), same state."""
+        return self._transition(task_id, _UNFINISHED, logs=logs)
+
+    def amend_final_logs(self, task_id: str, logs: list[dict[str, Any]]) -> bool:
+        """Finished task: `logs` with the final Slurm facts that sacct had late."""
+        return self._transition(task_id, TaskRow.state.in_(_TERMINAL), logs=logs)
+
+    def apply_decision(
+        self,
+        task_id: str,
+        *,
+        job_id: str,
+        state: State | None = None,
+        logs: list[dict[str, Any]] | None = None,
+        resubmit: bool = False,
+        cancel_job: bool = False,
+    ) -> bool:
+        """Unfinished task with job `job_id` -> what the poller decided from Slurm and the
+        job's records: a new `state` and/or `logs`; `resubmit` forgets the job (lost through
+        no fault of the task) so the task is submitted again; `cancel_job` marks the job for
+        scancel."""
+        changes: dict[str, Any] = {}
+        if resubmit:
+            changes.update(job_id=None, submit_started_at=None, next_submit_at=None)
+        if cancel_job:
+            changes["cancel_pending"] = True
+        if state is not None:
+            changes["state"] = state.value
+        if logs is not None:
+            changes["logs"] = logs
+        if not changes:
+            return False
+        return self._transition(task_id, _UNFINISHED & (TaskRow.job_id == job_id), **changes)
+
+    def fail(
+        self,
+        task_id: str,
+        logs: list[dict[str, Any]],
+        *,
+        attempt: int | None = None,
+        end_submission: bool = False,
+    ) -> bool:
+        """Unfinished task -> SYSTEM_ERROR with `logs` saying why. `attempt` records the
+        attempt that failed; `end_submission` clears the submission in flight (sbatch refused
+        the job)."""
+        changes: dict[str, Any] = {"state": State.SYSTEM_ERROR.value, "logs": logs}
+        if attempt is not None:
+            changes["attempt"] = attempt
+        if end_submission:
+            changes["submit_started_at"] = None
+        return self._transition(task_id, _UNFINISHED, **changes)
+
+    def finish_cancel(self, task_id: str) -> bool:
+        """Cancel pending (any state) -> carried out: scancel was sent for the task's job."""
+        return self._transition(task_id, TaskRow.cancel_pending == True, cancel_pending=False)  # noqa: E712
+
+
+class Store(_PollerQueries, _Transitions):
     def __init__(self, database: peewee.Database):
         self.db = database
         database_proxy.initialize(database)
@@ -202,6 +481,11 @@ class Store:
     @classmethod
     def from_url(cls, url: str) -> Store:
         return cls(open_database(url))
+
+    def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """A raw statement; returns the cursor."""
+        # peewee's stubs leave execute_sql untyped.
+        return self.db.execute_sql(sql, params)  # type: ignore[no-untyped-call]
 
     @property
     def is_sqlite(self) -> bool:
@@ -213,12 +497,10 @@ class Store:
         with self.db.connection_context(), self.db.atomic():
             self.db.create_tables(MODELS, safe=True)
             # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
-            self.db.execute_sql(
-                "CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)"
-            )
+            self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
             if not self.is_sqlite:
                 # For the name_prefix range, which compares with the "C" collation.
-                self.db.execute_sql(
+                self._sql(
                     'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
                 )
             recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
@@ -279,7 +561,7 @@ class Store:
                 if tags:
                     params = [p for k, v in tags.items() for p in (seq, k, v)]
                     sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
-                    self.db.execute_sql(sql, params)
+                    self._sql(sql, params)
         return TaskRecord(
             seq=seq,
             id=task_id,
@@ -297,9 +579,9 @@ class Store:
         params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
         sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
         if self.is_sqlite:
-            return self.db.execute_sql(sql, params).lastrowid
+            return int(self._sql(sql, params).lastrowid)
         if not tags:
-            return self.db.execute_sql(f'{sql} RETURNING "seq"', params).fetchone()[0]
+            return int(self._sql(f'{sql} RETURNING "seq"', params).fetchone()[0])
         pairs = ", ".join(["(%s, %s)"] * len(tags))
         statement = (
             f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
@@ -307,7 +589,7 @@ class Store:
             f"AS v(k, v)) SELECT seq FROM t"
         )
         params += [p for item in tags.items() for p in item]
-        return self.db.execute_sql(statement, params).fetchone()[0]
+        return int(self._sql(statement, params).fetchone()[0])
 
     def get_task(
         self, task_id: str, *, owner: str | None = None, full: bool = True
@@ -425,7 +707,8 @@ class Store:
             low = peewee.NodeList((peewee.Value(prefix), collate_c))
             high = upper and peewee.NodeList((peewee.Value(upper), collate_c))
         condition = (name >= low) & exact
-        return condition & (name < high) if upper else condition
+        result: peewee.Expression = condition & (name < high) if upper else condition
+        return result
 
     @staticmethod
     def _columns(full: bool) -> list[peewee.Field]:
@@ -457,129 +740,6 @@ class Store:
         except (ValueError, TypeError):
             pass
         raise InvalidPageToken("page_token was not issued by this server")
-
-    # ----------------------------------------------------------------------------- cancel
-    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
-        """Mark a task CANCELED at once (clients treat only final states as final).
-
-        A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
-        terminal task keeps its state. Returns None for an unknown id.
-        """
-        with self.db.atomic():
-            query = TaskRow.select(
-                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
-            ).where(TaskRow.id == task_id)
-            if owner is not None:
-                query = query.where(TaskRow.owner == owner)
-            row = query.first()
-            if row is None:
-                return None
-            if row.state in TERMINAL_STATES:
-                return _record(row, False)
-            may_have_job = row.job_id is not None or row.submit_started_at is not None
-            TaskRow.update(
-                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
-            ).where(
-                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
-            ).execute()
-        return self.get_task(task_id, full=False)
-
-    # ----------------------------------------------------------------------------- poller
-    def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
-        """QUEUED tasks with no job and no submission in flight, oldest first."""
-        rows = (
-            TaskRow.select()
-            .where(
-                (TaskRow.state == State.QUEUED.value)
-                & TaskRow.job_id.is_null()
-                & TaskRow.submit_started_at.is_null()
-                & (TaskRow.next_submit_at.is_null() | (TaskRow.next_submit_at <= now))
-            )
-            .order_by(TaskRow.seq)
-            .limit(limit)
-        )
-        return [_record(row, True) for row in rows]
-
-    def tasks_in_flight(self, *, with_document: bool = True) -> list[TaskRecord]:
-        """Tasks that have (or may have) a Slurm job the poller must watch or cancel.
-
-        Following jobs needs no task document: without it (`document` None) a poll cycle of
-        10,000 jobs parses half the JSON."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
-        fields = [f for f in TaskRow._meta.sorted_fields if with_document or f.name != "document"]
-        rows = (
-            TaskRow.select(*fields)
-            .where(
-                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
-                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
-            )
-            .order_by(TaskRow.seq)
-        )
-        return [_record(row, True) for row in rows]
-
-    def interrupted_submissions(self) -> list[TaskRecord]:
-        """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
-        rows = (
-            TaskRow.select()
-            .where(
-                TaskRow.job_id.is_null()
-                & TaskRow.submit_started_at.is_null(False)
-                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
-            )
-            .order_by(TaskRow.seq)
-        )
-        return [_record(row, True) for row in rows]
-
-    def cancels_pending(self) -> int:
-        """How many tasks have a cancel the poller has not carried out yet."""
-        return TaskRow.select().where(TaskRow.cancel_pending == True).count()  # noqa: E712
-
-    def oldest_unfinished_time(self) -> float | None:
-        """Creation time (epoch seconds) of the oldest task not yet final, or whose job may
-        still exist (a cancel not carried out yet); None when there is none."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
-        oldest = (
-            TaskRow.select(peewee.fn.MIN(TaskRow.creation_time))
-            .where(TaskRow.state.in_(active) | TaskRow.cancel_pending)
-            .scalar()
-        )
-        return datetime.fromisoformat(oldest).timestamp() if oldest else None
-
-    def newest_seq(self) -> int | None:
-        """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
-        return TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()
-
-    def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
-        """Apply poller changes; a terminal task's state never changes.
-
-        `logs` may be given as a list (stored as JSON). Returns whether a row changed.
-        """
-        if "logs" in changes:
-            changes["logs"] = json.dumps(changes["logs"])
-        changes["updated_at"] = _now()
-        query = TaskRow.update(**changes).where(TaskRow.id == task_id)
-        if not allow_terminal:
-            query = query.where(TaskRow.state.not_in([s.value for s in TERMINAL_STATES]))
-        return query.execute() > 0
-
-    def finished_before(
-        self, cutoff: float, states: Iterable[str], *, limit: int = 1000
-    ) -> list[TaskRecord]:
-        """Tasks in `states` last changed before `cutoff` whose directory is still there."""
-        rows = (
-            TaskRow.select(*self._columns(False))
-            .where(
-                TaskRow.state.in_(list(states))
-                & (TaskRow.updated_at < cutoff)
-                & (TaskRow.cleaned == False)  # noqa: E712 (peewee expression)
-            )
-            .limit(limit)
-        )
-        return [_record(row, False) for row in rows]
-
-    def mark_cleaned(self, task_id: str) -> None:
-        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]

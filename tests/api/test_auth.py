@@ -483,7 +483,8 @@ def test_site_mode_slurm_account_comes_from_the_task_then_the_mapping_then_the_d
     )
     poller = Poller(config, sqlite_store, slurm_client=None, images=None)  # type: ignore[arg-type]
     own = {"resources": {"backend_parameters": {"Account": "mine"}}}
-    assert poller._account_args("tesalice", TASK) == ["--account=lab-a"]
-    assert poller._account_args("tesbob", TASK) == ["--account=general"]
-    assert poller._account_args("tesalice", own) == []  # the task's #SBATCH line decides
-    assert poller._account_args(None, TASK) == []
+    assert poller.owners is not None
+    assert poller.owners.account_args("tesalice", TASK) == ["--account=lab-a"]
+    assert poller.owners.account_args("tesbob", TASK) == ["--account=general"]
+    assert poller.owners.account_args("tesalice", own) == []  # the task's #SBATCH line decides
+    assert poller.owners.account_args(None, TASK) == []

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,8 +33,8 @@ from bridge.tes import State
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
 
 
-def job(job_id: str = "1", state: str = "RUNNING", **kw) -> JobInfo:
-    fields = dict(
+def job(job_id: str = "1", state: str = "RUNNING", **kw: Any) -> JobInfo:
+    fields: dict[str, Any] = dict(
         job_id=job_id,
         name="tes-x",
         state=state,
@@ -84,7 +85,8 @@ class FakeSlurm:
         *,
         job_name: str,
         comment: str | None = None,
-        extra_args: Collection[str] = (),
+        extra_args: Sequence[str] = (),
+        as_user: str | None = None,
     ) -> str:
         if self.create_then_fail:
             job_id = str(next(self.ids))
@@ -131,7 +133,7 @@ class FakeSlurm:
                 found.setdefault(info.name, []).append(info)
         return found
 
-    def cancel(self, job_ids: Collection[str]) -> None:
+    def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         self._check("scancel")
         for job_id in job_ids:
             self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED")
@@ -588,7 +590,7 @@ def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
             ExecutorRecord(1, t0, None, None, "two so far", ""),
         ],
     )
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: running)
+    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: running)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "RUNNING"
@@ -642,7 +644,7 @@ def test_pending_reason_is_one_line_that_goes_when_the_task_moves_on(env, monkey
     assert lines == [f"Slurm job {job_id} is pending (Resources)"]
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
@@ -655,12 +657,14 @@ def test_final_log_has_sacct_facts_never_a_leftover_running(env, monkeypatch):
     poller.cycle()
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: JobRecords(job_id=job_id))
+    monkeypatch.setattr(
+        "bridge.poller.follow.read_records", lambda *a, **k: JobRecords(job_id=job_id)
+    )
     poller.cycle()
     assert store.get_task(task.id).logs[0]["metadata"]["slurm_state"] == "RUNNING"
     # The job recorded its outcome; squeue still says RUNNING and sacct has nothing final yet.
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
@@ -688,7 +692,7 @@ def test_final_facts_are_given_up_after_the_grace_time(env, monkeypatch):
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
     poller.cycle()
     later = poller.clock() + 301
     poller.clock = lambda: later
@@ -706,7 +710,7 @@ def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
 
     poller, store, slurm, _ = env
     tasks = [store.create_task(ECHO) for _ in range(3)]
-    real = __import__("bridge.poller", fromlist=["prepare_task_dir"]).prepare_task_dir
+    real = __import__("bridge.poller.submit", fromlist=["prepare_task_dir"]).prepare_task_dir
     full = True
 
     def prepare(*args, **kwargs):
@@ -714,7 +718,7 @@ def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("bridge.poller.prepare_task_dir", prepare)
+    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", prepare)
     now = [1000.0]
     poller.clock = lambda: now[0]
     for _ in range(3):
@@ -825,7 +829,7 @@ def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answe
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("bridge.poller.prepare_task_dir", full)
+    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", full)
     now = [1000.0]
     poller.clock = lambda: now[0]
     delays = []
@@ -843,7 +847,9 @@ def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, mon
     poller.cycle()
     first = store.get_task(task.id).job_id
     slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL", exit_code=0)
-    monkeypatch.setattr("bridge.poller.read_records", lambda *a, **k: JobRecords(job_id=first))
+    monkeypatch.setattr(
+        "bridge.poller.follow.read_records", lambda *a, **k: JobRecords(job_id=first)
+    )
     poller.cycle()  # lost node: a second attempt is due
     record = store.get_task(task.id)
     assert record.job_id is None and record.state == "QUEUED"
@@ -864,16 +870,44 @@ def test_a_full_database_while_submitting_postpones_and_never_fails_the_task(env
 
     poller, store, slurm, _ = env
     task_id = store.create_task(ECHO).id
-    submit = poller._submit
+    submit = poller.submitter._submit
 
     def full(task, stats):
         raise peewee.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(poller, "_submit", full)
+    monkeypatch.setattr(poller.submitter, "_submit", full)
     poller.cycle()
     assert store.get_task(task_id).state == State.QUEUED.value
-    monkeypatch.setattr(poller, "_submit", submit)
+    monkeypatch.setattr(poller.submitter, "_submit", submit)
     poller.cycle()
     record = store.get_task(task_id)
     assert record.job_id is not None and record.state == State.QUEUED.value
     assert slurm.calls.count("sbatch") == 1
+
+
+def test_owner_commands_run_through_the_one_sudo_argv(tmp_path: Path) -> None:
+    from bridge.poller.owners import OwnerCommandError, OwnerRunner
+
+    sudo = tmp_path / "sudo"
+    log = tmp_path / "argv"
+    sudo.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > {log}\n'
+        'case "$8" in remove) echo "no such directory" >&2; exit 2;; esac\n'
+        "cat\n"
+    )
+    sudo.chmod(0o755)
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"site.sudo": str(sudo)},
+    )
+    runner = OwnerRunner(config)
+    assert runner.run("alice", ["adopt", "--task-dir", "/w/t"], stdin="{}") == "{}"
+    work = str(config.work_dir)
+    python = config.job.python
+    assert log.read_text().split("\n")[:-1] == [
+        "-n", "-u", "alice", "--", python, "-m", "bridge.job", "adopt", "--work-dir", work,
+        "--task-dir", "/w/t",
+    ]  # fmt: skip
+    with pytest.raises(OwnerCommandError, match="remove exited 2: no such directory"):
+        runner.remove("alice", Path("/w/t"))

@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from bridge.store import SCHEMA_VERSION, MetaRow, Store, TaskFilter, _prefix_successor
+from bridge.store import (
+    SCHEMA_VERSION,
+    MetaRow,
+    Store,
+    SubmissionFailure,
+    TaskFilter,
+    _prefix_successor,
+)
 from bridge.tes import State
 
 ECHO = {"executors": [{"image": "alpine", "command": ["true"]}]}
@@ -177,3 +184,63 @@ def test_unavailable_reason_sees_through_the_rollback_error():
     assert "53100" in unavailable_reason(PgError("could not extend file", "53100"))
     assert unavailable_reason(PgError("syntax error", "42601")) is None
     assert unavailable_reason(ValueError("bad")) is None
+
+
+def test_transitions_change_only_a_task_in_the_state_they_expect(store: Store):
+    task = store.create_task(ECHO)
+    assert store.mark_submitting(task.id, attempt=1, now=5.0)
+    # A second submission of the same task is refused: one is in flight.
+    assert not store.mark_submitting(task.id, attempt=2, now=6.0)
+    assert not store.apply_decision(task.id, job_id="7", state=State.RUNNING)  # no job yet
+    assert not store.record_job(task.id, "7")  # not canceled meanwhile
+    record = store.get_task(task.id)
+    assert (record.job_id, record.submit_started_at, record.attempt) == ("7", None, 1)
+    assert not store.record_job(task.id, "8")  # no submission in flight any more
+    assert not store.apply_decision(task.id, job_id="8", state=State.RUNNING)  # another job
+    assert store.apply_decision(task.id, job_id="7", state=State.RUNNING)
+    assert not store.amend_final_logs(task.id, [])  # not finished
+    assert store.fail(task.id, [{"logs": [], "outputs": [], "system_logs": ["why"]}])
+    assert not store.fail(task.id, [])  # a terminal state never changes
+    assert not store.apply_decision(task.id, job_id="7", state=State.COMPLETE)
+    assert not store.note(task.id, [])
+    assert store.amend_final_logs(task.id, [{"logs": [], "outputs": []}])
+    assert store.get_task(task.id).state == State.SYSTEM_ERROR.value
+
+
+def test_job_recorded_for_a_task_canceled_during_its_sbatch_is_marked_for_scancel(store: Store):
+    task = store.create_task(ECHO)
+    assert store.mark_submitting(task.id, attempt=1, now=5.0)
+    store.cancel_task(task.id)
+    assert store.record_job(task.id, "7")
+    record = store.get_task(task.id)
+    assert (record.state, record.job_id, record.cancel_pending) == ("CANCELED", "7", True)
+    assert store.finish_cancel(task.id)
+    assert not store.finish_cancel(task.id)
+    assert not store.get_task(task.id).cancel_pending
+
+
+def test_a_submission_that_created_no_job_gives_its_attempt_back(store: Store):
+    task = store.create_task(ECHO)
+    assert store.mark_submitting(task.id, attempt=1, now=5.0)
+    failure = SubmissionFailure(attempt=0, maybe_started_at=None)
+    assert store.defer_submission(task.id, until=50.0, logs=[], submission=failure)
+    record = store.get_task(task.id)
+    assert (record.submit_started_at, record.attempt, record.next_submit_at) == (None, 0, 50.0)
+    # An sbatch that may have created its job stays in flight for recovery to look for it.
+    assert store.mark_submitting(task.id, attempt=1, now=60.0)
+    maybe = SubmissionFailure(attempt=0, maybe_started_at=30.0)
+    assert store.defer_submission(task.id, until=90.0, logs=[], submission=maybe)
+    record = store.get_task(task.id)
+    assert (record.submit_started_at, record.attempt) == (30.0, 1)
+    assert store.forget_submission(task.id, attempt=0)
+    assert store.tasks_to_submit(now=100.0)[0].id == task.id
+
+
+def test_a_lost_job_is_forgotten_so_the_task_is_submitted_again(store: Store):
+    task = store.create_task(ECHO)
+    store.mark_submitting(task.id, attempt=1, now=5.0)
+    store.record_job(task.id, "7")
+    assert store.apply_decision(task.id, job_id="7", resubmit=True)
+    record = store.get_task(task.id)
+    assert (record.state, record.job_id, record.submit_started_at) == ("QUEUED", None, None)
+    assert not store.apply_decision(task.id, job_id="7")  # nothing to change

@@ -1,0 +1,36 @@
+"""The poller: the one process that talks to Slurm.
+
+Each cycle it
+1. finds again the jobs of submissions that were interrupted (a crash between `sbatch` and the
+   database write, or an `sbatch` that failed without an answer) by their job name, so a task
+   is never submitted twice;
+2. submits QUEUED tasks whose images are in the cache (pulls run in the background);
+3. asks Slurm about every active job with one `squeue` call, and one `sacct` call for the jobs
+   that left the queue, reads each job's own records, and moves tasks to their TES state;
+4. carries out cancels recorded by the API (one `scancel` for all of them);
+5. now and then removes old task directories.
+
+Run exactly one poller per store: it holds a lock file in the state directory.
+
+Modules: ``decisions`` (pure: the TES state and logs from Slurm and the job's records),
+``recover``, ``submit``, ``follow``, ``cancel`` and ``cleanup`` (the steps above, each a small
+collaborator), ``owners`` (site mode's commands as each task's owner), ``context`` (what they
+share) and ``loop`` (the cycle, the lock, the factory and the process loop).
+"""
+
+from __future__ import annotations
+
+from bridge.poller.context import CycleStats
+from bridge.poller.decisions import Decision, decide, job_name
+from bridge.poller.loop import Poller, PollerLock, build_poller, run_poller
+
+__all__ = [
+    "CycleStats",
+    "Decision",
+    "Poller",
+    "PollerLock",
+    "build_poller",
+    "decide",
+    "job_name",
+    "run_poller",
+]

@@ -1,0 +1,37 @@
+"""Carrying out the cancels the API recorded: one scancel for all jobs (one per owner in site
+mode)."""
+
+from __future__ import annotations
+
+import logging
+
+from bridge.poller.context import CycleStats, PollerContext, short
+from bridge.slurm import SlurmError
+from bridge.store import TaskRecord
+
+log = logging.getLogger("bridge.poller")
+
+
+class Canceller:
+    def __init__(self, ctx: PollerContext) -> None:
+        self.ctx = ctx
+
+    def carry_out(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
+        with_job = [t for t in tasks if t.job_id]
+        if not with_job:
+            return
+        groups: dict[str | None, list[TaskRecord]] = {}
+        for task in with_job:
+            groups.setdefault(task.owner if self.ctx.site else None, []).append(task)
+        done: list[TaskRecord] = []
+        for owner, owned in groups.items():
+            try:
+                stats.slurm_calls += 1
+                self.ctx.slurm.cancel([t.job_id for t in owned if t.job_id], as_user=owner)
+                done += owned
+            except SlurmError as exc:
+                log.warning("scancel failed; trying again next cycle: %s", short(exc))
+        for task in done:
+            self.ctx.store.finish_cancel(task.id)
+            stats.canceled += 1
+            log.info("canceled Slurm job %s of task %s", task.job_id, task.id)

@@ -1,0 +1,60 @@
+"""What the poller's collaborators share: the configuration, the store, Slurm and the clock."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+from bridge.config import Config
+from bridge.slurm import SlurmBackend
+from bridge.store import Store
+from bridge.tes import format_time
+
+
+class ImageSource(Protocol):
+    """What the poller needs of the image cache (bridge.images.ImageCache; a fake in tests)."""
+
+    def resolve(self, images: Sequence[str]) -> dict[str, str] | None: ...
+
+    def problem(self, image: str) -> str | None: ...
+
+    def prune(self, oldest_unfinished: float | None) -> object: ...
+
+
+@dataclass
+class CycleStats:
+    submitted: int = 0
+    updated: int = 0
+    canceled: int = 0
+    slurm_calls: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class PollerContext:
+    config: Config
+    store: Store
+    slurm: SlurmBackend
+    clock: Callable[[], float] = field(default=time.time)
+
+    @property
+    def site(self) -> bool:
+        """Site mode: every task runs as its owner (sudo -n -u OWNER)."""
+        return self.config.site.run_as_owner
+
+    def task_dir(self, task_id: str) -> Path:
+        return self.config.work_dir / task_id
+
+
+def short(exc: Exception) -> str:
+    """The first line of an error, for logs and system_logs."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def format_time_now() -> str:
+    return format_time(datetime.now(UTC))

@@ -1,0 +1,228 @@
+"""The poller process: one lock per state directory, the collaborators wired together, and
+the loop of cycles with quick checks between them."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bridge.config import Config
+from bridge.images import ImageCache
+from bridge.job.layout import TaskLayout
+from bridge.poller.cancel import Canceller
+from bridge.poller.cleanup import Cleaner
+from bridge.poller.context import CycleStats, ImageSource, PollerContext
+from bridge.poller.follow import Follower
+from bridge.poller.owners import OwnerRunner
+from bridge.poller.recover import Recovery
+from bridge.poller.submit import Submitter
+from bridge.slurm import SlurmBackend, SlurmClient
+from bridge.store import Store, unavailable_reason
+from bridge.tes import TERMINAL_STATES
+
+log = logging.getLogger("bridge.poller")
+
+#: Between full cycles the poller looks this often for new tasks (one cheap query) and for
+#: jobs that recorded their outcome (one stat each), so neither waits for the next cycle;
+#: squeue and sacct keep the pace of `slurm.poll_interval`.
+QUICK_CHECK_INTERVAL = 0.2
+#: Finished jobs are looked for between cycles only while at most this many are active.
+QUICK_CHECK_MAX_JOBS = 64
+
+
+class Poller:
+    """One cycle: recover interrupted submissions, submit, follow jobs, carry out cancels,
+    and now and then clean up (see the package doc)."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        *,
+        slurm_client: SlurmBackend,
+        images: ImageSource,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ctx = PollerContext(config, store, slurm_client, clock)
+        self.config = config
+        self.store = store
+        #: Site mode: every task runs as its owner (sudo -n -u OWNER, deploy/sudoers.tes-bridge).
+        self.owners = OwnerRunner(config) if config.site.run_as_owner else None
+        self.recovery = Recovery(self.ctx)
+        self.canceller = Canceller(self.ctx)
+        self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)
+        self.follower = Follower(self.ctx, self.owners)
+        self.cleaner = Cleaner(self.ctx, images, self.owners)
+        #: The newest task seen by a cycle or a quick check.
+        self._newest_seq: int | None = None
+        #: (task id, job id) of the jobs still active after the last cycle.
+        self._active_jobs: list[tuple[str, str]] = []
+        #: Tasks with a cancel to carry out, as of the last cycle (see quick_check).
+        self._cancels_seen = 0
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.ctx.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.ctx.clock = clock
+
+    def task_dir(self, task_id: str) -> Path:
+        return self.ctx.task_dir(task_id)
+
+    def cycle(self) -> CycleStats:
+        started = time.perf_counter()
+        stats = CycleStats()
+        with self.store.db.connection_context():
+            self._newest_seq = self.store.newest_seq()
+            self.recovery.recover(stats)
+            self.submitter.submit_queued(stats)
+            in_flight = self.store.tasks_in_flight(with_document=False)
+            active = [t for t in in_flight if t.job_id and t.state not in TERMINAL_STATES]
+            self.follower.follow(active, stats)
+            finished = self.follower.finished
+            self._active_jobs = [
+                (t.id, t.job_id) for t in active if t.job_id and t.id not in finished
+            ]
+            self.canceller.carry_out([t for t in in_flight if t.cancel_pending], stats)
+            self._cancels_seen = self.store.cancels_pending()
+            self.cleaner.maybe_clean()
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def quick_check(self) -> str | None:
+        """Between cycles: "submit" when a task arrived, "cycle" when a job recorded its
+        outcome, else None. Costs one query and a few stats; no Slurm command."""
+        with self.store.db.connection_context():
+            newest = self.store.newest_seq()
+            cancels = self.store.cancels_pending()
+        if newest != self._newest_seq:
+            self._newest_seq = newest
+            return "submit"
+        if cancels > self._cancels_seen:
+            return "cycle"  # a cancel arrived: its job is scanceled now, not a cycle later
+        if len(self._active_jobs) <= QUICK_CHECK_MAX_JOBS:
+            for task_id, job_id in self._active_jobs:
+                try:
+                    outcome = TaskLayout(self.task_dir(task_id)).records_dir(job_id) / "outcome"
+                    if outcome.exists():  # False too where site mode keeps records private
+                        return "cycle"
+                except (OSError, ValueError):
+                    continue
+        return None
+
+    def submit_new(self) -> CycleStats:
+        """Submit what is QUEUED now, without polling Slurm (see quick_check)."""
+        stats = CycleStats()
+        with self.store.db.connection_context():
+            self.submitter.submit_queued(stats)
+        return stats
+
+
+class PollerLock:
+    """An exclusive lock file: a second poller on the same state directory refuses to start."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+
+def build_poller(config: Config, store: Store, *, wake: threading.Event | None = None) -> Poller:
+    cfg = config.slurm
+    client = SlurmClient(
+        sbatch=cfg.sbatch,
+        squeue=cfg.squeue,
+        sacct=cfg.sacct,
+        scancel=cfg.scancel,
+        sinfo=cfg.sinfo,
+        timeout=cfg.command_timeout,
+        sudo=config.site.sudo,
+    )
+    images = ImageCache(
+        config,
+        max_workers=config.container.pull_workers,
+        failure_ttl=config.container.pull_failure_ttl,
+        on_pulled=wake.set if wake is not None else None,
+    )
+    return Poller(config, store, slurm_client=client, images=images)
+
+
+def run_poller(config: Config, *, once: bool = False) -> int:
+    lock = PollerLock(config.state_dir / "poller.lock")
+    if not lock.acquire():
+        log.error("another poller already runs for %s; exiting", config.state_dir)
+        return 1
+    store = Store.from_url(config.database_url)
+    stop = threading.Event()
+    #: Set by a finished image pull (or a stop request): the next cycle starts at once.
+    wake = threading.Event()
+    poller = build_poller(config, store, wake=wake)
+
+    def request_stop(*_: object) -> None:
+        stop.set()
+        wake.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_stop)
+    log.info("poller started", extra={"work_dir": str(config.work_dir)})
+    while not stop.is_set():
+        wake.clear()
+        _run_cycle(poller)
+        if once:
+            break
+        _between_cycles(poller, config.slurm.poll_interval, stop, wake)
+    log.info("poller stopped")
+    return 0
+
+
+def _run_cycle(poller: Poller) -> None:
+    try:
+        stats = poller.cycle()
+        if stats.submitted or stats.updated or stats.canceled:
+            log.info("poll cycle", extra=stats.__dict__)
+    except Exception as exc:
+        reason = unavailable_reason(exc)
+        if reason:
+            log.error("poll cycle failed: %s; trying again", reason)
+        else:
+            log.exception("poll cycle failed; trying again")
+
+
+def _between_cycles(
+    poller: Poller, interval: float, stop: threading.Event, wake: threading.Event
+) -> None:
+    """Quick checks until the next cycle is due, a wake-up, or a job that recorded its
+    outcome."""
+    deadline = time.monotonic() + interval
+    while not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or wake.wait(min(QUICK_CHECK_INTERVAL, remaining)):
+            return
+        try:
+            what = poller.quick_check()
+            if what == "cycle":
+                return
+            if what == "submit":
+                poller.submit_new()
+        except Exception:
+            log.exception("quick check failed; the next cycle will do its work")

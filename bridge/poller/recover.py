@@ -1,0 +1,59 @@
+"""Finding again the jobs of interrupted submissions (a crash between sbatch and the database
+write, or an sbatch that failed without an answer), by job name: a task is never submitted
+twice."""
+
+from __future__ import annotations
+
+import logging
+
+from bridge.poller.context import CycleStats, PollerContext
+from bridge.poller.decisions import job_name
+from bridge.slurm import JobInfo, SlurmError
+from bridge.store import TaskRecord
+
+log = logging.getLogger("bridge.poller")
+
+
+class Recovery:
+    def __init__(self, ctx: PollerContext) -> None:
+        self.ctx = ctx
+
+    def recover(self, stats: CycleStats) -> None:
+        """Tasks whose `sbatch` started but whose job id was never stored: look for the job."""
+        store = self.ctx.store
+        pending = store.interrupted_submissions()
+        if not pending:
+            return
+        names = {job_name(t.id): t for t in pending}
+        try:
+            stats.slurm_calls += 2
+            found = self.ctx.slurm.find_by_names(list(names))
+        except SlurmError as exc:
+            log.warning("cannot look for interrupted submissions yet: %s", exc)
+            return
+        # An sbatch dies with the poller and is killed at its time-out, but slurmctld may still
+        # act on a request it received: "no job" is believed only once that time has passed.
+        slurm_cfg = self.ctx.config.slurm
+        settled_before = self.ctx.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
+        for name, task in names.items():
+            job = _newest_job_of_this_attempt(task, found.get(name, []))
+            if job is not None:
+                log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
+                # Canceled while its sbatch ran: record_job marks the job for scancel.
+                store.record_job(task.id, job.job_id)
+            elif (task.submit_started_at or 0.0) > settled_before:
+                log.info("interrupted submission of task %s: no job yet, looking again", task.id)
+            else:
+                # sbatch never created a job: the task may be submitted again.
+                store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+
+
+def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:
+    # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name.
+    earlier = {
+        (entry.get("metadata") or {}).get("slurm_job_id")
+        for entry in (task.logs or [])[: max(task.attempt - 1, 0)]
+    }
+    ours = [j for j in jobs if j.job_id not in earlier]
+    ours.sort(key=lambda j: int(j.job_id.split("_")[0]))
+    return ours[-1] if ours else None

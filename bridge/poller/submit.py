@@ -1,0 +1,342 @@
+"""Submitting QUEUED tasks: images, the task directory, sbatch, and waiting with back-off
+while Slurm or the work filesystem is away."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from bridge.images import ImagePullError
+from bridge.poller.cancel import Canceller
+from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
+from bridge.poller.decisions import (
+    attempt_log,
+    copy_logs,
+    failure_logs,
+    job_name,
+    set_condition,
+    set_image_notes,
+)
+from bridge.poller.owners import OwnerCommandError, OwnerRunner
+from bridge.render import RenderError, prepare_task_dir
+from bridge.slurm import SlurmError, SlurmRejected, TmpDisk
+from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
+
+log = logging.getLogger("bridge.poller")
+
+#: Submissions per cycle, so that polling stays regular when thousands of tasks arrive at once.
+MAX_SUBMISSIONS_PER_CYCLE = 500
+#: Errors while preparing a task directory that pass by themselves (a full or over-quota
+#: filesystem, a file server away): the task waits in QUEUED and is tried again with back-off.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOMEM, errno.EMFILE,
+     errno.ENFILE, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
+)  # fmt: skip
+#: sbatch errors that mean it never reached slurmctld, so no job was created.
+_NEVER_CONNECTED = re.compile(
+    r"Unable to contact slurm controller|Connection refused|Munge encode failed", re.I
+)
+#: After sbatch refuses a `--tmp`, TmpDisk is read again if the last read is older than this
+#: (at most one sinfo per this many seconds, however many tasks are refused).
+TMP_DISK_RECHECK = 30.0
+#: sbatch's words for a `--tmp` no node can give (tests/data/slurm/sbatch-too-much-tmp.txt).
+_TMP_REFUSED = "Temporary disk specification can not be satisfied"
+
+
+class _Wait(Exception):
+    """The task waits in QUEUED (submissions paused) for `reason`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Fail(Exception):
+    """The task cannot run: SYSTEM_ERROR with this message."""
+
+
+def disk_gb(document: dict[str, Any]) -> float:
+    value = (document.get("resources") or {}).get("disk_gb")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
+
+
+class Backoff:
+    """Doubles with each failed submission in a row (Slurm away, a full work filesystem), up
+    to `slurm.submit_backoff_max`; a submission that succeeds starts it afresh. While it runs
+    no sbatch starts (each would wait for sbatch's own retries, about 10 s, and fail the same
+    way)."""
+
+    def __init__(self, ctx: PollerContext) -> None:
+        self.ctx = ctx
+        self.failures = 0
+        self.paused_until = 0.0
+        #: Why the last task that could not be submitted waits.
+        self.reason: str | None = None
+
+    def pause(self, reason: str) -> float:
+        self.failures += 1
+        self.reason = reason
+        cfg = self.ctx.config.slurm
+        exponent = min(self.failures - 1, 16)
+        delay = min(cfg.submit_backoff_initial * 2.0**exponent, cfg.submit_backoff_max)
+        self.paused_until = self.ctx.clock() + delay
+        return delay
+
+    @property
+    def paused(self) -> bool:
+        return self.ctx.clock() < self.paused_until
+
+
+class TmpDiskCache:
+    """The partitions' TmpDisk (slurm.disk_request "auto"), read with sinfo now and then."""
+
+    def __init__(self, ctx: PollerContext) -> None:
+        self.ctx = ctx
+        self._tmp_disk: TmpDisk | None = None
+        self._read_at = 0.0
+
+    def get(self, stats: CycleStats) -> TmpDisk:
+        """Read again after `slurm.tmp_disk_refresh_seconds`. When sinfo fails the last answer
+        stays in use; with none yet, the SlurmError is raised."""
+        now = self.ctx.clock()
+        refresh = self.ctx.config.slurm.tmp_disk_refresh_seconds
+        if self._tmp_disk is None or now - self._read_at >= refresh:
+            try:
+                stats.slurm_calls += 1
+                self._tmp_disk = self.ctx.slurm.tmp_disk()
+                log.info("node-local disk (TmpDisk) by partition: %s", self._tmp_disk.describe())
+            except SlurmError as exc:
+                if self._tmp_disk is None:
+                    raise
+                log.warning("sinfo failed; keeping the TmpDisk read before: %s", exc)
+            self._read_at = now
+        return self._tmp_disk
+
+    def hint(self, document: dict[str, Any], stats: CycleStats) -> str:
+        """Why sbatch refused `--tmp`, and the setting that decides it."""
+        mode = self.ctx.config.slurm.disk_request
+        if self.ctx.clock() - self._read_at > TMP_DISK_RECHECK:
+            self._read_at = float("-inf")  # what the nodes declare may have changed
+        try:
+            declared = f"the nodes declare TmpDisk {self.get(stats).describe()}"
+        except SlurmError:
+            declared = "the nodes' TmpDisk could not be read"
+        hint = (
+            f". resources.disk_gb = {disk_gb(document):g} asks Slurm for that much node-local "
+            f'disk (sbatch --tmp, slurm.disk_request = "{mode}"), and {declared}'
+        )
+        if mode == "tmp":
+            return hint + (
+                "; a node that declares no TmpDisk (0) gives no --tmp at all: set "
+                'slurm.disk_request = "auto" to pass disk_gb only where nodes declare TmpDisk'
+            )
+        return hint + "; ask for less disk_gb, or for a partition with larger TmpDisk"
+
+
+class Submitter:
+    def __init__(
+        self,
+        ctx: PollerContext,
+        images: ImageSource,
+        owners: OwnerRunner | None,
+        canceller: Canceller,
+    ) -> None:
+        self.ctx = ctx
+        self.images = images
+        #: Site mode: task directories are written, and jobs submitted, as the task's owner.
+        self.owners = owners
+        self.canceller = canceller
+        self.backoff = Backoff(ctx)
+        self.tmp_disk = TmpDiskCache(ctx)
+
+    def submit_queued(self, stats: CycleStats) -> None:
+        if self.backoff.paused:
+            return
+        store = self.ctx.store
+        tasks = store.tasks_to_submit(now=self.ctx.clock(), limit=MAX_SUBMISSIONS_PER_CYCLE)
+        for index, task in enumerate(tasks):
+            try:
+                if self._submit(task, stats):
+                    stats.submitted += 1
+            except Exception as exc:  # one broken task must not stop the others
+                reason = unavailable_reason(exc)
+                if reason:
+                    # Passing (a full or locked database): the task stays QUEUED for later.
+                    log.error("submitting task %s postponed: %s", task.id, reason)
+                    break
+                log.exception("submitting task %s failed unexpectedly", task.id)
+                self._fail(task, "internal error while submitting the task; see the poller log")
+            if self.backoff.paused:
+                # The tasks that wait behind it wait for the same reason: say so.
+                self._tell_waiting(tasks[index + 1 :], self.backoff.reason)
+                break
+
+    def _tell_waiting(self, tasks: list[TaskRecord], reason: str | None) -> None:
+        if reason is None:
+            return
+        for task in tasks:
+            logs = copy_logs(task.logs)
+            entry = attempt_log(logs, task.attempt + 1)
+            before = list(entry.get("system_logs", []))
+            set_condition(entry, reason)
+            if entry.get("system_logs") != before:
+                self.ctx.store.note(task.id, logs)
+
+    def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
+        assert task.document is not None
+        image_paths = self._images(task)
+        if image_paths is None:
+            return False  # pulling in the background (or failed); tried again next cycle
+        document = {**task.document, "id": task.id}
+        owner = task.owner if self.owners is not None else None
+        try:
+            if self.owners is not None and not owner:
+                raise _Fail("this task has no owner; in site mode tasks run only as their owner")
+            script = self._prepare(document, owner, image_paths, stats)
+        except _Fail as exc:
+            self._fail(task, str(exc))
+            return False
+        except _Wait as exc:
+            self._wait(task, task.attempt + 1, exc.reason)
+            return False
+        attempt = task.attempt + 1
+        # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
+        if not self.ctx.store.mark_submitting(task.id, attempt=attempt, now=self.ctx.clock()):
+            return False  # canceled meanwhile
+        job_id = self._sbatch(task, attempt, script, document, owner, stats)
+        if job_id is None:
+            return False
+        self.backoff.failures = 0
+        logs = task.logs or []
+        entry = attempt_log(logs, attempt)
+        set_condition(entry, None)
+        entry.setdefault("metadata", {})["slurm_job_id"] = job_id
+        canceled = self.ctx.store.record_job(task.id, job_id, logs=logs)
+        log.info("submitted task %s as Slurm job %s", task.id, job_id)
+        if canceled:
+            # Canceled while sbatch ran (the API saw no job yet): scancel before it can start.
+            now = self.ctx.store.get_task(task.id)
+            if now is not None:
+                self.canceller.carry_out([now], stats)
+        return True
+
+    def _images(self, task: TaskRecord) -> dict[str, str] | None:
+        """The task's images in the cache, or None while they are pulled (all of the task's
+        pulls start at once) or when one cannot be pulled (the task then failed)."""
+        assert task.document is not None
+        images = [e["image"] for e in task.document["executors"]]
+        try:
+            image_paths = self.images.resolve(images)
+        except ImagePullError as exc:
+            self._note_images(task, [], write=False)
+            self._fail(task, f"cannot pull image: {exc}")
+            return None
+        # Transient trouble (registry down, full cache) is said in system_logs while it lasts.
+        notes = [] if image_paths else [p for p in map(self.images.problem, images) if p]
+        self._note_images(task, notes, write=image_paths is None)
+        return image_paths
+
+    def _prepare(
+        self,
+        document: dict[str, Any],
+        owner: str | None,
+        image_paths: dict[str, str],
+        stats: CycleStats,
+    ) -> Path:
+        """The task directory and its job script; raises _Fail or _Wait."""
+        tmp_disk = None
+        if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
+            try:
+                tmp_disk = self.tmp_disk.get(stats)
+            except SlurmError as exc:
+                reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
+                log.warning("sinfo failed: %s", exc)
+                raise _Wait(reason) from exc
+        try:
+            if owner and self.owners is not None:
+                return self.owners.adopt(owner, document, image_paths, tmp_disk)
+            return prepare_task_dir(
+                document, config=self.ctx.config, image_paths=image_paths, tmp_disk=tmp_disk
+            )
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                raise _Fail(f"cannot prepare the task directory: {exc}") from exc
+            # Every task would meet the same full disk: all submissions wait for the back-off.
+            log.warning("cannot prepare the directory of task %s: %s", document["id"], exc)
+            raise _Wait(f"waiting: cannot prepare the task directory ({exc})") from exc
+        except RenderError as exc:
+            raise _Fail(f"cannot run this task here: {exc}") from exc
+        except OwnerCommandError as exc:
+            raise _Fail(f"cannot create the task directory as {owner}: {exc}") from exc
+
+    def _sbatch(
+        self,
+        task: TaskRecord,
+        attempt: int,
+        script: Path,
+        document: dict[str, Any],
+        owner: str | None,
+        stats: CycleStats,
+    ) -> str | None:
+        """The job id, or None when sbatch failed (the task then failed or waits)."""
+        account = self.owners.account_args(owner, document) if self.owners else []
+        try:
+            stats.slurm_calls += 1
+            return self.ctx.slurm.submit(
+                script, job_name=job_name(task.id), comment=task.id, extra_args=account,
+                as_user=owner,
+            )  # fmt: skip
+        except SlurmRejected as exc:
+            message = f"Slurm refused the job: {exc.stderr.strip() or exc}"
+            if _TMP_REFUSED in exc.stderr:
+                message += self.tmp_disk.hint(document, stats)
+            self._fail(task, message, attempt=attempt)
+            return None
+        except SlurmError as exc:
+            # Maybe the job exists anyway (a time-out): recovery looks for it by name. This
+            # sbatch has ended (its process group was killed on a time-out), so only the
+            # settle time is left to wait: the submission's start is moved back accordingly.
+            maybe_started_at: float | None = None
+            if not _NEVER_CONNECTED.search(exc.stderr):
+                maybe_started_at = self.ctx.clock() - self.ctx.config.slurm.command_timeout
+            reason = f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off"
+            self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe_started_at))
+            log.warning("sbatch for task %s failed: %s", task.id, exc)
+            return None
+
+    def _wait(
+        self,
+        task: TaskRecord,
+        log_attempt: int,
+        reason: str,
+        submission: SubmissionFailure | None = None,
+    ) -> None:
+        """Keep the task QUEUED, saying why (in the log of `log_attempt`), pause submissions,
+        and try it again after the back-off."""
+        delay = self.backoff.pause(reason)
+        logs = copy_logs(task.logs)
+        set_condition(attempt_log(logs, max(log_attempt, 1)), reason)
+        until = self.ctx.clock() + delay
+        self.ctx.store.defer_submission(task.id, until=until, logs=logs, submission=submission)
+        log.info("task %s waits %.0fs: %s", task.id, delay, reason)
+
+    def _note_images(self, task: TaskRecord, notes: list[str], *, write: bool) -> None:
+        """Replace the task's "pulling image" lines by `notes` (stored only when they change)."""
+        if not notes and not task.logs:
+            return
+        logs = task.logs or []
+        if not set_image_notes(attempt_log(logs, task.attempt + 1), notes):
+            return
+        task.logs = logs
+        if write:
+            self.ctx.store.note(task.id, logs)
+
+    def _fail(self, task: TaskRecord, message: str, *, attempt: int | None = None) -> None:
+        logs = failure_logs(task.logs, attempt or task.attempt, message, format_time_now())
+        self.ctx.store.fail(task.id, logs, attempt=attempt, end_submission=attempt is not None)
+        log.info("task %s failed: %s", task.id, message)
