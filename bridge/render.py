@@ -27,9 +27,17 @@ import jinja2
 
 import bridge
 from bridge.config import Config
-from bridge.job.layout import LayoutError, TaskLayout, check_container_path, relative_parts
+from bridge.job.layout import (
+    LayoutError,
+    TaskLayout,
+    check_container_path,
+    has_wildcards,
+    relative_parts,
+    static_dir,
+    write_atomically,
+)
 from bridge.job.settings import JobSettings
-from bridge.job.stage import has_wildcards
+from bridge.naming import is_task_id, job_name
 from bridge.slurm import TmpDisk
 
 TEMPLATE = "job.sh.j2"
@@ -42,7 +50,6 @@ class RenderError(ValueError):
 
 # --------------------------------------------------------------------------- validation
 
-_TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TIME_LIMIT = re.compile(
     r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
@@ -154,7 +161,7 @@ def sbatch_directives(
     """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
     the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
     task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
+    if not is_task_id(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     task_dir = str(layout.task_dir)
     if not _SBATCH_PATH.fullmatch(task_dir):
@@ -205,7 +212,7 @@ def sbatch_directives(
         values["time_limit"] = config.slurm.default_time_limit
 
     directives = [
-        f"--job-name=tes-{task_id}",
+        f"--job-name={job_name(task_id)}",
         f"--output={layout.slurm_output}",
         f"--chdir={task_dir}",
         # Each attempt is its own TES log entry: the poller, not Slurm, decides to run again.
@@ -248,16 +255,6 @@ class Bind:
     readonly: bool
     #: The host side is root/<container> (False for inputs bound from the shared filesystem).
     uniform: bool = True
-
-
-def _static_dir(path: str) -> str:
-    """The directory above the first component with a wildcard: `/out/*/x.txt` -> `/out`."""
-    static = []
-    for part in relative_parts(path)[:-1]:
-        if has_wildcards(part):
-            break
-        static.append(part)
-    return "/" + "/".join(static)
 
 
 def _parent(path: str) -> str:
@@ -312,7 +309,7 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         if _in_place(item, path, config):
             in_place_outputs.append(i)
         elif has_wildcards(path):
-            rw_dir(_static_dir(path), f"outputs[{i}].path")
+            rw_dir(static_dir(path), f"outputs[{i}].path")
         elif (item.get("type") or "FILE") == "DIRECTORY":
             rw_dir(path, f"outputs[{i}].path")
         else:
@@ -635,15 +632,6 @@ def job_settings(
     )
 
 
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def prepare_task_dir(
     task: dict[str, Any],
     *,
@@ -656,7 +644,7 @@ def prepare_task_dir(
     Returns the script's path. Renders first, so a RenderError leaves nothing behind.
     """
     task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
+    if not is_task_id(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     layout = TaskLayout(config.work_dir / task_id)
     files = task_files(task, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
@@ -665,9 +653,9 @@ def prepare_task_dir(
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
     os.chmod(layout.task_dir, 0o700)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
-    _write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
-    _write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
-    _write_atomically(layout.script, files[layout.script.name], 0o700)
+    write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
+    write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
+    write_atomically(layout.script, files[layout.script.name], 0o700)
     return layout.script
 
 
@@ -683,7 +671,7 @@ def task_files(
     Site mode hands them to `bridge.job adopt`, which writes them as the task's owner.
     """
     task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
+    if not is_task_id(task_id):
         raise RenderError(f"id: {task_id!r} is not a valid task id")
     layout = TaskLayout(config.work_dir / task_id)
     script = render_script(
