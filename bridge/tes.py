@@ -350,15 +350,7 @@ def validate_task(
     `local_image_dirs` (container.local_image_dirs), links resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
-    body = _drop_nulls(body)
-    bad_strings = list(_unstorable_strings(body))
-    if bad_strings:
-        raise TaskValidationError(bad_strings)
-    try:
-        model = TaskModel.model_validate(body)
-    except ValidationError as exc:
-        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
-
+    model = parse_task(body)
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
         problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
@@ -378,6 +370,21 @@ def validate_task(
             item.setdefault("type", FileType.FILE.value)
     warnings = _filter_backend_parameters(document, supported_backend_parameters)
     return ValidatedTask(document=document, warnings=warnings)
+
+
+def parse_task(document: Mapping[str, Any]) -> TaskModel:
+    """The TES model of a task document (posted, or as stored); raises TaskValidationError.
+
+    Explicit nulls count as absent; strings with NUL characters or lone surrogates are refused.
+    """
+    body = _drop_nulls(dict(document))
+    bad_strings = list(_unstorable_strings(body))
+    if bad_strings:
+        raise TaskValidationError(bad_strings)
+    try:
+        return TaskModel.model_validate(body)
+    except ValidationError as exc:
+        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
 
 
 def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
