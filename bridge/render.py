@@ -1,11 +1,12 @@
 """The sbatch script of a task: every decision in Python, the template only lays it out.
 
 `render_script` turns a stored task (TES wire format, validated by the API but with hostile
-values) into a bash script; `prepare_task_dir` writes it, the task document and the job-side
-settings into the task directory (see bridge.job.layout). Every value that comes from the task
-reaches the script through `shlex.quote`; values that go into `#SBATCH` lines (which sbatch
-parses with its own rules) must match strict patterns instead, or rendering fails with a
-`RenderError` naming the field, which the poller records as a SYSTEM_ERROR.
+values) into a bash script, after parsing it once into the TES model (`parse_task`);
+`prepare_task_dir` writes it, the task document and the job-side settings into the task
+directory (see bridge.job.layout). Every value that comes from the task reaches the script
+through `shlex.quote`; values that go into `#SBATCH` lines (which sbatch parses with its own
+rules) must match strict patterns instead, or rendering fails with a `RenderError` naming the
+field, which the poller records as a SYSTEM_ERROR.
 """
 
 from __future__ import annotations

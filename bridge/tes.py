@@ -37,6 +37,8 @@ from pydantic import (
     model_validator,
 )
 
+from bridge.job.layout import has_wildcards
+
 
 class State(StrEnum):
     UNKNOWN = "UNKNOWN"
@@ -84,7 +86,6 @@ class TaskValidationError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_WILDCARD = re.compile(r"[*?\[]")
 _INT32_MAX = 2**31 - 1
 
 
@@ -154,7 +155,7 @@ class OutputModel(_Document):
 
     @model_validator(mode="after")
     def _wildcards_need_prefix(self) -> OutputModel:
-        if _WILDCARD.search(self.path) and not self.path_prefix:
+        if has_wildcards(self.path) and not self.path_prefix:
             raise ValueError("an output whose `path` has wildcards needs a `path_prefix`")
         return self
 
