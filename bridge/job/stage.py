@@ -262,16 +262,16 @@ class StageOut:
             if in_place:
                 self._record_in_place(path, url, kind, label)
                 return
-            backend = backend_for(url, self.ctx)
+            upload = _Upload(self, backend_for(url, self.ctx), label)
             if has_wildcards(path):
-                self._wildcard(backend, path, url, item.get("path_prefix"), label)
+                upload.wildcard(path, url, item.get("path_prefix"))
             else:
-                self._one(backend, path, url, kind, label)
+                upload.one(path, url, kind)
         except (StagingError, LayoutError, OSError) as exc:
             self.failed += 1
             self.log.system_log(f"{label}: {_reason(exc)}")
 
-    def _missing(self, label: str, why: str) -> None:
+    def missing_output(self, label: str, why: str) -> None:
         self.missing += 1
         self.log.system_log(f"{label}: {why}")
 
@@ -281,11 +281,11 @@ class StageOut:
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
-            self._missing(label, "not found after the executors ran")
+            self.missing_output(label, "not found after the executors ran")
             return
         if kind == "DIRECTORY":
             if not stat.S_ISDIR(st.st_mode):
-                self._missing(label, "is not a directory (output type is DIRECTORY)")
+                self.missing_output(label, "is not a directory (output type is DIRECTORY)")
                 return
             for dirpath, _dirs, names in os.walk(path):
                 for name in sorted(names):
@@ -297,130 +297,129 @@ class StageOut:
                             url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size
                         )
         elif not stat.S_ISREG(st.st_mode):
-            self._missing(label, "is not a regular file (output type is FILE)")
+            self.missing_output(label, "is not a regular file (output type is FILE)")
         else:
             self.log.output(url=url, path=path, size_bytes=st.st_size)
 
-    def _one(self, backend: StagingBackend, path: str, url: str, kind: str, label: str) -> None:
+
+class _Upload:
+    """One output on its way to the `StagingBackend` of its URL; what is missing or failed
+    is counted in the `StageOut`."""
+
+    def __init__(self, stage: StageOut, backend: StagingBackend, label: str) -> None:
+        self.stage = stage
+        self.root = stage.layout.root
+        self.backend = backend
+        self.label = label
+
+    def _note(self, message: str) -> None:
+        self.stage.log.system_log(f"{self.label}: {message}")
+
+    def _failed(self, message: str) -> None:
+        self.stage.failed += 1
+        self._note(message)
+
+    def one(self, path: str, url: str, kind: str) -> None:
         parts = relative_parts(path)
-        found = safepath.lstat_kind(self.layout.root, parts)
+        found = safepath.lstat_kind(self.root, parts)
         if found is None:
-            self._missing(label, "not found after the executors ran")
+            self.stage.missing_output(self.label, "not found after the executors ran")
         elif found == "link":
-            self._missing(label, "is a symbolic link; not uploaded")
+            self.stage.missing_output(self.label, "is a symbolic link; not uploaded")
         elif kind == "DIRECTORY":
             if found != "dir":
-                self._missing(label, "is not a directory (output type is DIRECTORY)")
+                self.stage.missing_output(
+                    self.label, "is not a directory (output type is DIRECTORY)"
+                )
             else:
-                self._tree(backend, parts, url, label)
+                self._tree(parts, url)
         elif found != "file":
-            self._missing(label, "is not a regular file (output type is FILE)")
+            self.stage.missing_output(self.label, "is not a regular file (output type is FILE)")
         else:
-            self._file(backend, parts, path, url, label)
+            self._file(parts, path, url)
 
-    def _file(
-        self, backend: StagingBackend, parts: tuple[str, ...], path: str, url: str, label: str
-    ) -> None:
-        with safepath.dir_fd(self.layout.root, parts[:-1]) as parent:
-            self._entry(backend, parent, parts[-1], path, url, label)
+    def wildcard(self, path: str, url: str, prefix: Any) -> None:
+        parts = relative_parts(path)
+        if not isinstance(prefix, str):
+            # The spec requires path_prefix with wildcards; without one, keep paths relative
+            # to the directory above the first wildcard.
+            prefix = static_dir(path)
+        matches = list(_glob(self.root, parts))
+        if not matches:
+            self._note("no file matched")
+            return
+        for match in matches:
+            match_path = "/" + "/".join(match)
+            pruned = match_path[len(prefix) :] if match_path.startswith(prefix) else match_path
+            target = _join_url(url, pruned.lstrip("/"))
+            found = safepath.lstat_kind(self.root, match)
+            if found == "link":
+                self._note(f"{match_path} is a symbolic link; not uploaded")
+            elif found == "dir":
+                self._tree(match, target)
+            elif found == "file":
+                self._file(match, match_path, target)
+            else:
+                self._note(f"{match_path} is not a regular file; not uploaded")
 
-    def _entry(
-        self, backend: StagingBackend, parent_fd: int, name: str, path: str, url: str, label: str
-    ) -> None:
+    def _file(self, parts: tuple[str, ...], path: str, url: str) -> None:
+        with safepath.dir_fd(self.root, parts[:-1]) as parent:
+            self._entry(parent, parts[-1], path, url)
+
+    def _entry(self, parent_fd: int, name: str, path: str, url: str) -> None:
         """Upload the regular file `name` in the open directory `parent_fd`."""
         try:
             fd = safepath.open_regular(parent_fd, name)
         except safepath.UnsafePathError as exc:
-            self.log.system_log(f"{label}: {path} {exc.strerror}; not uploaded")
+            self._note(f"{path} {exc.strerror}; not uploaded")
             return
         try:
             size = os.fstat(fd).st_size
-            backend.upload_file(fd, size, url, self.ctx)
+            self.backend.upload_file(fd, size, url, self.stage.ctx)
         except (StagingError, OSError) as exc:
-            self.failed += 1
-            self.log.system_log(f"{label}: upload of {path} to {url} failed: {_reason(exc)}")
+            self._failed(f"upload of {path} to {url} failed: {_reason(exc)}")
             return
         finally:
             os.close(fd)
-        self.log.output(url=url, path=path, size_bytes=size)
+        self.stage.log.output(url=url, path=path, size_bytes=size)
 
-    def _tree(self, backend: StagingBackend, parts: tuple[str, ...], url: str, label: str) -> None:
+    def _tree(self, parts: tuple[str, ...], url: str) -> None:
         base = "/" + "/".join(parts)
-        with safepath.dir_fd(self.layout.root, parts) as top:
-            backend.ensure_directory(url, self.ctx)
+        with safepath.dir_fd(self.root, parts) as top:
+            self.backend.ensure_directory(url, self.stage.ctx)
             # fwalk never follows links and opens each directory relative to its parent.
             for dirpath, dirnames, filenames, dfd in os.fwalk(
                 ".", dir_fd=top, follow_symlinks=False
             ):
                 rel_dir = os.path.normpath(dirpath)
                 rel_dir = "" if rel_dir == "." else rel_dir + "/"
-                self._tree_dirs(backend, dfd, dirnames, f"{base}/{rel_dir}", url, rel_dir, label)
+                self._tree_dirs(dfd, dirnames, f"{base}/{rel_dir}", _join_url(url, rel_dir))
                 for name in sorted(filenames):
                     rel = rel_dir + name
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                     if stat.S_ISLNK(st.st_mode):
-                        self.log.system_log(
-                            f"{label}: {base}/{rel} is a symbolic link; not uploaded"
-                        )
+                        self._note(f"{base}/{rel} is a symbolic link; not uploaded")
                     elif not stat.S_ISREG(st.st_mode):
-                        self.log.system_log(
-                            f"{label}: {base}/{rel} is not a regular file; not uploaded"
-                        )
+                        self._note(f"{base}/{rel} is not a regular file; not uploaded")
                     else:
-                        self._entry(backend, dfd, name, f"{base}/{rel}", _join_url(url, rel), label)
+                        self._entry(dfd, name, f"{base}/{rel}", _join_url(url, rel))
 
-    def _tree_dirs(
-        self,
-        backend: StagingBackend,
-        dfd: int,
-        dirnames: list[str],
-        where: str,
-        url: str,
-        rel_dir: str,
-        label: str,
-    ) -> None:
-        """Create the subdirectories fwalk is about to enter; drop links from `dirnames`."""
+    def _tree_dirs(self, dfd: int, dirnames: list[str], where: str, url_dir: str) -> None:
+        """Create the subdirectories fwalk is about to enter (`where` and `url_dir` end in
+        `/`); drop links from `dirnames`."""
         for name in list(dirnames):
             # fwalk lists a link to a directory among the directories (and does not enter
             # it): say that it is skipped rather than upload an empty directory.
             if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
                 dirnames.remove(name)
-                self.log.system_log(
-                    f"{label}: {where}{name} is a symbolic link to a directory; "
-                    "not followed, not uploaded"
+                self._note(
+                    f"{where}{name} is a symbolic link to a directory; not followed, not uploaded"
                 )
                 continue
             try:
-                backend.ensure_directory(_join_url(url, rel_dir + name), self.ctx)
+                self.backend.ensure_directory(url_dir + name, self.stage.ctx)
             except StagingError as exc:
-                self.failed += 1
-                self.log.system_log(f"{label}: {exc}")
-
-    def _wildcard(
-        self, backend: StagingBackend, path: str, url: str, prefix: Any, label: str
-    ) -> None:
-        parts = relative_parts(path)
-        if not isinstance(prefix, str):
-            # The spec requires path_prefix with wildcards; without one, keep paths relative
-            # to the directory above the first wildcard.
-            prefix = static_dir(path)
-        matches = list(_glob(self.layout.root, parts))
-        if not matches:
-            self.log.system_log(f"{label}: no file matched")
-            return
-        for match in matches:
-            match_path = "/" + "/".join(match)
-            pruned = match_path[len(prefix) :] if match_path.startswith(prefix) else match_path
-            target = _join_url(url, pruned.lstrip("/"))
-            found = safepath.lstat_kind(self.layout.root, match)
-            if found == "link":
-                self.log.system_log(f"{label}: {match_path} is a symbolic link; not uploaded")
-            elif found == "dir":
-                self._tree(backend, match, target, label)
-            elif found == "file":
-                self._file(backend, match, match_path, target, label)
-            else:
-                self.log.system_log(f"{label}: {match_path} is not a regular file; not uploaded")
+                self._failed(str(exc))
 
 
 def _glob(root: Path, parts: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
