@@ -161,6 +161,12 @@ def _under(path: str, parent: str) -> bool:
     return parent == "/" or path == parent or path.startswith(parent + "/")
 
 
+def _ancestors(path: str) -> list[str]:
+    """`/a/b` -> [`/`, `/a`, `/a/b`]: every path `path` is `_under`."""
+    parts = [p for p in path.split("/") if p]
+    return ["/"] + ["/" + "/".join(parts[: n + 1]) for n in range(len(parts))]
+
+
 def _reserved(path: str) -> bool:
     return path == "/" or any(_under(path, r) for r in _RESERVED)
 
@@ -389,9 +395,7 @@ class _BindCollector:
             path = bind.container
             source = _shared_source(item, self.config)
             # Bound straight from the shared filesystem only where no other mount goes inside.
-            inside = [p for p in writable if _under(p, path)]
-            inside += [b.container for j, b, _ in staged if j != i and _under(b.container, path)]
-            if source and not inside:
+            if source and not self._mounts_inside(path, writable, staged, i):
                 self.wanted.append(Bind(source, path, True, uniform=False))
                 self.bound.append(i)
                 continue
@@ -401,6 +405,15 @@ class _BindCollector:
                 self.linkable.append(i)
             self.wanted.append(bind)
 
+    @staticmethod
+    def _mounts_inside(
+        path: str, writable: list[str], staged: list[tuple[int, Bind, InputModel]], index: int
+    ) -> bool:
+        """Whether a read-write bind or another input lies at or below input `index`."""
+        return any(_under(p, path) for p in writable) or any(
+            j != index and _under(b.container, path) for j, b, _ in staged
+        )
+
     def kept(self) -> list[Bind]:
         """The binds without those visible through an outer one: parents before children;
         for one path, read-write before read-only."""
@@ -408,16 +421,24 @@ class _BindCollector:
             self.wanted, key=lambda b: (len(relative_parts(b.container)), b.container, b.readonly)
         )
         keep: list[Bind] = []
+        seen: set[Bind] = set()
+        #: Container path -> whether a kept uniform bind there is read-write.
+        uniform_at: dict[str, bool] = {}
         for bind in ordered:
-            covered = any(
-                outer.uniform
-                and bind.uniform
-                and _under(bind.container, outer.container)
-                and (not outer.readonly or bind.readonly)
-                for outer in keep
+            # Covered: a kept uniform bind at the same path or above, read-write or as
+            # read-only as this one (a lookup per ancestor, not a scan of all kept binds).
+            covered = bind.uniform and any(
+                uniform_at[outer] or bind.readonly
+                for outer in _ancestors(bind.container)
+                if outer in uniform_at
             )
-            if not covered and bind not in keep:
+            if not covered and bind not in seen:
                 keep.append(bind)
+                seen.add(bind)
+                if bind.uniform:
+                    uniform_at[bind.container] = uniform_at.get(bind.container, False) or (
+                        not bind.readonly
+                    )
         return keep
 
     def scratch_targets(self) -> list[str]:
@@ -654,12 +675,14 @@ def render_script(
     task_dir: Path,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    plan: BindPlan | None = None,
 ) -> str:
-    """The job script for `task`; raises RenderError when a task value cannot be used."""
+    """The job script for `task`; raises RenderError when a task value cannot be used.
+    `plan`: the task's `compute_binds`, when the caller has it already."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
     directives = sbatch_directives(typed, config=config, layout=layout, tmp_disk=tmp_disk)
-    plan = compute_binds(typed, config=config, layout=layout)
+    plan = plan or compute_binds(typed, config=config, layout=layout)
     flags = _RuntimeFlags(
         binds=bind_args(plan.binds),
         scratch_targets=plan.scratch_targets,
@@ -691,10 +714,11 @@ def job_settings(
     config: Config,
     task_dir: Path,
     image_paths: dict[str, str],
+    plan: BindPlan | None = None,
 ) -> JobSettings:
     """What the job side needs from the configuration (written as job-config.json)."""
     typed = parse_task(task)
-    plan = compute_binds(typed, config=config, layout=TaskLayout(task_dir))
+    plan = plan or compute_binds(typed, config=config, layout=TaskLayout(task_dir))
     return JobSettings(
         task_id=typed.id,
         runtime=config.container.runtime,
@@ -750,10 +774,18 @@ def task_files(
     """
     typed = parse_task(task)
     layout = TaskLayout(config.work_dir / typed.id)
+    plan = compute_binds(typed, config=config, layout=layout)
     script = render_script(
-        typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, tmp_disk=tmp_disk
+        typed,
+        config=config,
+        task_dir=layout.task_dir,
+        image_paths=image_paths,
+        tmp_disk=tmp_disk,
+        plan=plan,
     )
-    settings = job_settings(typed, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    settings = job_settings(
+        typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, plan=plan
+    )
     return {
         layout.task_json.name: json.dumps(typed.document, ensure_ascii=True) + "\n",
         layout.job_config.name: settings.to_json(),
