@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 #: Schemes the TES API accepts but this deployment cannot stage yet.
 _PLANNED = {"sftp", "gs", "drs", "htsget", "azblob"}
@@ -97,6 +97,7 @@ def scheme_of(url: str) -> str:
     return match.group(1).lower()
 
 
+@runtime_checkable
 class StagingBackend(Protocol):
     """What a protocol module offers; `dest`, `source_fd` and `url` are the caller's."""
 
