@@ -351,6 +351,7 @@ def validate_task(
     `local_image_dirs` (container.local_image_dirs), links resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
+    body = _drop_nulls(body)
     model = parse_task(body)
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
