@@ -37,8 +37,6 @@ from pydantic import (
     model_validator,
 )
 
-from bridge.job.layout import has_wildcards
-
 
 class State(StrEnum):
     UNKNOWN = "UNKNOWN"
@@ -86,6 +84,7 @@ class TaskValidationError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_WILDCARD = re.compile(r"[*?\[]")
 _INT32_MAX = 2**31 - 1
 
 
@@ -155,7 +154,7 @@ class OutputModel(_Document):
 
     @model_validator(mode="after")
     def _wildcards_need_prefix(self) -> OutputModel:
-        if has_wildcards(self.path) and not self.path_prefix:
+        if _WILDCARD.search(self.path) and not self.path_prefix:
             raise ValueError("an output whose `path` has wildcards needs a `path_prefix`")
         return self
 
@@ -335,6 +334,21 @@ def _unstorable_strings(value: Any, loc: tuple[str | int, ...] = ()) -> Iterator
             yield from _unstorable_strings(item, (*loc, index))
 
 
+def parse_task(document: Mapping[str, Any]) -> TaskModel:
+    """The TES model of a task document (posted, or as stored); raises TaskValidationError.
+
+    Explicit nulls count as absent; strings with NUL characters or lone surrogates are refused.
+    """
+    body = _drop_nulls(dict(document))
+    bad_strings = list(_unstorable_strings(body))
+    if bad_strings:
+        raise TaskValidationError(bad_strings)
+    try:
+        return TaskModel.model_validate(body)
+    except ValidationError as exc:
+        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
+
+
 def validate_task(
     body: Any,
     *,
@@ -353,6 +367,7 @@ def validate_task(
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
     body = _drop_nulls(body)
     model = parse_task(body)
+
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
         problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
@@ -372,21 +387,6 @@ def validate_task(
             item.setdefault("type", FileType.FILE.value)
     warnings = _filter_backend_parameters(document, supported_backend_parameters)
     return ValidatedTask(document=document, warnings=warnings)
-
-
-def parse_task(document: Mapping[str, Any]) -> TaskModel:
-    """The TES model of a task document (posted, or as stored); raises TaskValidationError.
-
-    Explicit nulls count as absent; strings with NUL characters or lone surrogates are refused.
-    """
-    body = _drop_nulls(dict(document))
-    bad_strings = list(_unstorable_strings(body))
-    if bad_strings:
-        raise TaskValidationError(bad_strings)
-    try:
-        return TaskModel.model_validate(body)
-    except ValidationError as exc:
-        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
 
 
 def _check_limits(model: TaskModel, limits: Limits) -> list[tuple[str, str]]:
