@@ -1,11 +1,12 @@
 """The sbatch script of a task: every decision in Python, the template only lays it out.
 
 `render_script` turns a stored task (TES wire format, validated by the API but with hostile
-values) into a bash script; `prepare_task_dir` writes it, the task document and the job-side
-settings into the task directory (see bridge.job.layout). Every value that comes from the task
-reaches the script through `shlex.quote`; values that go into `#SBATCH` lines (which sbatch
-parses with its own rules) must match strict patterns instead, or rendering fails with a
-`RenderError` naming the field, which the poller records as a SYSTEM_ERROR.
+values) into a bash script, after parsing it once into the TES model (`parse_task`);
+`prepare_task_dir` writes it, the task document and the job-side settings into the task
+directory (see bridge.job.layout). Every value that comes from the task reaches the script
+through `shlex.quote`; values that go into `#SBATCH` lines (which sbatch parses with its own
+rules) must match strict patterns instead, or rendering fails with a `RenderError` naming the
+field, which the poller records as a SYSTEM_ERROR.
 """
 
 from __future__ import annotations
@@ -21,16 +22,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import jinja2
 
 import bridge
+from bridge import tes
 from bridge.config import Config
-from bridge.job.layout import LayoutError, TaskLayout, check_container_path, relative_parts
+from bridge.job.layout import (
+    LayoutError,
+    TaskLayout,
+    check_container_path,
+    has_wildcards,
+    relative_parts,
+    static_dir,
+    write_atomically,
+)
 from bridge.job.settings import JobSettings
-from bridge.job.stage import has_wildcards
+from bridge.naming import is_task_id, job_name
 from bridge.slurm import TmpDisk
+from bridge.tes import ExecutorModel, FileType, InputModel, OutputModel, ResourcesModel, TaskModel
 
 TEMPLATE = "job.sh.j2"
 JOB_MODULE = "bridge.job"
@@ -40,9 +51,40 @@ class RenderError(ValueError):
     """The task cannot be turned into a job script; the message names the field."""
 
 
+# --------------------------------------------------------------------------- the typed task
+
+
+@dataclass(frozen=True)
+class TesTask:
+    """A stored task parsed once: its id, its TES model, and the document as stored (which
+    is what task.json holds for the job side)."""
+
+    id: str
+    model: TaskModel
+    document: dict[str, Any]
+
+    @property
+    def resources(self) -> ResourcesModel:
+        return self.model.resources or ResourcesModel()
+
+
+def parse_task(task: dict[str, Any] | TesTask) -> TesTask:
+    """The typed task of a stored document; a value the TES model refuses is a RenderError
+    naming the field (the API checked it already, so this is a task stored by hand)."""
+    if isinstance(task, TesTask):
+        return task
+    task_id = task.get("id")
+    if not is_task_id(task_id):
+        raise RenderError(f"id: {task_id!r} is not a valid task id")
+    try:
+        model = tes.parse_task(task)
+    except tes.TaskValidationError as exc:
+        raise RenderError(str(exc)) from None
+    return TesTask(id=task_id, model=model, document=task)
+
+
 # --------------------------------------------------------------------------- validation
 
-_TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TIME_LIMIT = re.compile(
     r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
@@ -50,20 +92,53 @@ _TIME_LIMIT = re.compile(
 )
 _GRES = re.compile(r"^[A-Za-z0-9_:,.-]+$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_&|,.()\[\]*:!-]+$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Characters sbatch reads in an `#SBATCH` value without surprises (for the task directory).
 _SBATCH_PATH = re.compile(r"^/[A-Za-z0-9_./+,:=@~-]*$")
 
-#: backend_parameters key -> (sbatch option, pattern its value must match).
-BACKEND_PARAMETERS: dict[str, tuple[str, re.Pattern[str]]] = {
-    "partition": ("--partition", _NAME),
-    "account": ("--account", _NAME),
-    "qos": ("--qos", _NAME),
-    "time_limit": ("--time", _TIME_LIMIT),
-    "gres": ("--gres", _GRES),
-    "gpus": ("--gpus", _GRES),
-    "constraint": ("--constraint", _CONSTRAINT),
-    "reservation": ("--reservation", _NAME),
+#: Where each `#SBATCH` option of a task comes from, in the order they are written (after
+#: --job-name, --output, --chdir and --no-requeue; before slurm.extra_directives):
+#:
+#:   key          option             value
+#:   partition    --partition        backend_parameters.partition, else resources.zones (each
+#:                                   checked against slurm.partitions), else
+#:                                   slurm.preemptible_partition for a preemptible task, else
+#:                                   slurm.default_partition
+#:   qos          --qos              backend_parameters.qos, else slurm.preemptible_qos for a
+#:                                   preemptible task
+#:   account      --account          backend_parameters.account
+#:   time_limit   --time             backend_parameters.time_limit, else slurm.default_time_limit
+#:   cpu_cores    --cpus-per-task    resources.cpu_cores (0: no request)
+#:   ram_gb       --mem              resources.ram_gb in MB, rounded up (0: no request)
+#:   disk_gb      --tmp              resources.disk_gb in MB, per slurm.disk_request
+#:   gres         --gres             backend_parameters.gres
+#:   gpus         --gpus             backend_parameters.gpus
+#:   constraint   --constraint       backend_parameters.constraint
+#:   reservation  --reservation      backend_parameters.reservation
+SBATCH_OPTIONS: dict[str, str] = {
+    "partition": "--partition",
+    "qos": "--qos",
+    "account": "--account",
+    "time_limit": "--time",
+    "cpu_cores": "--cpus-per-task",
+    "ram_gb": "--mem",
+    "disk_gb": "--tmp",
+    "gres": "--gres",
+    "gpus": "--gpus",
+    "constraint": "--constraint",
+    "reservation": "--reservation",
+}
+
+#: backend_parameters key -> the pattern its value must match (it goes into an `#SBATCH` line,
+#: which sbatch parses with its own rules).
+BACKEND_PARAMETERS: dict[str, re.Pattern[str]] = {
+    "partition": _NAME,
+    "account": _NAME,
+    "qos": _NAME,
+    "time_limit": _TIME_LIMIT,
+    "gres": _GRES,
+    "gpus": _GRES,
+    "constraint": _CONSTRAINT,
+    "reservation": _NAME,
 }
 
 #: Container paths that cannot be bind targets: the runtime owns them.
@@ -75,22 +150,9 @@ _RESERVED = ("/proc", "/sys", "/dev")
 SCRATCH_TARGETS = {"/tmp": "tmp", "/var/tmp": "var-tmp"}
 
 
-def _text(value: Any, where: str) -> str:
-    """A task string that can be written into the script (UTF-8, no NUL)."""
-    if not isinstance(value, str):
-        raise RenderError(f"{where}: expected a string")
-    if "\0" in value:
-        raise RenderError(f"{where}: contains a NUL character")
+def _path(value: str, where: str) -> str:
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RenderError(f"{where}: is not valid Unicode (lone surrogate)") from None
-    return value
-
-
-def _path(value: Any, where: str) -> str:
-    try:
-        return check_container_path(_text(value, where))
+        return check_container_path(value)
     except LayoutError as exc:
         raise RenderError(f"{where}: {exc}") from None
 
@@ -99,19 +161,19 @@ def _under(path: str, parent: str) -> bool:
     return parent == "/" or path == parent or path.startswith(parent + "/")
 
 
+def _ancestors(path: str) -> list[str]:
+    """`/a/b` -> [`/`, `/a`, `/a/b`]: every path `path` is `_under`."""
+    parts = [p for p in path.split("/") if p]
+    return ["/"] + ["/" + "/".join(parts[: n + 1]) for n in range(len(parts))]
+
+
 def _reserved(path: str) -> bool:
     return path == "/" or any(_under(path, r) for r in _RESERVED)
 
 
-def _megabytes(gigabytes: Any, where: str) -> int | None:
+def _megabytes(gigabytes: float | None) -> int | None:
     """GB (TES) -> MB (Slurm) rounded up; 0 or absent -> None (never `--mem=0`: all memory)."""
-    if gigabytes is None:
-        return None
-    if isinstance(gigabytes, bool) or not isinstance(gigabytes, int | float):
-        raise RenderError(f"{where}: expected a number")
-    if not math.isfinite(gigabytes) or gigabytes < 0:
-        raise RenderError(f"{where}: must be a non-negative number")
-    if gigabytes == 0:
+    if not gigabytes:
         return None
     return max(1, math.ceil(gigabytes * 1024))
 
@@ -145,54 +207,33 @@ def disk_directive(
         return None
     if mode == "auto" and not (tmp_disk and tmp_disk.smallest(partitions)):
         return None
-    return f"--tmp={megabytes}"
+    return f"{SBATCH_OPTIONS['disk_gb']}={megabytes}"
 
 
-def sbatch_directives(
-    task: dict[str, Any], *, config: Config, layout: TaskLayout, tmp_disk: TmpDisk | None = None
-) -> list[str]:
-    """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
-    the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
-    task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
-        raise RenderError(f"id: {task_id!r} is not a valid task id")
-    task_dir = str(layout.task_dir)
-    if not _SBATCH_PATH.fullmatch(task_dir):
-        raise RenderError(
-            f"the task directory {task_dir!r} holds characters sbatch cannot take in a "
-            "directive; choose a plainer job.work_dir"
-        )
-    resources = task.get("resources") or {}
-    if not isinstance(resources, dict):
-        raise RenderError("resources: expected an object")
-    params = resources.get("backend_parameters") or {}
-    if not isinstance(params, dict):
-        raise RenderError("resources.backend_parameters: expected an object")
-
+def _backend_values(resources: ResourcesModel) -> dict[str, str]:
+    """The supported backend parameters, each checked against its pattern."""
     values: dict[str, str] = {}
-    for key, raw in params.items():
-        key = str(key).lower()
+    for key, value in (resources.backend_parameters or {}).items():
+        key = key.lower()
         if key not in BACKEND_PARAMETERS:
             continue  # the API already dropped keys the deployment does not support
-        where = f"resources.backend_parameters.{key}"
-        value = _text(raw, where)
-        pattern = BACKEND_PARAMETERS[key][1]
-        if not pattern.fullmatch(value):
-            raise RenderError(f"{where}: invalid value {value!r}")
+        if not BACKEND_PARAMETERS[key].fullmatch(value):
+            raise RenderError(f"resources.backend_parameters.{key}: invalid value {value!r}")
         values[key] = value
+    return values
 
-    preemptible = resources.get("preemptible") is True
-    zones = resources.get("zones") or []
+
+def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Config) -> None:
+    """Fill in partition, qos and time limit from the TES fields and the configuration."""
+    preemptible = resources.preemptible is True
     if "partition" in values:
         values["partition"] = _partition(
             values["partition"], "resources.backend_parameters.partition", config
         )
-    elif zones:
-        if not isinstance(zones, list):
-            raise RenderError("resources.zones: expected a list")
+    elif resources.zones:
         names = [
-            _partition(_text(z, f"resources.zones[{i}]"), f"resources.zones[{i}]", config)
-            for i, z in enumerate(zones)
+            _partition(zone, f"resources.zones[{i}]", config)
+            for i, zone in enumerate(resources.zones)
         ]
         values["partition"] = ",".join(dict.fromkeys(names))
     elif preemptible and config.slurm.preemptible_partition:
@@ -204,33 +245,49 @@ def sbatch_directives(
     if "time_limit" not in values and config.slurm.default_time_limit:
         values["time_limit"] = config.slurm.default_time_limit
 
+
+def _resource_values(
+    values: dict[str, str], resources: ResourcesModel, config: Config, tmp_disk: TmpDisk | None
+) -> None:
+    """Fill in cpu_cores, ram_gb and disk_gb as sbatch wants them."""
+    if resources.cpu_cores:  # 0 (which TES allows) means "no request", like an absent value
+        values["cpu_cores"] = str(resources.cpu_cores)
+    mem = _megabytes(resources.ram_gb)
+    if mem is not None:
+        values["ram_gb"] = str(mem)
+    partitions = values["partition"].split(",") if "partition" in values else []
+    tmp = disk_directive(_megabytes(resources.disk_gb), partitions, config, tmp_disk)
+    if tmp is not None:
+        values["disk_gb"] = tmp.partition("=")[2]
+
+
+def sbatch_directives(
+    task: dict[str, Any] | TesTask,
+    *,
+    config: Config,
+    layout: TaskLayout,
+    tmp_disk: TmpDisk | None = None,
+) -> list[str]:
+    """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
+    the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
+    typed = parse_task(task)
+    task_dir = str(layout.task_dir)
+    if not _SBATCH_PATH.fullmatch(task_dir):
+        raise RenderError(
+            f"the task directory {task_dir!r} holds characters sbatch cannot take in a "
+            "directive; choose a plainer job.work_dir"
+        )
+    values = _backend_values(typed.resources)
+    _with_defaults(values, typed.resources, config)
+    _resource_values(values, typed.resources, config, tmp_disk)
     directives = [
-        f"--job-name=tes-{task_id}",
+        f"--job-name={job_name(typed.id)}",
         f"--output={layout.slurm_output}",
         f"--chdir={task_dir}",
         # Each attempt is its own TES log entry: the poller, not Slurm, decides to run again.
         "--no-requeue",
     ]
-    for key in ("partition", "qos", "account", "time_limit"):
-        if key in values:
-            directives.append(f"{BACKEND_PARAMETERS[key][0]}={values[key]}")
-    cpu = resources.get("cpu_cores")
-    if cpu is not None:
-        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
-            raise RenderError("resources.cpu_cores: must be a non-negative integer")
-        if cpu > 0:  # 0 (which TES allows) means "no request", like an absent value
-            directives.append(f"--cpus-per-task={cpu}")
-    mem = _megabytes(resources.get("ram_gb"), "resources.ram_gb")
-    if mem is not None:
-        directives.append(f"--mem={mem}")
-    disk = _megabytes(resources.get("disk_gb"), "resources.disk_gb")
-    partitions = values["partition"].split(",") if "partition" in values else []
-    tmp = disk_directive(disk, partitions, config, tmp_disk)
-    if tmp is not None:
-        directives.append(tmp)
-    for key in ("gres", "gpus", "constraint", "reservation"):
-        if key in values:
-            directives.append(f"{BACKEND_PARAMETERS[key][0]}={values[key]}")
+    directives += [f"{opt}={values[key]}" for key, opt in SBATCH_OPTIONS.items() if key in values]
     directives.extend(config.slurm.extra_directives)
     for line in directives:
         if "\n" in line or "\r" in line:
@@ -248,16 +305,6 @@ class Bind:
     readonly: bool
     #: The host side is root/<container> (False for inputs bound from the shared filesystem).
     uniform: bool = True
-
-
-def _static_dir(path: str) -> str:
-    """The directory above the first component with a wildcard: `/out/*/x.txt` -> `/out`."""
-    static = []
-    for part in relative_parts(path)[:-1]:
-        if has_wildcards(part):
-            break
-        static.append(part)
-    return "/" + "/".join(static)
 
 
 def _parent(path: str) -> str:
@@ -286,7 +333,130 @@ class BindPlan:
     in_place_outputs: list[int]
 
 
-def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -> BindPlan:
+class _BindCollector:
+    """The binds a task asks for, in the order `compute_binds` collects them."""
+
+    def __init__(self, config: Config, layout: TaskLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.shared = shared_dirs(config)
+        self.wanted = [Bind(d, d, False, uniform=False) for d in self.shared]
+        self.in_place_inputs: list[int] = []
+        self.in_place_outputs: list[int] = []
+        self.bound: list[int] = []
+        self.linkable: list[int] = []
+
+    def uniform(self, path: str, readonly: bool) -> Bind:
+        return Bind(str(self.layout.host_path(path)), path, readonly)
+
+    def rw_dir(self, path: str, where: str) -> None:
+        if _reserved(path):
+            raise RenderError(f"{where}: {path!r} cannot be mounted in the container")
+        self.wanted.append(self.uniform(path, False))
+
+    def outputs(self, outputs: list[OutputModel]) -> None:
+        """The parent directory of each output, each DIRECTORY output, read-write."""
+        for i, item in enumerate(outputs):
+            where = f"outputs[{i}].path"
+            path = _path(item.path, where)
+            if _in_place(item.url, None, path, self.config):
+                self.in_place_outputs.append(i)
+            elif has_wildcards(path):
+                self.rw_dir(static_dir(path), where)
+            elif item.type == FileType.DIRECTORY:
+                self.rw_dir(path, where)
+            else:
+                self.rw_dir(_parent(path), f"{where} (its directory)")
+
+    def executors(self, executors: list[ExecutorModel]) -> None:
+        """The parent directory of each stdout and stderr, read-write."""
+        for i, executor in enumerate(executors):
+            for key, value in (("stdout", executor.stdout), ("stderr", executor.stderr)):
+                if value is not None:
+                    parent = _parent(_path(value, f"executors[{i}].{key}"))
+                    if not _reserved(parent):  # e.g. /dev/null: the host file is enough
+                        self.wanted.append(self.uniform(parent, False))
+            if executor.stdin is not None:
+                _path(executor.stdin, f"executors[{i}].stdin")
+
+    def inputs(self, inputs: list[InputModel]) -> None:
+        """Each input read-only: bound from the shared filesystem, or staged into root/."""
+        writable = [b.container for b in self.wanted]
+        staged: list[tuple[int, Bind, InputModel]] = []
+        for i, item in enumerate(inputs):
+            path = _path(item.path, f"inputs[{i}].path")
+            if _reserved(path):
+                raise RenderError(f"inputs[{i}].path: {path!r} cannot be mounted in the container")
+            if _in_place(item.url, item.content, path, self.config):
+                self.in_place_inputs.append(i)
+            else:
+                staged.append((i, self.uniform(path, True), item))
+        for i, bind, item in staged:
+            path = bind.container
+            source = _shared_source(item, self.config)
+            # Bound straight from the shared filesystem only where no other mount goes inside.
+            if source and not self._mounts_inside(path, writable, staged, i):
+                self.wanted.append(Bind(source, path, True, uniform=False))
+                self.bound.append(i)
+                continue
+            # A hardlink shares its inode with the file in the allowed directory: only where
+            # the input stays read-only (no read-write mount around or inside it).
+            if not any(_under(path, p) or _under(p, path) for p in writable):
+                self.linkable.append(i)
+            self.wanted.append(bind)
+
+    @staticmethod
+    def _mounts_inside(
+        path: str, writable: list[str], staged: list[tuple[int, Bind, InputModel]], index: int
+    ) -> bool:
+        """Whether a read-write bind or another input lies at or below input `index`."""
+        return any(_under(p, path) for p in writable) or any(
+            j != index and _under(b.container, path) for j, b, _ in staged
+        )
+
+    def kept(self) -> list[Bind]:
+        """The binds without those visible through an outer one: parents before children;
+        for one path, read-write before read-only."""
+        ordered = sorted(
+            self.wanted, key=lambda b: (len(relative_parts(b.container)), b.container, b.readonly)
+        )
+        keep: list[Bind] = []
+        seen: set[Bind] = set()
+        #: Container path -> whether a kept uniform bind there is read-write.
+        uniform_at: dict[str, bool] = {}
+        for bind in ordered:
+            # Covered: a kept uniform bind at the same path or above, read-write or as
+            # read-only as this one (a lookup per ancestor, not a scan of all kept binds).
+            covered = bind.uniform and any(
+                uniform_at[outer] or bind.readonly
+                for outer in _ancestors(bind.container)
+                if outer in uniform_at
+            )
+            if not covered and bind not in seen:
+                keep.append(bind)
+                seen.add(bind)
+                if bind.uniform:
+                    uniform_at[bind.container] = uniform_at.get(bind.container, False) or (
+                        not bind.readonly
+                    )
+        return keep
+
+    def scratch_targets(self) -> list[str]:
+        """/tmp and /var/tmp where the task mounts nothing at, under or above."""
+        task_paths = [
+            b.container for b in self.wanted if b.container not in self.shared or b.uniform
+        ]
+        return [
+            target
+            for target in SCRATCH_TARGETS
+            if not any(_under(p, target) or _under(target, p) for p in task_paths)
+            and not any(_under(target, d) for d in self.shared)
+        ]
+
+
+def compute_binds(
+    task: dict[str, Any] | TesTask, *, config: Config, layout: TaskLayout
+) -> BindPlan:
     """Bind mounts shared by all executors of a task, and what stage-in must prepare for them.
 
     As in Funnel: inputs read-only one by one, the parent directory of each output, each
@@ -295,96 +465,22 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
     Each of `storage.shared_dirs` is bound read-write at its own path, before anything the
     task mounts inside it; a file:// input or output at its own path inside one is left there.
     """
-    wanted: list[Bind] = [Bind(str(d), str(d), False, uniform=False) for d in shared_dirs(config)]
-    in_place_outputs: list[int] = []
-    in_place_inputs: list[int] = []
-
-    def uniform(path: str, readonly: bool) -> Bind:
-        return Bind(str(layout.host_path(path)), path, readonly)
-
-    def rw_dir(path: str, where: str) -> None:
-        if _reserved(path):
-            raise RenderError(f"{where}: {path!r} cannot be mounted in the container")
-        wanted.append(uniform(path, False))
-
-    for i, item in enumerate(task.get("outputs") or []):
-        path = _path(item.get("path"), f"outputs[{i}].path")
-        if _in_place(item, path, config):
-            in_place_outputs.append(i)
-        elif has_wildcards(path):
-            rw_dir(_static_dir(path), f"outputs[{i}].path")
-        elif (item.get("type") or "FILE") == "DIRECTORY":
-            rw_dir(path, f"outputs[{i}].path")
-        else:
-            rw_dir(_parent(path), f"outputs[{i}].path (its directory)")
-    for i, volume in enumerate(task.get("volumes") or []):
-        rw_dir(_path(volume, f"volumes[{i}]"), f"volumes[{i}]")
-    for i, executor in enumerate(task.get("executors") or []):
-        for key in ("stdout", "stderr"):
-            if executor.get(key) is not None:
-                parent = _parent(_path(executor[key], f"executors[{i}].{key}"))
-                if not _reserved(parent):  # e.g. /dev/null: the host file is enough
-                    wanted.append(uniform(parent, False))
-        if executor.get("stdin") is not None:
-            _path(executor["stdin"], f"executors[{i}].stdin")
-    writable = [b.container for b in wanted]
-
-    inputs: list[tuple[int, Bind, Any]] = []
-    for i, item in enumerate(task.get("inputs") or []):
-        path = _path(item.get("path"), f"inputs[{i}].path")
-        if _reserved(path):
-            raise RenderError(f"inputs[{i}].path: {path!r} cannot be mounted in the container")
-        if _in_place(item, path, config):
-            in_place_inputs.append(i)
-            continue
-        inputs.append((i, uniform(path, True), item.get("url")))
-
-    bound: list[int] = []
-    linkable: list[int] = []
-    for i, bind, url in inputs:
-        path = bind.container
-        shared = _shared_source(task["inputs"][i], url, config)
-        # Bound straight from the shared filesystem only where no other mount goes inside it.
-        inside = [p for p in writable if _under(p, path)]
-        inside += [b.container for j, b, _ in inputs if j != i and _under(b.container, path)]
-        if shared and not inside:
-            wanted.append(Bind(shared, path, True, uniform=False))
-            bound.append(i)
-            continue
-        # A hardlink shares its inode with the file in the allowed directory: only where the
-        # input stays read-only (no read-write mount around or inside it).
-        if not any(_under(path, p) or _under(p, path) for p in writable):
-            linkable.append(i)
-        wanted.append(bind)
-
-    # Parents before children; for one path, read-write before read-only.
-    wanted.sort(key=lambda b: (len(relative_parts(b.container)), b.container, b.readonly))
-    keep: list[Bind] = []
-    for bind in wanted:
-        covered = any(
-            outer.uniform
-            and bind.uniform
-            and _under(bind.container, outer.container)
-            and (not outer.readonly or bind.readonly)
-            for outer in keep
-        )
-        if not covered and bind not in keep:
-            keep.append(bind)
-    shared = shared_dirs(config)
-    task_paths = [b.container for b in wanted if b.container not in shared or b.uniform]
-    scratch = [
-        target
-        for target in SCRATCH_TARGETS
-        if not any(_under(p, target) or _under(target, p) for p in task_paths)
-        and not any(_under(target, d) for d in shared)
-    ]
+    model = parse_task(task).model
+    collect = _BindCollector(config, layout)
+    collect.outputs(model.outputs or [])
+    for i, volume in enumerate(model.volumes or []):
+        collect.rw_dir(_path(volume, f"volumes[{i}]"), f"volumes[{i}]")
+    collect.executors(model.executors)
+    collect.inputs(model.inputs or [])
+    keep = collect.kept()
+    scratch = collect.scratch_targets()
     # A shared directory below /tmp or /var/tmp (e.g. /var/tmp/project) is mounted on top of
     # the attempt's scratch bind there, on a mount point the job makes in the scratch directory.
     nested = [
         (b, target)
         for b in keep
         for target in scratch
-        if not b.uniform and b.container in shared and _under(b.container, target)
+        if not b.uniform and b.container in collect.shared and _under(b.container, target)
     ]
     return BindPlan(
         binds=[b for b in keep if b not in [n for n, _ in nested]],
@@ -394,10 +490,10 @@ def compute_binds(task: dict[str, Any], *, config: Config, layout: TaskLayout) -
         ],
         scratch_targets=scratch,
         mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
-        bound_inputs=bound,
-        linkable_inputs=linkable if config.storage.file_input_mode == "hardlink" else [],
-        in_place_inputs=in_place_inputs,
-        in_place_outputs=in_place_outputs,
+        bound_inputs=collect.bound,
+        linkable_inputs=collect.linkable if config.storage.file_input_mode == "hardlink" else [],
+        in_place_inputs=collect.in_place_inputs,
+        in_place_outputs=collect.in_place_outputs,
     )
 
 
@@ -405,15 +501,14 @@ def shared_dirs(config: Config) -> list[str]:
     return [str(d) for d in config.storage.shared_dirs]
 
 
-def _in_place(item: dict[str, Any], path: str, config: Config) -> bool:
+def _is_file_url(url: str | None) -> TypeGuard[str]:
+    return isinstance(url, str) and (url.startswith("/") or url[:5].lower() == "file:")
+
+
+def _in_place(url: str | None, content: str | None, path: str, config: Config) -> bool:
     """A file:// input or output whose container `path` is its own host path inside a shared
     directory (judged lexically: the executor sees exactly that path through the shared bind)."""
-    url = item.get("url")
-    if not isinstance(url, str) or not (url.startswith("/") or url[:5].lower() == "file:"):
-        return False
-    if isinstance(item.get("content"), str) and item["content"]:
-        return False
-    if has_wildcards(path):
+    if not _is_file_url(url) or content or has_wildcards(path):
         return False
     from bridge.job.staging import StagingError
     from bridge.job.staging.file import url_path
@@ -425,22 +520,20 @@ def _in_place(item: dict[str, Any], path: str, config: Config) -> bool:
     return host == path and any(_under(path, d) for d in shared_dirs(config))
 
 
-def _shared_source(item: dict[str, Any], url: Any, config: Config) -> str | None:
+def _shared_source(item: InputModel, config: Config) -> str | None:
     """With file_input_mode "bind" (or staging.streamable_bind and a `streamable` input): the
     allowed host path of a file:// input, else None."""
-    streamed = config.staging.streamable_bind and item.get("streamable") is True
-    if not (config.storage.file_input_mode == "bind" or streamed) or not isinstance(url, str):
+    streamed = config.staging.streamable_bind and item.streamable is True
+    if not (config.storage.file_input_mode == "bind" or streamed) or item.content:
         return None
-    if isinstance(item.get("content"), str) and item["content"]:
-        return None
-    if not (url.startswith("/") or url[:5].lower() == "file:"):
+    if not _is_file_url(item.url):
         return None
     from bridge.job.staging import StagingContext, StagingError
     from bridge.job.staging.file import allowed_path
 
     ctx = StagingContext(allowed_dirs=config.file_dirs)
     try:
-        return str(allowed_path(url, ctx))
+        return str(allowed_path(item.url, ctx))
     except StagingError:
         return None  # stage-in reports the reason in system_logs
 
@@ -479,66 +572,72 @@ def _env_prefix(runtime: str) -> str:
     return "SINGULARITYENV_" if "singularity" in os.path.basename(runtime) else "APPTAINERENV_"
 
 
-def _executor_context(
-    index: int,
-    executor: dict[str, Any],
-    *,
-    config: Config,
-    binds: list[str],
-    scratch_targets: list[str],
-    after_scratch: list[str],
-    image_paths: dict[str, str],
-) -> dict[str, Any]:
-    where = f"executors[{index}]"
-    image = _text(executor.get("image"), f"{where}.image")
-    sif = image_paths.get(image)
-    if not sif:
-        raise RenderError(f"{where}.image: no local image for {image!r} (not pulled yet)")
-    command = executor.get("command")
-    if not isinstance(command, list) or not command:
-        raise RenderError(f"{where}.command: expected a non-empty list")
-    argv = [_text(arg, f"{where}.command[{i}]") for i, arg in enumerate(command)]
+@dataclass(frozen=True)
+class _RuntimeFlags:
+    """The runtime flags every executor of a task shares."""
+
+    binds: list[str]
+    scratch_targets: list[str]
+    after_scratch: list[str]
+
+
+def _call(
+    index: int, executor: ExecutorModel, sif: str, config: Config, flags: _RuntimeFlags
+) -> list[str]:
+    """The runtime command line, one group of words per line of the script for a reader."""
     runtime = config.container.runtime
-    # One group of words per line of the script, for a reader of job.sh.
-    global_flags = config.container.global_flags
     groups = [
-        [runtime, *global_flags, "exec", *config.container.exec_flags],
+        [runtime, *config.container.global_flags, "exec", *config.container.exec_flags],
         config.container.isolation_flags,
         config.container.extra_flags,
     ]
-    groups += [binds[i : i + 2] for i in range(0, len(binds), 2)]
-    if executor.get("workdir") is not None:
-        groups.append(["--pwd", _path(executor["workdir"], f"{where}.workdir")])
-    groups += [[sif], argv]
+    groups += [flags.binds[i : i + 2] for i in range(0, len(flags.binds), 2)]
+    if executor.workdir is not None:
+        groups.append(["--pwd", _path(executor.workdir, f"executors[{index}].workdir")])
+    groups += [[sif], list(executor.command)]
     call = [" ".join(shlex.quote(arg) for arg in group) for group in groups if group]
     # The scratch directory is made by the job on the node: the script expands $EXEC_TMP (its
     # path is checked there for the `:` and `,` that --bind takes as separators).
     scratch = [
-        f'--bind "$EXEC_TMP/{SCRATCH_TARGETS[target]}:{target}"' for target in scratch_targets
+        f'--bind "$EXEC_TMP/{SCRATCH_TARGETS[target]}:{target}"' for target in flags.scratch_targets
     ]
     after = [
-        " ".join(map(shlex.quote, after_scratch[i : i + 2]))
-        for i in range(0, len(after_scratch), 2)
+        " ".join(map(shlex.quote, flags.after_scratch[i : i + 2]))
+        for i in range(0, len(flags.after_scratch), 2)
     ]
     call[-2:-2] = scratch + after
-    env = executor.get("env") or {}
-    if not isinstance(env, dict):
-        raise RenderError(f"{where}.env: expected an object")
-    assignments = []
-    prefix = _env_prefix(runtime)
+    return call
+
+
+def _env_assignments(executor: ExecutorModel, config: Config) -> list[str]:
+    prefix = _env_prefix(config.container.runtime)
     evaluated = "--no-eval" not in [*config.container.exec_flags, *config.container.extra_flags]
-    for name, value in env.items():
-        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise RenderError(f"{where}.env: invalid variable name {name!r}")
-        value = _text(value, f"{where}.env.{name}")
+    assignments = []
+    for name, value in (executor.env or {}).items():
         if evaluated:
             value = _ENV_EVAL_SPECIAL.sub(r"\\\g<0>", value)
         assignments.append(f"{prefix}{name}={shlex.quote(value)}")
+    return assignments
+
+
+def _executor_context(
+    index: int,
+    executor: ExecutorModel,
+    *,
+    config: Config,
+    flags: _RuntimeFlags,
+    image_paths: dict[str, str],
+) -> dict[str, Any]:
+    sif = image_paths.get(executor.image)
+    if not sif:
+        raise RenderError(
+            f"executors[{index}].image: no local image for {executor.image!r} (not pulled yet)"
+        )
     return {
         "index": index,
-        "ignore_error": executor.get("ignore_error") is True,
-        "env": assignments,
-        "call": call,
+        "ignore_error": executor.ignore_error is True,
+        "env": _env_assignments(executor, config),
+        "call": _call(index, executor, sif, config, flags),
     }
 
 
@@ -570,21 +669,25 @@ def _environment(dirs: tuple[str, ...]) -> jinja2.Environment:
 
 
 def render_script(
-    task: dict[str, Any],
+    task: dict[str, Any] | TesTask,
     *,
     config: Config,
     task_dir: Path,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    plan: BindPlan | None = None,
 ) -> str:
-    """The job script for `task`; raises RenderError when a task value cannot be used."""
+    """The job script for `task`; raises RenderError when a task value cannot be used.
+    `plan`: the task's `compute_binds`, when the caller has it already."""
+    typed = parse_task(task)
     layout = TaskLayout(task_dir)
-    directives = sbatch_directives(task, config=config, layout=layout, tmp_disk=tmp_disk)
-    executors = task.get("executors")
-    if not isinstance(executors, list) or not executors:
-        raise RenderError("executors: expected a non-empty list")
-    plan = compute_binds(task, config=config, layout=layout)
-    flags = bind_args(plan.binds)
+    directives = sbatch_directives(typed, config=config, layout=layout, tmp_disk=tmp_disk)
+    plan = plan or compute_binds(typed, config=config, layout=layout)
+    flags = _RuntimeFlags(
+        binds=bind_args(plan.binds),
+        scratch_targets=plan.scratch_targets,
+        after_scratch=bind_args(plan.after_scratch),
+    )
     context = {
         "directives": directives,
         "task_dir": str(layout.task_dir),
@@ -594,19 +697,11 @@ def render_script(
         "prologue": config.slurm.prologue,
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
-        "scratch_prefix": f"tes-tmp-{task['id']}",
+        "scratch_prefix": f"tes-tmp-{typed.id}",
         "scratch_mountpoints": plan.scratch_mountpoints,
         "executors": [
-            _executor_context(
-                i,
-                ex,
-                config=config,
-                binds=flags,
-                scratch_targets=plan.scratch_targets,
-                after_scratch=bind_args(plan.after_scratch),
-                image_paths=image_paths,
-            )
-            for i, ex in enumerate(executors)
+            _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
+            for i, ex in enumerate(typed.model.executors)
         ],
     }
     template = _environment(tuple(_template_dirs(config))).get_template(TEMPLATE)
@@ -614,17 +709,23 @@ def render_script(
 
 
 def job_settings(
-    task: dict[str, Any], *, config: Config, task_dir: Path, image_paths: dict[str, str]
+    task: dict[str, Any] | TesTask,
+    *,
+    config: Config,
+    task_dir: Path,
+    image_paths: dict[str, str],
+    plan: BindPlan | None = None,
 ) -> JobSettings:
     """What the job side needs from the configuration (written as job-config.json)."""
-    plan = compute_binds(task, config=config, layout=TaskLayout(task_dir))
+    typed = parse_task(task)
+    plan = plan or compute_binds(typed, config=config, layout=TaskLayout(task_dir))
     return JobSettings(
-        task_id=str(task["id"]),
+        task_id=typed.id,
         runtime=config.container.runtime,
         allowed_dirs=[str(d) for d in config.file_dirs],
         file_input_mode=config.storage.file_input_mode,
         log_tail_bytes=config.job.log_tail_bytes,
-        images=sorted(set(image_paths[ex["image"]] for ex in task["executors"])),
+        images=sorted(set(image_paths[ex.image] for ex in typed.model.executors)),
         mkdirs=plan.mkdirs,
         bound_inputs=plan.bound_inputs,
         linkable_inputs=plan.linkable_inputs,
@@ -633,15 +734,6 @@ def job_settings(
         allow_root=config.container.allow_root,
         staging=config.staging.job_options(),
     )
-
-
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def prepare_task_dir(
@@ -655,24 +747,22 @@ def prepare_task_dir(
 
     Returns the script's path. Renders first, so a RenderError leaves nothing behind.
     """
-    task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
-        raise RenderError(f"id: {task_id!r} is not a valid task id")
-    layout = TaskLayout(config.work_dir / task_id)
-    files = task_files(task, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
+    typed = parse_task(task)
+    layout = TaskLayout(config.work_dir / typed.id)
+    files = task_files(typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
     os.chmod(layout.task_dir, 0o700)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
-    _write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
-    _write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
-    _write_atomically(layout.script, files[layout.script.name], 0o700)
+    write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
+    write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
+    write_atomically(layout.script, files[layout.script.name], 0o700)
     return layout.script
 
 
 def task_files(
-    task: dict[str, Any],
+    task: dict[str, Any] | TesTask,
     *,
     config: Config,
     image_paths: dict[str, str],
@@ -682,16 +772,22 @@ def task_files(
 
     Site mode hands them to `bridge.job adopt`, which writes them as the task's owner.
     """
-    task_id = task.get("id")
-    if not isinstance(task_id, str) or not _TASK_ID.fullmatch(task_id):
-        raise RenderError(f"id: {task_id!r} is not a valid task id")
-    layout = TaskLayout(config.work_dir / task_id)
+    typed = parse_task(task)
+    layout = TaskLayout(config.work_dir / typed.id)
+    plan = compute_binds(typed, config=config, layout=layout)
     script = render_script(
-        task, config=config, task_dir=layout.task_dir, image_paths=image_paths, tmp_disk=tmp_disk
+        typed,
+        config=config,
+        task_dir=layout.task_dir,
+        image_paths=image_paths,
+        tmp_disk=tmp_disk,
+        plan=plan,
     )
-    settings = job_settings(task, config=config, task_dir=layout.task_dir, image_paths=image_paths)
+    settings = job_settings(
+        typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, plan=plan
+    )
     return {
-        layout.task_json.name: json.dumps(task, ensure_ascii=True) + "\n",
+        layout.task_json.name: json.dumps(typed.document, ensure_ascii=True) + "\n",
         layout.job_config.name: settings.to_json(),
         layout.script.name: script,
     }

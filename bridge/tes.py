@@ -350,6 +350,21 @@ def _unstorable_strings(value: Any, loc: tuple[str | int, ...] = ()) -> Iterator
             yield from _unstorable_strings(item, (*loc, index))
 
 
+def parse_task(document: Mapping[str, Any]) -> TaskModel:
+    """The TES model of a task document (posted, or as stored); raises TaskValidationError.
+
+    Explicit nulls count as absent; strings with NUL characters or lone surrogates are refused.
+    """
+    body = _drop_nulls(dict(document))
+    bad_strings = list(_unstorable_strings(body))
+    if bad_strings:
+        raise TaskValidationError(bad_strings)
+    try:
+        return TaskModel.model_validate(body)
+    except ValidationError as exc:
+        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
+
+
 def validate_task(
     body: Any,
     *,
@@ -370,13 +385,7 @@ def validate_task(
     if oversized:
         raise TaskValidationError(oversized)
     body = _drop_nulls(body)
-    bad_strings = list(_unstorable_strings(body))
-    if bad_strings:
-        raise TaskValidationError(bad_strings)
-    try:
-        model = TaskModel.model_validate(body)
-    except ValidationError as exc:
-        raise TaskValidationError([_describe(e) for e in exc.errors()]) from None
+    model = parse_task(body)
 
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:

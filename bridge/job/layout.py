@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import posixpath
 from pathlib import Path
 
@@ -43,6 +44,35 @@ def relative_parts(container_path: str) -> tuple[str, ...]:
     """The components of a checked container path below `/` (empty for `/` itself)."""
     check_container_path(container_path)
     return tuple(part for part in container_path.split("/") if part)
+
+
+#: The characters that make an output path a POSIX glob pattern.
+_WILDCARDS = frozenset("*?[")
+
+
+def has_wildcards(path: str) -> bool:
+    return any(ch in _WILDCARDS for ch in path)
+
+
+def static_dir(container_path: str) -> str:
+    """The directory above the first component with a wildcard: `/out/*/x.txt` -> `/out`."""
+    static: list[str] = []
+    for part in relative_parts(container_path)[:-1]:
+        if has_wildcards(part):
+            break
+        static.append(part)
+    return "/" + "/".join(static)
+
+
+def write_atomically(path: Path, text: str, mode: int) -> None:
+    """Replace `path` with `text` in one rename, never writing through a link at the
+    temporary name; readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
 
 
 class TaskLayout:

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import stat
 import sys
@@ -32,12 +31,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout
+from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout, write_atomically
 from bridge.job.records import ExecutorRecord, JobRecords, read_records
+from bridge.naming import is_task_id
 
 #: The files adopt writes, with their modes (the script must be executable by its owner only).
 FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}
-_TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
 class OwnerError(Exception):
@@ -53,7 +52,7 @@ def _absolute(value: str) -> str:
 def _task_dir(value: str, work_dir: str) -> Path:
     """`value` if it is `work_dir/<task id>`, also once links are resolved."""
     path = Path(_absolute(value))
-    if not _TASK_ID.fullmatch(path.name) or path.name in {".", ".."}:
+    if not is_task_id(path.name) or path.name in {".", ".."}:
         raise OwnerError(f"{path.name!r} is not a task id")
     work = _absolute(work_dir)
     if str(path.parent) != work:
@@ -80,13 +79,7 @@ def adopt(task_dir: Path, files: dict[str, str]) -> None:
     layout = TaskLayout(task_dir)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
     for name, mode in FILES.items():
-        target = task_dir / name
-        tmp = task_dir / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(files[name])
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        write_atomically(task_dir / name, files[name], mode)
 
 
 def remove(task_dir: Path) -> None:

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from bridge.job import safepath
-from bridge.job.layout import LayoutError, TaskLayout, relative_parts
+from bridge.job.layout import LayoutError, TaskLayout, has_wildcards, relative_parts, static_dir
 from bridge.job.records import RecordsWriter
 from bridge.job.settings import JobSettings, read_settings
 from bridge.job.staging import (
+    StagingBackend,
     StagingContext,
     StagingError,
     StagingOptions,
@@ -34,12 +35,6 @@ from bridge.job.staging.content import write_content
 STAGE_OK = 0
 STAGE_FAILED = 1
 STAGE_MISSING_OUTPUTS = 2
-
-_MAGIC = frozenset("*?[")
-
-
-def has_wildcards(path: str) -> bool:
-    return any(ch in _MAGIC for ch in path)
 
 
 def _load(layout: TaskLayout, log: RecordsWriter) -> tuple[dict[str, Any], JobSettings] | None:
@@ -219,12 +214,6 @@ def _stage_input(
 # --------------------------------------------------------------------------- stage-out
 
 
-class _Outcome:
-    def __init__(self) -> None:
-        self.missing = 0
-        self.failed = 0
-
-
 def stage_out(task_dir: Path, records_dir: Path) -> int:
     layout = TaskLayout(task_dir)
     log = _RedactingWriter(records_dir)
@@ -232,183 +221,205 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
     if loaded is None:
         return STAGE_FAILED
     task, settings = loaded
-    ctx = _context(layout, settings, log)
-    result = _Outcome()
+    outputs = StageOut(layout, _context(layout, settings, log), log)
     for index, item in enumerate(task.get("outputs") or []):
-        if not isinstance(item, dict):
-            continue
-        path, url = item.get("path"), item.get("url")
-        kind = item.get("type") or "FILE"
-        label = f"output {index} {path} -> {url}"
-        try:
-            if not isinstance(path, str) or not isinstance(url, str):
-                raise StagingError("malformed output")
-            if index in settings.in_place_outputs:
-                _record_in_place(log, path, url, kind, label, result)
-                continue
-            backend = backend_for(url, ctx)
-            if has_wildcards(path):
-                _stage_out_wildcard(layout, ctx, log, backend, item, label, result)
-            else:
-                _stage_out_one(layout, ctx, log, backend, path, url, kind, label, result)
-        except (StagingError, LayoutError, OSError) as exc:
-            result.failed += 1
-            log.system_log(f"{label}: {_reason(exc)}")
-    if result.failed:
-        return STAGE_FAILED
-    return STAGE_MISSING_OUTPUTS if result.missing else STAGE_OK
-
-
-def _record_in_place(
-    log: RecordsWriter, path: str, url: str, kind: str, label: str, result: _Outcome
-) -> None:
-    """An output the executors wrote at its own path in a shared directory: already where it
-    belongs, so it is only recorded (a copy onto itself would truncate it)."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        result.missing += 1
-        log.system_log(f"{label}: not found after the executors ran")
-        return
-    if kind == "DIRECTORY":
-        if not stat.S_ISDIR(st.st_mode):
-            result.missing += 1
-            log.system_log(f"{label}: is not a directory (output type is DIRECTORY)")
-            return
-        for dirpath, _dirs, names in os.walk(path):
-            for name in sorted(names):
-                entry = os.path.join(dirpath, name)
-                entry_st = os.stat(entry, follow_symlinks=False)
-                if stat.S_ISREG(entry_st.st_mode):
-                    rel = os.path.relpath(entry, path)
-                    log.output(url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size)
-    elif not stat.S_ISREG(st.st_mode):
-        result.missing += 1
-        log.system_log(f"{label}: is not a regular file (output type is FILE)")
-    else:
-        log.output(url=url, path=path, size_bytes=st.st_size)
-
-
-def _stage_out_one(
-    layout: TaskLayout,
-    ctx: StagingContext,
-    log: RecordsWriter,
-    backend: Any,
-    path: str,
-    url: str,
-    kind: str,
-    label: str,
-    result: _Outcome,
-) -> None:
-    parts = relative_parts(path)
-    found = safepath.lstat_kind(layout.root, parts)
-    if found is None:
-        result.missing += 1
-        log.system_log(f"{label}: not found after the executors ran")
-    elif found == "link":
-        result.missing += 1
-        log.system_log(f"{label}: is a symbolic link; not uploaded")
-    elif kind == "DIRECTORY":
-        if found != "dir":
-            result.missing += 1
-            log.system_log(f"{label}: is not a directory (output type is DIRECTORY)")
-        else:
-            _upload_tree(layout, ctx, log, backend, parts, url, label, result)
-    elif found != "file":
-        result.missing += 1
-        log.system_log(f"{label}: is not a regular file (output type is FILE)")
-    else:
-        with safepath.dir_fd(layout.root, parts[:-1]) as parent:
-            _upload_entry(ctx, log, backend, parent, parts[-1], path, url, label, result)
-
-
-def _upload_entry(
-    ctx: StagingContext,
-    log: RecordsWriter,
-    backend: Any,
-    parent_fd: int,
-    name: str,
-    path: str,
-    url: str,
-    label: str,
-    result: _Outcome,
-) -> None:
-    try:
-        fd = safepath.open_regular(parent_fd, name)
-    except safepath.UnsafePathError as exc:
-        log.system_log(f"{label}: {path} {exc.strerror}; not uploaded")
-        return
-    try:
-        size = os.fstat(fd).st_size
-        backend.upload_file(fd, size, url, ctx)
-    except (StagingError, OSError) as exc:
-        result.failed += 1
-        log.system_log(f"{label}: upload of {path} to {url} failed: {_reason(exc)}")
-        return
-    finally:
-        os.close(fd)
-    log.output(url=url, path=path, size_bytes=size)
+        if isinstance(item, dict):
+            outputs.stage(index, item, in_place=index in settings.in_place_outputs)
+    return outputs.exit_code()
 
 
 def _join_url(base: str, rel: str) -> str:
     return base.rstrip("/") + "/" + rel
 
 
-def _upload_tree(
-    layout: TaskLayout,
-    ctx: StagingContext,
-    log: RecordsWriter,
-    backend: Any,
-    parts: tuple[str, ...],
-    url: str,
-    label: str,
-    result: _Outcome,
-) -> None:
-    ensure_directory = getattr(backend, "ensure_directory", None)
-    base = "/" + "/".join(parts)
-    with safepath.dir_fd(layout.root, parts) as top:
-        if ensure_directory:
-            ensure_directory(url, ctx)
-        # fwalk never follows links and opens each directory relative to its parent.
-        for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
-            rel_dir = os.path.normpath(dirpath)
-            rel_dir = "" if rel_dir == "." else rel_dir + "/"
-            for name in list(dirnames):
-                # fwalk lists a link to a directory among the directories (and does not enter
-                # it): say that it is skipped rather than upload an empty directory.
-                if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                    dirnames.remove(name)
-                    log.system_log(
-                        f"{label}: {base}/{rel_dir}{name} is a symbolic link to a directory; "
-                        "not followed, not uploaded"
-                    )
-                    continue
-                if ensure_directory:
-                    try:
-                        ensure_directory(_join_url(url, rel_dir + name), ctx)
-                    except StagingError as exc:
-                        result.failed += 1
-                        log.system_log(f"{label}: {exc}")
-            for name in sorted(filenames):
-                rel = rel_dir + name
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode):
-                    log.system_log(f"{label}: {base}/{rel} is a symbolic link; not uploaded")
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    log.system_log(f"{label}: {base}/{rel} is not a regular file; not uploaded")
-                    continue
-                _upload_entry(
-                    ctx,
-                    log,
-                    backend,
-                    dfd,
-                    name,
-                    f"{base}/{rel}",
-                    _join_url(url, rel),
-                    label,
-                    result,
+class StageOut:
+    """Uploads the outputs of one run, counting what is missing and what failed.
+
+    Everything under root/ is read through `safepath` (never following a link an executor
+    planted); each upload goes to the `StagingBackend` of the output's URL.
+    """
+
+    def __init__(self, layout: TaskLayout, ctx: StagingContext, log: RecordsWriter) -> None:
+        self.layout = layout
+        self.ctx = ctx
+        self.log = log
+        self.missing = 0
+        self.failed = 0
+
+    def exit_code(self) -> int:
+        if self.failed:
+            return STAGE_FAILED
+        return STAGE_MISSING_OUTPUTS if self.missing else STAGE_OK
+
+    def stage(self, index: int, item: dict[str, Any], *, in_place: bool) -> None:
+        """Upload output `index` (a TES output document); failures end in system_logs."""
+        path, url = item.get("path"), item.get("url")
+        kind = item.get("type") or "FILE"
+        label = f"output {index} {path} -> {url}"
+        try:
+            if not isinstance(path, str) or not isinstance(url, str):
+                raise StagingError("malformed output")
+            if in_place:
+                self._record_in_place(path, url, kind, label)
+                return
+            upload = _Upload(self, backend_for(url, self.ctx), label)
+            if has_wildcards(path):
+                upload.wildcard(path, url, item.get("path_prefix"))
+            else:
+                upload.one(path, url, kind)
+        except (StagingError, LayoutError, OSError) as exc:
+            self.failed += 1
+            self.log.system_log(f"{label}: {_reason(exc)}")
+
+    def missing_output(self, label: str, why: str) -> None:
+        self.missing += 1
+        self.log.system_log(f"{label}: {why}")
+
+    def _record_in_place(self, path: str, url: str, kind: str, label: str) -> None:
+        """An output the executors wrote at its own path in a shared directory: already where
+        it belongs, so it is only recorded (a copy onto itself would truncate it)."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            self.missing_output(label, "not found after the executors ran")
+            return
+        if kind == "DIRECTORY":
+            if not stat.S_ISDIR(st.st_mode):
+                self.missing_output(label, "is not a directory (output type is DIRECTORY)")
+                return
+            for dirpath, _dirs, names in os.walk(path):
+                for name in sorted(names):
+                    entry = os.path.join(dirpath, name)
+                    entry_st = os.stat(entry, follow_symlinks=False)
+                    if stat.S_ISREG(entry_st.st_mode):
+                        rel = os.path.relpath(entry, path)
+                        self.log.output(
+                            url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size
+                        )
+        elif not stat.S_ISREG(st.st_mode):
+            self.missing_output(label, "is not a regular file (output type is FILE)")
+        else:
+            self.log.output(url=url, path=path, size_bytes=st.st_size)
+
+
+class _Upload:
+    """One output on its way to the `StagingBackend` of its URL; what is missing or failed
+    is counted in the `StageOut`."""
+
+    def __init__(self, stage: StageOut, backend: StagingBackend, label: str) -> None:
+        self.stage = stage
+        self.root = stage.layout.root
+        self.backend = backend
+        self.label = label
+
+    def _note(self, message: str) -> None:
+        self.stage.log.system_log(f"{self.label}: {message}")
+
+    def _failed(self, message: str) -> None:
+        self.stage.failed += 1
+        self._note(message)
+
+    def one(self, path: str, url: str, kind: str) -> None:
+        parts = relative_parts(path)
+        found = safepath.lstat_kind(self.root, parts)
+        if found is None:
+            self.stage.missing_output(self.label, "not found after the executors ran")
+        elif found == "link":
+            self.stage.missing_output(self.label, "is a symbolic link; not uploaded")
+        elif kind == "DIRECTORY":
+            if found != "dir":
+                self.stage.missing_output(
+                    self.label, "is not a directory (output type is DIRECTORY)"
                 )
+            else:
+                self._tree(parts, url)
+        elif found != "file":
+            self.stage.missing_output(self.label, "is not a regular file (output type is FILE)")
+        else:
+            self._file(parts, path, url)
+
+    def wildcard(self, path: str, url: str, prefix: Any) -> None:
+        parts = relative_parts(path)
+        if not isinstance(prefix, str):
+            # The spec requires path_prefix with wildcards; without one, keep paths relative
+            # to the directory above the first wildcard.
+            prefix = static_dir(path)
+        matches = list(_glob(self.root, parts))
+        if not matches:
+            self._note("no file matched")
+            return
+        for match in matches:
+            match_path = "/" + "/".join(match)
+            pruned = match_path[len(prefix) :] if match_path.startswith(prefix) else match_path
+            target = _join_url(url, pruned.lstrip("/"))
+            found = safepath.lstat_kind(self.root, match)
+            if found == "link":
+                self._note(f"{match_path} is a symbolic link; not uploaded")
+            elif found == "dir":
+                self._tree(match, target)
+            elif found == "file":
+                self._file(match, match_path, target)
+            else:
+                self._note(f"{match_path} is not a regular file; not uploaded")
+
+    def _file(self, parts: tuple[str, ...], path: str, url: str) -> None:
+        with safepath.dir_fd(self.root, parts[:-1]) as parent:
+            self._entry(parent, parts[-1], path, url)
+
+    def _entry(self, parent_fd: int, name: str, path: str, url: str) -> None:
+        """Upload the regular file `name` in the open directory `parent_fd`."""
+        try:
+            fd = safepath.open_regular(parent_fd, name)
+        except safepath.UnsafePathError as exc:
+            self._note(f"{path} {exc.strerror}; not uploaded")
+            return
+        try:
+            size = os.fstat(fd).st_size
+            self.backend.upload_file(fd, size, url, self.stage.ctx)
+        except (StagingError, OSError) as exc:
+            self._failed(f"upload of {path} to {url} failed: {_reason(exc)}")
+            return
+        finally:
+            os.close(fd)
+        self.stage.log.output(url=url, path=path, size_bytes=size)
+
+    def _tree(self, parts: tuple[str, ...], url: str) -> None:
+        base = "/" + "/".join(parts)
+        with safepath.dir_fd(self.root, parts) as top:
+            self.backend.ensure_directory(url, self.stage.ctx)
+            # fwalk never follows links and opens each directory relative to its parent.
+            for dirpath, dirnames, filenames, dfd in os.fwalk(
+                ".", dir_fd=top, follow_symlinks=False
+            ):
+                rel_dir = os.path.normpath(dirpath)
+                rel_dir = "" if rel_dir == "." else rel_dir + "/"
+                self._tree_dirs(dfd, dirnames, f"{base}/{rel_dir}", _join_url(url, rel_dir))
+                for name in sorted(filenames):
+                    rel = rel_dir + name
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISLNK(st.st_mode):
+                        self._note(f"{base}/{rel} is a symbolic link; not uploaded")
+                    elif not stat.S_ISREG(st.st_mode):
+                        self._note(f"{base}/{rel} is not a regular file; not uploaded")
+                    else:
+                        self._entry(dfd, name, f"{base}/{rel}", _join_url(url, rel))
+
+    def _tree_dirs(self, dfd: int, dirnames: list[str], where: str, url_dir: str) -> None:
+        """Create the subdirectories fwalk is about to enter (`where` and `url_dir` end in
+        `/`); drop links from `dirnames`."""
+        for name in list(dirnames):
+            # fwalk lists a link to a directory among the directories (and does not enter
+            # it): say that it is skipped rather than upload an empty directory.
+            if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                dirnames.remove(name)
+                self._note(
+                    f"{where}{name} is a symbolic link to a directory; not followed, not uploaded"
+                )
+                continue
+            try:
+                self.backend.ensure_directory(url_dir + name, self.stage.ctx)
+            except StagingError as exc:
+                self._failed(str(exc))
 
 
 def _glob(root: Path, parts: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
@@ -438,46 +449,3 @@ def _glob(root: Path, parts: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
                     yield from walk((*prefix, name), tail)
 
     yield from walk((), parts)
-
-
-def _stage_out_wildcard(
-    layout: TaskLayout,
-    ctx: StagingContext,
-    log: RecordsWriter,
-    backend: Any,
-    item: dict[str, Any],
-    label: str,
-    result: _Outcome,
-) -> None:
-    path, url = item["path"], item["url"]
-    parts = relative_parts(path)
-    prefix = item.get("path_prefix")
-    if not isinstance(prefix, str):
-        # The spec requires path_prefix with wildcards; without one, keep paths relative to
-        # the directory above the first wildcard.
-        static = []
-        for part in parts[:-1]:
-            if has_wildcards(part):
-                break
-            static.append(part)
-        prefix = "/" + "/".join(static)
-    matches = list(_glob(layout.root, parts))
-    if not matches:
-        log.system_log(f"{label}: no file matched")
-        return
-    for match in matches:
-        match_path = "/" + "/".join(match)
-        pruned = match_path[len(prefix) :] if match_path.startswith(prefix) else match_path
-        target = _join_url(url, pruned.lstrip("/"))
-        found = safepath.lstat_kind(layout.root, match)
-        if found == "link":
-            log.system_log(f"{label}: {match_path} is a symbolic link; not uploaded")
-        elif found == "dir":
-            _upload_tree(layout, ctx, log, backend, match, target, label, result)
-        elif found == "file":
-            with safepath.dir_fd(layout.root, match[:-1]) as parent:
-                _upload_entry(
-                    ctx, log, backend, parent, match[-1], match_path, target, label, result
-                )
-        else:
-            log.system_log(f"{label}: {match_path} is not a regular file; not uploaded")

@@ -20,8 +20,9 @@ share) and ``loop`` (the cycle, the lock, the factory and the process loop).
 
 from __future__ import annotations
 
+from bridge.naming import job_name
 from bridge.poller.context import CycleStats
-from bridge.poller.decisions import Decision, decide, job_name
+from bridge.poller.decisions import Decision, decide
 from bridge.poller.loop import Poller, PollerLock, build_poller, run_poller
 
 __all__ = [

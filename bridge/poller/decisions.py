@@ -36,10 +36,6 @@ OUTCOME_STATES = {
 }
 
 
-def job_name(task_id: str) -> str:
-    return f"tes-{task_id}"
-
-
 @dataclass
 class Decision:
     state: State

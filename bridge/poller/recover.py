@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from bridge.naming import job_name
 from bridge.poller.context import CycleStats, PollerContext
-from bridge.poller.decisions import job_name
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import TaskRecord
 

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from bridge.images import ImagePullError
+from bridge.naming import job_name
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (
     attempt_log,
     copy_logs,
     failure_logs,
-    job_name,
     set_condition,
     set_image_notes,
 )

@@ -14,6 +14,7 @@ import pytest
 
 from bridge.config import Config
 from bridge.job.layout import TaskLayout
+from bridge.naming import is_task_id, job_name
 from bridge.render import (
     Bind,
     BindPlan,
@@ -287,6 +288,12 @@ def test_site_directives_come_last_and_prologue_epilogue_are_placed(tmp_path: Pa
 def test_task_id_must_be_plain(tmp_path: Path, task_id: str) -> None:
     with pytest.raises(RenderError, match="id"):
         render(tmp_path, make_task(id=task_id))
+
+
+def test_job_name_comes_from_the_one_naming_rule(tmp_path: Path) -> None:
+    assert job_name("task-1") == "tes-task-1"
+    assert f"--job-name={job_name('task-1')}" in directives(render(tmp_path, make_task()))
+    assert is_task_id("task-1") and not is_task_id("a b") and not is_task_id(None)
 
 
 def test_work_dir_that_sbatch_cannot_parse_is_refused(tmp_path: Path) -> None:

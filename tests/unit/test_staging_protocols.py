@@ -16,6 +16,7 @@ from bridge.job.records import read_records
 from bridge.job.settings import JobSettings
 from bridge.job.stage import STAGE_FAILED, STAGE_MISSING_OUTPUTS, STAGE_OK, stage_in, stage_out
 from bridge.job.staging import (
+    StagingBackend,
     StagingContext,
     StagingError,
     StagingOptions,
@@ -232,6 +233,14 @@ def test_redact_hides_userinfo_and_signatures():
     assert redact(text) == (
         "GET https://***@h/x?X-Amz-Signature=***&part=1 and ftp://***@h/y failed"
     )
+
+
+@pytest.mark.parametrize(
+    "url", ["file:///x", "/x", "http://h/x", "https://h/x", "s3://b/k", "ftp://h/x"]
+)
+def test_every_enabled_scheme_dispatches_to_a_staging_backend(url):
+    backend = backend_for(url, StagingContext())
+    assert isinstance(backend, StagingBackend)
 
 
 def test_disabled_protocol_is_refused(storage_servers):

@@ -1,40 +1,25 @@
 """Moving task inputs in and outputs out, one module per URL scheme.
 
-A protocol module offers (see `bridge.job.staging.file` for the reference implementation)::
+Each protocol module is a `StagingBackend` (see `bridge.job.staging.file` for the reference
+implementation): it defines `download`, `upload_file` and `ensure_directory` at module level,
+and mypy checks it against the Protocol where `_LOADERS` returns it.
 
-    download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None
-        Create `dest` (a FILE, or a DIRECTORY tree) from `url`. `dest` does not exist yet;
-        its parent does, and lies in a tree no executor has touched.
-    upload_file(source_fd: int, size: int, url: str, ctx: StagingContext) -> None
-        Store the open regular file `source_fd` at `url`. The caller opened it without
-        following links and records the upload.
-    ensure_directory(url: str, ctx: StagingContext) -> None
-        Create an (empty) directory at `url`; schemes without directories do nothing.
-
-Adding a protocol means one new module and one line in `_MODULES`. Network protocols read
+Adding a protocol means one new module and one loader in `_LOADERS`. Network protocols read
 their settings (endpoints, paths of credential files; never secrets) from `ctx.options`, which
-comes from job-config.json. Every message they raise goes through `redact`.
+comes from job-config.json; logins from the site's netrc file through `netrc_login`. Every
+message they raise goes through `redact`.
 """
 
 from __future__ import annotations
 
-import importlib
+import netrc
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-#: Scheme -> module implementing it.
-_MODULES = {
-    "file": "bridge.job.staging.file",
-    "http": "bridge.job.staging.http",
-    "https": "bridge.job.staging.http",
-    "s3": "bridge.job.staging.s3",
-    "ftp": "bridge.job.staging.ftp",
-}
 #: Schemes the TES API accepts but this deployment cannot stage yet.
 _PLANNED = {"sftp", "gs", "drs", "htsget", "azblob"}
 #: `scheme://user:password@` -> `scheme://***@`, and signature-like query values.
@@ -112,20 +97,90 @@ def scheme_of(url: str) -> str:
     return match.group(1).lower()
 
 
-def backend_for(url: str, ctx: StagingContext | None = None) -> ModuleType:
+@runtime_checkable
+class StagingBackend(Protocol):
+    """What a protocol module offers; `dest`, `source_fd` and `url` are the caller's."""
+
+    def download(self, url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+        """Create `dest` (a FILE, or a DIRECTORY tree) from `url`. `dest` does not exist yet;
+        its parent does, and lies in a tree no executor has touched."""
+
+    def upload_file(self, source_fd: int, size: int, url: str, ctx: StagingContext) -> None:
+        """Store the open regular file `source_fd` at `url`. The caller opened it without
+        following links and records the upload."""
+
+    def ensure_directory(self, url: str, ctx: StagingContext) -> None:
+        """Create an (empty) directory at `url`; schemes without directories do nothing."""
+
+
+# Imported on first use: a job that stages only files never loads boto3 or requests.
+def _file() -> StagingBackend:
+    from bridge.job.staging import file
+
+    return file
+
+
+def _http() -> StagingBackend:
+    from bridge.job.staging import http
+
+    return http
+
+
+def _s3() -> StagingBackend:
+    from bridge.job.staging import s3
+
+    return s3
+
+
+def _ftp() -> StagingBackend:
+    from bridge.job.staging import ftp
+
+    return ftp
+
+
+#: Scheme -> the module implementing it.
+_LOADERS: dict[str, Callable[[], StagingBackend]] = {
+    "file": _file,
+    "http": _http,
+    "https": _http,
+    "s3": _s3,
+    "ftp": _ftp,
+}
+
+
+def backend_for(url: str, ctx: StagingContext | None = None) -> StagingBackend:
     scheme = scheme_of(url)
-    name = _MODULES.get(scheme)
-    if name is not None and ctx is not None and scheme not in ctx.options.enabled:
+    loader = _LOADERS.get(scheme)
+    if loader is not None and ctx is not None and scheme not in ctx.options.enabled:
         raise UnsupportedProtocolError(
             f"protocol {scheme}:// is not enabled on this deployment (staging.protocols)"
         )
-    if name is None:
+    if loader is None:
         if scheme in _PLANNED:
             raise UnsupportedProtocolError(
                 f"protocol {scheme}:// is not supported by this deployment yet"
             )
         raise UnsupportedProtocolError(f"unknown URL scheme {scheme}://")
-    return importlib.import_module(name)
+    return loader()
+
+
+def netrc_login(host: str, ctx: StagingContext) -> tuple[str, str] | None:
+    """(login, password) for `host` from the site's netrc file (`staging.netrc_file`), or
+    None when there is no file or no entry for the host."""
+    if not ctx.options.netrc_file:
+        return None
+    try:
+        entry = netrc.netrc(ctx.options.netrc_file).authenticators(host)
+    except (OSError, netrc.NetrcParseError) as exc:
+        # The parse error can quote a line of the file: keep only that it failed.
+        raise StagingError(
+            f"cannot read the netrc file {ctx.options.netrc_file}: "
+            f"{getattr(exc, 'strerror', None) or 'parse error'}"
+        ) from None
+    if entry is None:
+        return None
+    login, _, password = entry
+    return (login or "", password or "")
 
 
 def safe_relative(name: str, where: str) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ftplib
-import netrc
 import os
 import posixpath
 import socket
@@ -24,6 +23,7 @@ from bridge.job.staging import (
     check_remote_path,
     create_file,
     make_parents,
+    netrc_login,
     redact,
     safe_relative,
 )
@@ -42,16 +42,9 @@ def _parse(url: str) -> tuple[urllib.parse.SplitResult, str]:
 
 
 def _login(parts: urllib.parse.SplitResult, ctx: StagingContext) -> tuple[str, str]:
-    if ctx.options.netrc_file:
-        try:
-            entry = netrc.netrc(ctx.options.netrc_file).authenticators(parts.hostname or "")
-        except (OSError, netrc.NetrcParseError) as exc:
-            raise StagingError(
-                f"cannot read the netrc file {ctx.options.netrc_file}: "
-                f"{getattr(exc, 'strerror', None) or 'parse error'}"
-            ) from None
-        if entry is not None:
-            return entry[0] or "anonymous", entry[2] or ""
+    entry = netrc_login(parts.hostname or "", ctx)
+    if entry is not None:
+        return entry[0] or "anonymous", entry[1]
     if parts.username:
         return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
     return "anonymous", "anonymous@"

@@ -8,7 +8,6 @@ directory, so DIRECTORY inputs are refused; a DIRECTORY output is one PUT per fi
 
 from __future__ import annotations
 
-import netrc
 import os
 import time
 import urllib.parse
@@ -18,7 +17,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from bridge.job.staging import StagingContext, StagingError, create_file, redact
+from bridge.job.staging import StagingContext, StagingError, create_file, netrc_login, redact
 
 #: Statuses worth another attempt: the server or a proxy was briefly unable to answer.
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -26,21 +25,7 @@ _CHUNK = 1 << 20
 
 
 def _auth(url: str, ctx: StagingContext) -> tuple[str, str] | None:
-    if not ctx.options.netrc_file:
-        return None
-    host = urllib.parse.urlsplit(url).hostname or ""
-    try:
-        entry = netrc.netrc(ctx.options.netrc_file).authenticators(host)
-    except (OSError, netrc.NetrcParseError) as exc:
-        # The parse error can quote a line of the file: keep only that it failed.
-        raise StagingError(
-            f"cannot read the netrc file {ctx.options.netrc_file}: "
-            f"{getattr(exc, 'strerror', None) or 'parse error'}"
-        ) from None
-    if entry is None:
-        return None
-    login, _, password = entry
-    return (login or "", password or "")
+    return netrc_login(urllib.parse.urlsplit(url).hostname or "", ctx)
 
 
 def _session(ctx: StagingContext) -> requests.Session:
