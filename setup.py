@@ -53,6 +53,8 @@ setup(
         "bcrypt>=4.0",
         "PyJWT[crypto]>=2.15",
         "cryptography>=42",
+        # `tes-bridge task submit` reads YAML task documents.
+        "PyYAML>=6.0",
     ],
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],

@@ -126,13 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     job.add_argument("job_args", nargs=argparse.REMAINDER)
+
+    task = commands.add_parser(
+        "task",
+        help="a client for any TES server: run, submit, list, get, cancel, logs, wait "
+        "(`tes-bridge task --help`)",
+        add_help=False,
+    )
+    task.add_argument("task_args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     # `job` options (including its --help) belong to the job side's own parser.
     args, extra = parser.parse_known_args(argv)
+    if args.command == "task":
+        # The client has its own parser (given the words as typed) and needs no configuration.
+        from bridge.client.cli import main as task_main
+
+        return task_main(argv[argv.index("task") + 1 :])
     if args.command == "job":
         # The job side has its own parser and must not need the login node's configuration.
         from bridge.job.cli import main as job_main

@@ -1,0 +1,553 @@
+"""`tes-bridge task ...`: the commands, their options and their output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from bridge.client.api import FINAL_STATES, TesClient, TesError
+from bridge.client.watch import (
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    LogPrinter,
+    follow_logs,
+    wait_for,
+)
+
+STATES = (
+    "UNKNOWN",
+    "QUEUED",
+    "INITIALIZING",
+    "RUNNING",
+    "PAUSED",
+    "COMPLETE",
+    "EXECUTOR_ERROR",
+    "SYSTEM_ERROR",
+    "CANCELED",
+    "PREEMPTED",
+    "CANCELING",
+)
+VIEWS = ("MINIMAL", "BASIC", "FULL")
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: The actions that can wait for tasks, and so exit with their outcome.
+WAITING = ("run", "submit", "logs")
+
+DESCRIPTION = f"""\
+A client for any GA4GH TES 1.1 server (this bridge, Funnel, ...): create, list, inspect, cancel
+and wait for tasks, and read their output.
+
+The server: --url or TES_URL (default {DEFAULT_URL}); /ga4gh/tes/v1 is added
+unless the URL already ends in a TES base path (/ga4gh/tes/v1 or /v1). Authentication:
+--token or TES_TOKEN (a bearer token), or --user or TES_USER with the password in
+TES_PASSWORD or in ~/.netrc ($NETRC); with neither, a ~/.netrc entry for the host is used
+if there is one.
+
+example:
+  export TES_URL=http://127.0.0.1:8000
+  id=$(tes-bridge task run alpine -- echo hello)
+  tes-bridge task wait "$id" && tes-bridge task logs "$id"
+"""
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": (
+        "create a task from the command line; prints its id",
+        """\
+Create a task with one executor: IMAGE runs CMD ARGS... (put them after --). Prints the
+task's id; with --wait, then waits for it like `wait` and exits with its outcome.
+
+--input URL=PATH stages URL into the container at PATH before the executor runs; --output
+PATH=URL uploads PATH afterwards. A PATH that ends in / is a DIRECTORY.
+
+examples:
+  tes-bridge task run alpine -- echo hello
+  tes-bridge task run --wait --cpus 2 --ram 4 --tag project=x \\
+      --input s3://bucket/reads.fq=/data/reads.fq --output /data/out/=s3://bucket/out/ \\
+      quay.io/biocontainers/fastqc:0.12.1--hdfd78af_0 -- fastqc -o /data/out /data/reads.fq
+""",
+    ),
+    "submit": (
+        "create a task from a JSON or YAML document; prints its id",
+        """\
+Create a task from FILE, a TES task document in JSON or YAML (- reads standard input). The
+document is sent as it is, so fields this client does not know about reach the server.
+
+examples:
+  tes-bridge task submit task.yaml
+  echo '{"executors": [{"image": "alpine", "command": ["true"]}]}' | tes-bridge task submit -
+""",
+    ),
+    "list": (
+        "list tasks, newest first",
+        """\
+List tasks as a table (ID, STATE, CREATED, NAME) or, with --json, as a JSON array. Follows
+the server's page tokens to the last page, or until --limit tasks.
+
+examples:
+  tes-bridge task list --state RUNNING
+  tes-bridge task list --name-prefix align- --tag project=x --tag urgent --limit 20
+  tes-bridge task list --json --view FULL | jq '.[].id'
+""",
+    ),
+    "get": (
+        "print a task as JSON",
+        """\
+Print the task document as the server returns it (FULL by default: with its logs).
+
+example:
+  tes-bridge task get 3f2a9c1e-... --view BASIC
+""",
+    ),
+    "cancel": (
+        "cancel tasks",
+        """\
+Ask the server to cancel each task (a task that already ended keeps its state).
+
+example:
+  tes-bridge task cancel 3f2a9c1e-... 77b0d4a2-...
+""",
+    ),
+    "logs": (
+        "print a task's output: executor stdout and stderr, system logs",
+        """\
+Print the executors' stdout (on stdout) and stderr (on stderr) of the task's last attempt,
+then its system logs (on stderr, as `system: ...`). A server may keep only the tail of each.
+With --follow, poll until the task is final, printing only new text, and exit like `wait`.
+
+examples:
+  tes-bridge task logs 3f2a9c1e-... > out.txt
+  tes-bridge task logs --follow 3f2a9c1e-...
+""",
+    ),
+    "wait": (
+        "wait until tasks are final; the exit status tells how they ended",
+        f"""\
+Wait until every task is final (COMPLETE, EXECUTOR_ERROR, SYSTEM_ERROR, CANCELED or
+PREEMPTED). On a terminal, each change of state is shown as it happens under one status
+line (for many tasks, the count in each state, and only the tasks that fail); otherwise one
+`ID STATE` line per change. A server that cannot be reached for a while is waited for.
+
+{EXIT_CODES_HELP}
+
+examples:
+  tes-bridge task wait 3f2a9c1e-...
+  tes-bridge task wait --timeout 3600 $(cat ids.txt) || echo "some failed: $?"
+""",
+    ),
+}
+
+
+def _pair(separator: str, what: str, *, last: bool = False) -> Any:
+    """An argparse type for `A=B` options (split on the last `=` when `last`: URLs may have
+    `=` in their query, paths rarely do)."""
+
+    def parse(value: str) -> tuple[str, str]:
+        left, sep, right = value.rpartition(separator) if last else value.partition(separator)
+        if not sep or not left:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected {what}")
+        return left, right
+
+    parse.__name__ = what  # argparse names the type in its error message
+    return parse
+
+
+def _tag_filter(value: str) -> tuple[str, str]:
+    """`k` (any value; sent as an empty tag_value, to keep the pairs in step) or `k=v`."""
+    key, _, wanted = value.partition("=")
+    if not key:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected KEY or KEY=VALUE")
+    return key, wanted
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            number = 0
+        if not number > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"{value!r}: expected a number above 0")
+        return number
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument(
+        "--url",
+        default=os.environ.get("TES_URL", DEFAULT_URL),
+        help=f"the TES server (default: $TES_URL or {DEFAULT_URL})",
+    )
+    group.add_argument(
+        "--token", default=os.environ.get("TES_TOKEN"), help="bearer token (default: $TES_TOKEN)"
+    )
+    group.add_argument(
+        "--user",
+        default=os.environ.get("TES_USER"),
+        help="user name for HTTP basic authentication (default: $TES_USER); the password comes "
+        "from $TES_PASSWORD or the netrc entry of the host",
+    )
+    group.add_argument(
+        "--http-timeout",
+        type=_positive(float),
+        default=30.0,
+        metavar="SECONDS",
+        help="time-out of each HTTP request (default: 30)",
+    )
+
+
+def _add_wait_options(
+    parser: argparse.ArgumentParser, *, wait_flag: bool, timeout: bool = True
+) -> None:
+    if wait_flag:
+        parser.add_argument(
+            "--wait", action="store_true", help="wait for the task and exit with its outcome"
+        )
+    parser.add_argument(
+        "--interval",
+        type=_positive(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="poll interval (2)",
+    )
+    if timeout:
+        parser.add_argument(
+            "--timeout",
+            type=_positive(float),
+            metavar="SECONDS",
+            help="stop waiting after this long (exit 7)",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tes-bridge task",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub = {
+        name: commands.add_parser(
+            name,
+            help=summary,
+            # Those that wait exit with the tasks' outcome.
+            description=text + (f"\n{EXIT_CODES_HELP}\n" if name in WAITING else ""),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        for name, (summary, text) in COMMANDS.items()
+    }
+    for command in sub.values():
+        _add_connection_options(command)
+
+    run = sub["run"]
+    run.add_argument("image", help="container image, e.g. alpine or quay.io/org/tool:1.2")
+    run.add_argument("command", nargs="*", metavar="CMD", help="command and arguments, after --")
+    run.add_argument("--name", help="task name")
+    run.add_argument("--workdir", help="working directory of the command in the container")
+    run.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        type=_pair("=", "URL=PATH", last=True),
+        metavar="URL=PATH",
+        help="stage URL in at PATH (repeatable)",
+    )
+    run.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        type=_pair("=", "PATH=URL"),
+        metavar="PATH=URL",
+        help="upload PATH to URL (repeatable)",
+    )
+    run.add_argument("--cpus", type=int, metavar="N", help="CPU cores (resources.cpu_cores)")
+    run.add_argument("--ram", type=float, metavar="GB", help="memory in GB (resources.ram_gb)")
+    run.add_argument("--disk", type=float, metavar="GB", help="disk in GB (resources.disk_gb)")
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=_pair("=", "K=V"),
+        metavar="K=V",
+        help="environment variable of the command (repeatable)",
+    )
+    run.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        type=_pair("=", "KEY=VALUE"),
+        metavar="KEY=VALUE",
+        help="task tag (repeatable)",
+    )
+    _add_wait_options(run, wait_flag=True)
+
+    submit = sub["submit"]
+    submit.add_argument("file", metavar="FILE", help="task document, JSON or YAML; - for stdin")
+    _add_wait_options(submit, wait_flag=True)
+
+    listing = sub["list"]
+    listing.add_argument("--state", choices=STATES, metavar="STATE", help="only tasks in STATE")
+    listing.add_argument("--name-prefix", metavar="PREFIX", help="only names starting so")
+    listing.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        type=_tag_filter,
+        metavar="KEY[=VALUE]",
+        help="only tasks with this tag (any value without =VALUE); repeatable, all must match",
+    )
+    listing.add_argument("--json", action="store_true", help="print a JSON array of tasks")
+    listing.add_argument(
+        "--view", choices=VIEWS, default="BASIC", help="with --json: how much of each task"
+    )
+    listing.add_argument("--limit", type=_positive(int), metavar="N", help="at most N tasks")
+    listing.add_argument(
+        "--page-size", type=_positive(int), metavar="N", help="tasks per request (server's default)"
+    )
+
+    get = sub["get"]
+    get.add_argument("id", help="task id")
+    get.add_argument("--view", choices=VIEWS, default="FULL", help="default: FULL")
+
+    sub["cancel"].add_argument("ids", nargs="+", metavar="ID", help="task ids")
+
+    logs = sub["logs"]
+    logs.add_argument("id", help="task id")
+    logs.add_argument("--follow", "-f", action="store_true", help="print new output until final")
+    _add_wait_options(logs, wait_flag=False, timeout=False)
+
+    wait = sub["wait"]
+    wait.add_argument("ids", nargs="+", metavar="ID", help="task ids")
+    _add_wait_options(wait, wait_flag=False)
+    return parser
+
+
+def make_client(args: argparse.Namespace) -> TesClient:
+    if args.token and args.user:
+        raise TesError("give either --token or --user, not both")
+    password = None
+    if args.user:
+        password = os.environ.get("TES_PASSWORD")
+        if password is None:
+            login = requests.utils.get_netrc_auth(args.url)
+            if not login or login[0] != args.user:
+                raise TesError(
+                    f"no password for {args.user}: set TES_PASSWORD or add a netrc entry "
+                    "(machine HOST login USER password ...)"
+                )
+            password = login[1]
+    return TesClient(
+        args.url, token=args.token, user=args.user, password=password, timeout=args.http_timeout
+    )
+
+
+# ------------------------------------------------------------------------------ documents
+def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.command:
+        raise TesError("run: give the command after the image: run IMAGE -- CMD ARGS...")
+    executor: dict[str, Any] = {"image": args.image, "command": list(args.command)}
+    if args.workdir:
+        executor["workdir"] = args.workdir
+    if args.env:
+        executor["env"] = dict(args.env)
+    task: dict[str, Any] = {"executors": [executor]}
+    if args.name:
+        task["name"] = args.name
+    if args.input:
+        task["inputs"] = [{"url": url, **_path(path)} for url, path in args.input]
+    if args.output:
+        task["outputs"] = [{"url": url, **_path(path)} for path, url in args.output]
+    resources = {
+        key: value
+        for key, value in (("cpu_cores", args.cpus), ("ram_gb", args.ram), ("disk_gb", args.disk))
+        if value is not None
+    }
+    if resources:
+        task["resources"] = resources
+    if args.tag:
+        task["tags"] = dict(args.tag)
+    return task
+
+
+def _path(path: str) -> dict[str, str]:
+    """`/data/out/` is the DIRECTORY `/data/out`; anything else a FILE."""
+    if len(path) > 1 and path.endswith("/"):
+        return {"path": path.rstrip("/") or "/", "type": "DIRECTORY"}
+    return {"path": path, "type": "FILE"}
+
+
+def read_document(name: str) -> dict[str, Any]:
+    """A task document from a file or stdin, JSON or YAML (YAML 1.1 reads most JSON too,
+    but not all of it, so JSON is tried first)."""
+    try:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TesError(f"cannot read {name}: {exc.strerror}") from None
+    where = "standard input" if name == "-" else name
+    try:
+        document = json.loads(text)
+    except ValueError:
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise TesError(f"{where} is neither JSON nor YAML: {exc}") from None
+    if not isinstance(document, dict):
+        raise TesError(f"{where}: expected a task (a mapping), got {type(document).__name__}")
+    return document
+
+
+def _when(value: Any) -> str:
+    try:
+        moment = datetime.fromisoformat(str(value))
+    except ValueError:
+        return str(value or "")
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return f"{moment:%Y-%m-%d %H:%M:%S}"
+
+
+def print_table(tasks: list[dict[str, Any]]) -> None:
+    rows = [("ID", "STATE", "CREATED (UTC)", "NAME")]
+    rows += [
+        (
+            str(t.get("id", "")),
+            str(t.get("state", "")),
+            _when(t.get("creation_time")),
+            str(t.get("name") or ""),
+        )
+        for t in tasks
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[3]]).rstrip())
+
+
+# ------------------------------------------------------------------------------ commands
+def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) -> int:
+    task_id = client.create(task)
+    print(task_id, flush=True)
+    if not args.wait:
+        return 0
+    return wait_for(
+        client,
+        [task_id],
+        out=sys.stdout,
+        err=sys.stderr,
+        interval=args.interval,
+        timeout=args.timeout,
+    )
+
+
+def run_task(client: TesClient, args: argparse.Namespace) -> int:
+    return create(client, task_from_options(args), args)
+
+
+def submit_task(client: TesClient, args: argparse.Namespace) -> int:
+    return create(client, read_document(args.file), args)
+
+
+def list_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    tasks = client.tasks(
+        state=args.state,
+        name_prefix=args.name_prefix,
+        tags=args.tag,
+        view=args.view if args.json else "BASIC",
+        page_size=args.page_size,
+        limit=args.limit,
+    )
+    if args.json:
+        print(json.dumps(list(tasks), indent=2))
+    else:
+        print_table(list(tasks))
+    return 0
+
+
+def get_task(client: TesClient, args: argparse.Namespace) -> int:
+    print(json.dumps(client.get(args.id, view=args.view), indent=2))
+    return 0
+
+
+def show_logs(client: TesClient, args: argparse.Namespace) -> int:
+    if args.follow:
+        return follow_logs(client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval)
+    task = client.get(args.id, view="FULL")
+    LogPrinter(sys.stdout, sys.stderr).show(task)
+    if task.get("state") not in FINAL_STATES:
+        print(f"task {args.id} is {task.get('state')}; --follow prints what comes", file=sys.stderr)
+    return 0
+
+
+def wait_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    return wait_for(
+        client,
+        args.ids,
+        out=sys.stdout,
+        err=sys.stderr,
+        interval=args.interval,
+        timeout=args.timeout,
+    )
+
+
+def cancel_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    code = 0
+    for task_id in args.ids:
+        try:
+            client.cancel(task_id)
+        except TesError as exc:
+            print(f"tes-bridge task: {exc}", file=sys.stderr)
+            code = EXIT_FAILED
+        else:
+            print(f"{task_id}: cancel requested")
+    return code
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse `argv`; for `run`, everything after the first `--` is the command as it is
+    (argparse would take a second `--` or an option-like word there for its own)."""
+    parser = build_parser()
+    # Every option belongs to an action, so the action is the first word.
+    if argv[:1] == ["run"] and "--" in argv:
+        split = list(argv).index("--")
+        args = parser.parse_args(argv[:split])
+        args.command = [*args.command, *argv[split + 1 :]]
+        return args
+    return parser.parse_args(argv)
+
+
+ACTIONS: dict[str, Callable[[TesClient, argparse.Namespace], int]] = {
+    "run": run_task,
+    "submit": submit_task,
+    "list": list_tasks,
+    "get": get_task,
+    "cancel": cancel_tasks,
+    "logs": show_logs,
+    "wait": wait_tasks,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return ACTIONS[args.action](make_client(args), args)
+    except TesError as exc:
+        print(f"tes-bridge task: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        if sys.stdout.isatty():
+            print()  # past a status line that `wait` drew
+        return 130
+    except BrokenPipeError:
+        # `tes-bridge task list | head`: the reader left; not an error worth a traceback.
+        sys.stderr.close()
+        return 0

@@ -1,0 +1,211 @@
+"""Waiting for tasks (progress display, exit codes) and following their logs."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, TextIO
+
+from bridge.client.api import FINAL_STATES, TesClient, TesError
+
+#: The exit code of `wait` (and `run`/`submit --wait`, `logs --follow`) for each final state.
+EXIT_CODES = {"COMPLETE": 0, "EXECUTOR_ERROR": 3, "SYSTEM_ERROR": 4, "CANCELED": 5, "PREEMPTED": 6}
+#: A request failed (the server's message is printed); 2 is a usage error (argparse's).
+EXIT_FAILED = 1
+#: `--timeout` passed before every task was final.
+EXIT_TIMEOUT = 7
+#: On a terminal, more tasks than this show only the count line and the tasks that failed.
+MANY = 20
+
+EXIT_CODES_HELP = """\
+exit status:
+  0  every task is COMPLETE          4  a task ended SYSTEM_ERROR
+  1  a request failed                5  a task was CANCELED
+  2  wrong usage                     6  a task was PREEMPTED
+  3  a task ended EXECUTOR_ERROR     7  --timeout passed first
+  (with several tasks, the highest of these)"""
+
+
+def outcome(states: Iterable[str]) -> int:
+    return max((EXIT_CODES.get(state, EXIT_FAILED) for state in states), default=0)
+
+
+def _elapsed(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _counts(states: Iterable[str | None]) -> str:
+    counts = Counter(state or "?" for state in states)
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+
+class Progress:
+    """On a terminal: a line per state change and one status line (the state, or the count of
+    tasks in each state) redrawn in place. Otherwise: a plain `ID STATE` line per change."""
+
+    def __init__(self, out: TextIO, err: TextIO, total: int):
+        self.out = out
+        self.err = err
+        self.total = total
+        self.tty = out.isatty()
+        self.status_shown = False
+        self.problem = ""
+
+    def _clear(self) -> None:
+        if self.status_shown:
+            self.out.write("\r\x1b[K")
+            self.status_shown = False
+
+    def change(self, task_id: str, state: str) -> None:
+        if not self.tty:
+            self.out.write(f"{task_id} {state}\n")
+        elif self.total <= MANY or state in FINAL_STATES - {"COMPLETE"}:
+            self._clear()
+            self.out.write(f"{datetime.now():%H:%M:%S}  {task_id}  {state}\n")
+        self.out.flush()
+
+    def status(self, states: dict[str, str | None], elapsed: float, problem: str) -> None:
+        if not self.tty:
+            # Said once, on stderr: stdout keeps only `ID STATE` lines for scripts.
+            if problem and problem != self.problem:
+                self.err.write(f"tes-bridge task: {problem}; retrying\n")
+                self.err.flush()
+            self.problem = problem
+            return
+        if self.total == 1:
+            ((task_id, state),) = states.items()
+            line = f"{task_id}  {state}  {_elapsed(elapsed)}"
+        else:
+            line = f"{self.total} tasks: {_counts(states.values())}  {_elapsed(elapsed)}"
+        if problem:
+            line += f"  ({problem}; retrying)"
+        width = shutil.get_terminal_size().columns
+        self._clear()
+        # Never wider than the terminal: a wrapped line could not be redrawn with \r.
+        self.out.write(line[: max(width - 1, 10)])
+        self.status_shown = True
+        self.out.flush()
+
+    def done(self, states: dict[str, str | None]) -> None:
+        self._clear()
+        if self.total > 1:
+            self.out.write(f"{self.total} tasks: {_counts(states.values())}\n")
+        self.out.flush()
+
+
+def wait_for(
+    client: TesClient,
+    task_ids: Sequence[str],
+    *,
+    out: TextIO,
+    err: TextIO,
+    interval: float,
+    timeout: float | None,
+) -> int:
+    """Poll until every task is final; the exit code tells how they ended. A server that cannot
+    be reached (or answers 5xx) is waited for; any other error ends the wait."""
+    ids = list(dict.fromkeys(task_ids))
+    states: dict[str, str | None] = dict.fromkeys(ids)
+    progress = Progress(out, err, len(ids))
+    started = time.monotonic()
+    while True:
+        problem = ""
+        for task_id in [i for i in ids if states[i] not in FINAL_STATES]:
+            try:
+                state = str(client.get(task_id)["state"])
+            except TesError as exc:
+                if exc.status is not None and exc.status < 500:
+                    progress.done(states)
+                    raise
+                problem = str(exc)
+                break
+            except (KeyError, TypeError):
+                raise TesError(f"task {task_id}: the server's answer has no state") from None
+            if state != states[task_id]:
+                states[task_id] = state
+                progress.change(task_id, state)
+        elapsed = time.monotonic() - started
+        if all(state in FINAL_STATES for state in states.values()):
+            progress.done(states)
+            return outcome(s for s in states.values() if s)
+        if timeout is not None and elapsed >= timeout:
+            progress.done(states)
+            pending = [i for i in ids if states[i] not in FINAL_STATES]
+            err.write(f"tes-bridge task: {len(pending)} task(s) not final after {timeout:g} s\n")
+            return EXIT_TIMEOUT
+        progress.status(states, elapsed, problem)
+        time.sleep(interval if timeout is None else max(0.0, min(interval, timeout - elapsed)))
+
+
+def new_text(shown: str, current: str) -> str:
+    """What `current` adds to `shown`. Servers keep a tail of the output, so the window may
+    have moved on: then the new text follows the longest end of `shown` that `current`
+    starts with, and is all of `current` when they have nothing in common."""
+    if current.startswith(shown):
+        return current[len(shown) :]
+    position = shown.find(current[:1])
+    while position >= 0:
+        if current.startswith(shown[position:]):
+            return current[len(shown) - position :]
+        position = shown.find(current[:1], position + 1)
+    return current
+
+
+class LogPrinter:
+    """Prints the last attempt's executor stdout (to `out`), stderr and system logs (to `err`),
+    each time only what was not printed before."""
+
+    def __init__(self, out: TextIO, err: TextIO):
+        self.out = out
+        self.err = err
+        self.attempt: int | None = None
+        self.shown: dict[tuple[int, str], str] = {}
+        self.system_seen: set[str] = set()
+
+    def show(self, task: dict[str, Any]) -> None:
+        attempts = task.get("logs") or []
+        if not attempts:
+            return
+        index = len(attempts) - 1
+        if self.attempt is not None and index != self.attempt:
+            self.err.write(f"--- attempt {index + 1} ---\n")
+            self.shown.clear()
+        self.attempt = index
+        last = attempts[-1] or {}
+        for number, log in enumerate(last.get("logs") or []):
+            for stream, target in (("stdout", self.out), ("stderr", self.err)):
+                text = (log or {}).get(stream) or ""
+                target.write(new_text(self.shown.get((number, stream), ""), text))
+                self.shown[(number, stream)] = text
+        for line in last.get("system_logs") or []:
+            if line not in self.system_seen:
+                self.system_seen.add(line)
+                self.err.write(f"system: {line}\n")
+        self.out.flush()
+        self.err.flush()
+
+
+def follow_logs(
+    client: TesClient, task_id: str, *, out: TextIO, err: TextIO, interval: float
+) -> int:
+    """Print new output until the task is final; the exit code is the task's outcome."""
+    printer = LogPrinter(out, err)
+    while True:
+        try:
+            task = client.get(task_id, view="FULL")
+        except TesError as exc:
+            if exc.status is not None and exc.status < 500:
+                raise
+            time.sleep(interval)
+            continue
+        printer.show(task)
+        state = task.get("state")
+        if state in FINAL_STATES:
+            err.write(f"task {task_id}: {state}\n")
+            return outcome([str(state)])
+        time.sleep(interval)

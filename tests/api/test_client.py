@@ -1,0 +1,510 @@
+"""`tes-bridge task`: the command-line client, run as a user runs it (its own process, real
+exit codes) against the real server under gunicorn (API only: states and logs that the poller
+would write are written into the store here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from bridge.client.cli import build_parser
+from bridge.client.watch import new_text
+from bridge.store import Store
+from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, write_htpasswd
+from tests.procs import free_port
+from tests.tes_cli import TES_TASK, client_env, tes_task
+
+ALPINE = {"executors": [{"image": "alpine", "command": ["true"]}]}
+
+
+@dataclass
+class Server:
+    url: str
+    state_dir: Path
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/ga4gh/tes/v1"
+
+    def task(self, task_id: str, view: str = "FULL") -> dict[str, Any]:
+        answer = requests.get(f"{self.api}/tasks/{task_id}", params={"view": view}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def create(self, **fields: Any) -> str:
+        answer = requests.post(f"{self.api}/tasks", json={**ALPINE, **fields}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["id"]
+
+    def update(self, task_id: str, **changes: Any) -> None:
+        """What the poller would record: a state, logs."""
+        store = Store.from_url(f"sqlite:///{self.state_dir / 'tes-bridge.db'}")
+        try:
+            assert store.update_task(task_id, **changes)
+        finally:
+            store.db.close()
+
+
+def serve(root: Path, auth_toml: str = "") -> Iterator[Server]:
+    port = free_port()
+    config = root / "tes-bridge.toml"
+    config.write_text(
+        f'state_dir = "{root / "state"}"\n[server]\nbind = "127.0.0.1:{port}"\nworkers = 1\n'
+        + auth_toml
+    )
+    log = open(root / "serve.log", "wb")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = Server(f"http://127.0.0.1:{port}", root / "state")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{server.api}/service-info", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert process.poll() is None, (root / "serve.log").read_text()
+            assert time.monotonic() < deadline, (root / "serve.log").read_text()
+            time.sleep(0.2)
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serve(tmp_path_factory.mktemp("client"))
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ------------------------------------------------------------------------------ create
+def test_run_creates_the_task_its_options_describe(server: Server):
+    name = unique("run")
+    result = tes_task(
+        server.url,
+        "run",
+        "--name",
+        name,
+        "--workdir",
+        "/work",
+        "--input",
+        "https://example.org/get?a=1&b=2=/data/in.txt",
+        "--input",
+        "s3://bucket/refs/=/data/refs/",
+        "--output",
+        "/data/out.txt=s3://bucket/out.txt",
+        "--cpus",
+        "2",
+        "--ram",
+        "1.5",
+        "--disk",
+        "3",
+        "--env",
+        "GREETING=a=b",
+        "--tag",
+        "project=x",
+        "alpine",
+        "--",
+        "sh",
+        "-c",
+        'echo "$GREETING" -- --name',
+        "--",
+        "-x",
+    )
+    assert result.returncode == 0, result.stderr
+    task_id = result.stdout.strip()
+    task = server.task(task_id)
+    assert task["name"] == name
+    assert task["executors"] == [
+        {
+            "image": "alpine",
+            "command": ["sh", "-c", 'echo "$GREETING" -- --name', "--", "-x"],
+            "workdir": "/work",
+            "env": {"GREETING": "a=b"},
+        }
+    ]
+    assert task["inputs"] == [
+        {"url": "https://example.org/get?a=1&b=2", "path": "/data/in.txt", "type": "FILE"},
+        {"url": "s3://bucket/refs/", "path": "/data/refs", "type": "DIRECTORY"},
+    ]
+    assert task["outputs"] == [
+        {"url": "s3://bucket/out.txt", "path": "/data/out.txt", "type": "FILE"}
+    ]
+    assert task["resources"] == {"cpu_cores": 2, "ram_gb": 1.5, "disk_gb": 3.0}
+    assert task["tags"] == {"project": "x"}
+
+
+def test_run_without_a_command_or_with_a_bad_option_says_so(server: Server):
+    no_command = tes_task(server.url, "run", "alpine")
+    assert no_command.returncode == 1
+    assert "run IMAGE -- CMD ARGS" in no_command.stderr
+    bad_env = tes_task(server.url, "run", "--env", "NOVALUE", "alpine", "--", "true")
+    assert bad_env.returncode == 2
+    assert "--env" in bad_env.stderr and "K=V" in bad_env.stderr
+
+
+@pytest.mark.parametrize("form", ["json", "yaml", "stdin-json", "stdin-yaml"])
+def test_submit_reads_a_json_or_yaml_task_from_a_file_or_stdin(
+    server: Server, tmp_path: Path, form: str
+):
+    name = unique(form)
+    document = {
+        "name": name,
+        "executors": [{"image": "alpine", "command": ["echo", "a: b"], "env": {"X": "1"}}],
+        "tags": {"form": form},
+    }
+    if form.endswith("yaml"):
+        text = (
+            f"name: {name}\n"
+            "executors:\n"
+            "  - image: alpine\n"
+            "    command: [echo, 'a: b']\n"
+            "    env: {X: '1'}\n"
+            f"tags:\n  form: {form}\n"
+        )
+    else:
+        text = json.dumps(document)
+    if form.startswith("stdin"):
+        result = tes_task(server.url, "submit", "-", stdin=text)
+    else:
+        path = tmp_path / f"task.{form}"
+        path.write_text(text)
+        result = tes_task(server.url, "submit", str(path))
+    assert result.returncode == 0, result.stderr
+    task = server.task(result.stdout.strip())
+    assert {k: task[k] for k in document} == document
+
+
+def test_submit_of_what_is_not_a_task_names_the_problem(server: Server, tmp_path: Path):
+    listing = tes_task(server.url, "submit", "-", stdin="- just\n- a list\n")
+    assert listing.returncode == 1
+    assert "standard input: expected a task (a mapping), got list" in listing.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("executors: [\n")
+    assert "is neither JSON nor YAML" in tes_task(server.url, "submit", str(broken)).stderr
+    missing = tes_task(server.url, "submit", str(tmp_path / "absent.json"))
+    assert missing.returncode == 1
+    assert "cannot read" in missing.stderr and "No such file" in missing.stderr
+
+
+# ------------------------------------------------------------------------------ read
+def test_list_filters_follows_page_tokens_and_prints_a_table(server: Server):
+    prefix = unique("list")
+    ids = [
+        server.create(name=f"{prefix}-{n}", tags={"n": str(n), "batch": prefix}) for n in range(5)
+    ]
+    newest_first = ids[::-1]
+
+    def listed(*args: str) -> list[str]:
+        result = tes_task(server.url, "list", "--json", "--name-prefix", prefix, *args)
+        assert result.returncode == 0, result.stderr
+        return [task["id"] for task in json.loads(result.stdout)]
+
+    # Pages of two: the client follows next_page_token to the end.
+    assert listed("--page-size", "2") == newest_first
+    assert listed("--page-size", "2", "--limit", "3") == newest_first[:3]
+    assert listed("--tag", "n=3") == [ids[3]]
+    assert listed("--tag", f"batch={prefix}", "--tag", "n") == newest_first
+    assert listed("--tag", "n=9") == []
+    server.update(ids[1], state="CANCELED")
+    assert listed("--state", "CANCELED") == [ids[1]]
+
+    table = tes_task(server.url, "list", "--name-prefix", prefix, "--page-size", "2")
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["ID", "STATE", "CREATED", "(UTC)", "NAME"]
+    assert [line.split()[0] for line in lines[1:]] == newest_first
+    assert lines[1].split()[1] == "QUEUED" and lines[1].split()[-1] == f"{prefix}-4"
+    assert lines[4].split()[1] == "CANCELED"
+
+
+def test_get_prints_the_task_in_the_view_asked(server: Server):
+    task_id = server.create(name=unique("get"))
+    full = json.loads(tes_task(server.url, "get", task_id).stdout)
+    assert full["executors"] == ALPINE["executors"] and full["id"] == task_id
+    minimal = json.loads(tes_task(server.url, "get", task_id, "--view", "MINIMAL").stdout)
+    assert minimal == {"id": task_id, "state": "QUEUED"}
+
+
+def test_cancel_cancels_each_task_and_reports_the_ones_it_could_not(server: Server):
+    first, second = server.create(), server.create()
+    result = tes_task(server.url, "cancel", first, "no-such-task", second)
+    assert result.returncode == 1
+    assert server.task(first)["state"] == server.task(second)["state"] == "CANCELED"
+    assert result.stdout.splitlines() == [
+        f"{first}: cancel requested",
+        f"{second}: cancel requested",
+    ]
+    assert "404 task 'no-such-task' not found" in result.stderr
+
+
+# ------------------------------------------------------------------------------ errors
+def test_errors_show_the_servers_message_and_never_a_traceback(server: Server):
+    missing = tes_task(server.url, "get", "no-such-task")
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == (
+        f"tes-bridge task: GET {server.api}/tasks/no-such-task: 404 task 'no-such-task' not found"
+    )
+    bad = tes_task(
+        server.url, "run", "--input", "https://example.org/x=relative", "alpine", "--", "true"
+    )
+    assert bad.returncode == 1
+    assert ": 400 inputs[0].path:" in bad.stderr
+    bad_state = tes_task(server.url, "list", "--state", "DONE")
+    assert bad_state.returncode == 2 and "--state" in bad_state.stderr
+    for option, value in [("--limit", "0"), ("--page-size", "-1"), ("--tag", "=x")]:
+        refused = tes_task(server.url, "list", option, value)
+        assert refused.returncode == 2 and option in refused.stderr, refused.stderr
+    down = tes_task(f"http://127.0.0.1:{free_port()}", "list")
+    assert down.returncode == 1
+    assert "cannot reach" in down.stderr and "Connection refused" in down.stderr
+    not_http = tes_task("ftp://example.org", "list")
+    assert not_http.returncode == 1 and "expected an http:// or https:// URL" in not_http.stderr
+
+
+def test_a_url_with_a_tes_base_path_is_used_as_it_is(server: Server):
+    task_id = server.create()
+    for url in (server.url, f"{server.url}/", f"{server.url}/ga4gh/tes/v1", f"{server.url}/v1"):
+        result = tes_task(url, "get", task_id, "--view", "MINIMAL")
+        assert json.loads(result.stdout)["id"] == task_id, (url, result.stderr)
+
+
+# ------------------------------------------------------------------------------ auth
+@pytest.fixture
+def basic_server(tmp_path: Path) -> Iterator[Server]:
+    htpasswd = write_htpasswd(tmp_path / "htpasswd")
+    yield from serve(tmp_path, f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n')
+
+
+def test_basic_authentication_from_the_environment_or_netrc(basic_server: Server, tmp_path: Path):
+    url = basic_server.url
+    anonymous = tes_task(url, "list")
+    assert anonymous.returncode == 1
+    assert ": 401 " in anonymous.stderr and "--user with TES_PASSWORD" in anonymous.stderr
+    password = PASSWORDS["tesalice"]
+    created = tes_task(
+        url, "run", "--user", "tesalice", "alpine", "--", "true", TES_PASSWORD=password
+    )
+    assert created.returncode == 0, created.stderr
+    task_id = created.stdout.strip()
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine 127.0.0.1 login tesalice password {password}\n")
+    netrc.chmod(0o600)
+    # --user with the password from netrc, and the netrc login alone.
+    for args in (["--user", "tesalice"], []):
+        got = tes_task(url, "get", task_id, "--view", "MINIMAL", *args, NETRC=str(netrc))
+        assert got.returncode == 0, got.stderr
+    # Another owner does not see it: the server's 404.
+    bob = tes_task(url, "get", task_id, TES_USER="tesbob", TES_PASSWORD=PASSWORDS["tesbob"])
+    assert bob.returncode == 1 and ": 404 " in bob.stderr
+    wrong = tes_task(url, "list", "--user", "tesalice", TES_PASSWORD="wrong")
+    assert wrong.returncode == 1 and ": 401 " in wrong.stderr
+    nopass = tes_task(url, "list", "--user", "tesbob", NETRC=str(netrc))
+    assert nopass.returncode == 1
+    assert "no password for tesbob: set TES_PASSWORD or add a netrc entry" in nopass.stderr
+
+
+def test_bearer_token_from_option_or_environment(tmp_path: Path, oidc: OIDC):
+    auth = (
+        f'[auth]\nmode = "bearer"\nissuer = "{oidc.issuer}"\naudience = "{AUDIENCE}"\n'
+        f'jwks_url = "{oidc.jwks_url}"\n'
+    )
+    for bearer in serve(tmp_path, auth):
+        token = oidc.token("tesalice")
+        created = tes_task(bearer.url, "run", "alpine", "--", "true", TES_TOKEN=token)
+        assert created.returncode == 0, created.stderr
+        listed = tes_task(bearer.url, "list", "--json", "--token", token)
+        assert [t["id"] for t in json.loads(listed.stdout)] == [created.stdout.strip()]
+        expired = tes_task(bearer.url, "list", "--token", oidc.token("tesalice", expires_in=-300))
+        assert expired.returncode == 1 and ": 401 " in expired.stderr
+        both = tes_task(bearer.url, "list", "--token", token, "--user", "tesalice")
+        assert both.returncode == 1 and "either --token or --user" in both.stderr
+
+
+# ------------------------------------------------------------------------------ wait
+@pytest.mark.parametrize(
+    ("states", "code"),
+    [
+        (["COMPLETE"], 0),
+        (["EXECUTOR_ERROR"], 3),
+        (["SYSTEM_ERROR"], 4),
+        (["CANCELED"], 5),
+        (["COMPLETE", "EXECUTOR_ERROR", "COMPLETE"], 3),
+        (["EXECUTOR_ERROR", "SYSTEM_ERROR"], 4),
+    ],
+)
+def test_wait_exits_with_the_outcome(server: Server, states: list[str], code: int):
+    ids = [server.create() for _ in states]
+    for task_id, state in zip(ids, states, strict=True):
+        server.update(task_id, state=state)
+    result = tes_task(server.url, "wait", "--interval", "0.2", *ids)
+    assert result.returncode == code, result.stderr
+    # Not a terminal: one plain line per task and state.
+    lines = result.stdout.splitlines()
+    assert lines[: len(ids)] == [f"{i} {s}" for i, s in zip(ids, states, strict=True)]
+    if len(ids) > 1:
+        assert lines[-1].startswith(f"{len(ids)} tasks: ")
+
+
+def test_wait_follows_changes_and_gives_up_at_its_timeout(server: Server):
+    task_id = server.create()
+    waiting = subprocess.Popen(
+        [*TES_TASK, "wait", "--interval", "0.2", task_id],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=client_env(server.url),
+    )
+    time.sleep(2)
+    server.update(task_id, state="RUNNING")
+    time.sleep(1)
+    server.update(task_id, state="COMPLETE")
+    out, _ = waiting.communicate(timeout=30)
+    assert waiting.returncode == 0
+    assert out.splitlines() == [f"{task_id} QUEUED", f"{task_id} RUNNING", f"{task_id} COMPLETE"]
+
+    stuck = server.create()
+    started = time.monotonic()
+    result = tes_task(server.url, "wait", "--interval", "0.2", "--timeout", "1", stuck)
+    assert result.returncode == 7
+    assert time.monotonic() - started < 15
+    assert "1 task(s) not final after 1 s" in result.stderr
+
+
+def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
+    ids = [server.create() for _ in range(3)]
+    primary, replica = pty.openpty()
+    process = subprocess.Popen(
+        [*TES_TASK, "wait", "--interval", "0.2", *ids],
+        stdout=replica,
+        stderr=replica,
+        env=client_env(server.url, COLUMNS="200"),
+    )
+    os.close(replica)
+    seen = b""
+
+    def read_until(text: bytes, timeout: float = 20) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while text not in seen:
+            assert time.monotonic() < deadline, seen.decode(errors="replace")
+            if select.select([primary], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(primary, 4096)
+                except OSError:  # the process ended: EIO on Linux
+                    break
+
+    read_until(b"3 tasks: 3 QUEUED")
+    server.update(ids[0], state="RUNNING")
+    read_until(b"3 tasks: 2 QUEUED, 1 RUNNING")
+    server.update(ids[0], state="COMPLETE")
+    server.update(ids[1], state="COMPLETE")
+    server.update(ids[2], state="EXECUTOR_ERROR")
+    read_until(b"3 tasks: 2 COMPLETE, 1 EXECUTOR_ERROR\r\n")
+    assert process.wait(timeout=30) == 3
+    os.close(primary)
+    text = seen.decode()
+    # The status line is redrawn in place; each change is a line of its own.
+    assert "\r\x1b[K" in text
+    for task_id, state in [(ids[0], "RUNNING"), (ids[0], "COMPLETE"), (ids[2], "EXECUTOR_ERROR")]:
+        assert f"  {task_id}  {state}\r\n" in text
+
+
+# ------------------------------------------------------------------------------ logs
+def _attempt(stdout: str, stderr: str = "", system: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "logs": [{"exit_code": 0, "stdout": stdout, "stderr": stderr}],
+        "outputs": [],
+        "system_logs": system or [],
+    }
+
+
+def test_logs_prints_the_last_attempts_output_and_system_logs(server: Server):
+    task_id = server.create()
+    server.update(
+        task_id,
+        state="COMPLETE",
+        logs=[_attempt("first try\n"), _attempt("hello\n", "warning\n", ["staged 2 inputs"])],
+    )
+    result = tes_task(server.url, "logs", task_id)
+    assert result.returncode == 0
+    assert result.stdout == "hello\n"
+    assert result.stderr == "warning\nsystem: staged 2 inputs\n"
+    queued = server.create()
+    early = tes_task(server.url, "logs", queued)
+    assert early.returncode == 0 and early.stdout == ""
+    assert early.stderr == f"task {queued} is QUEUED; --follow prints what comes\n"
+
+
+def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server):
+    task_id = server.create()
+    server.update(task_id, state="RUNNING", logs=[_attempt("line 1\n", system=["started"])])
+    follow = subprocess.Popen(
+        [*TES_TASK, "logs", "--follow", "--interval", "0.2", task_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=client_env(server.url),
+    )
+    time.sleep(2)
+    server.update(task_id, logs=[_attempt("line 1\nline 2\n", "oops\n", ["started"])])
+    time.sleep(1)
+    server.update(
+        task_id,
+        state="EXECUTOR_ERROR",
+        logs=[_attempt("line 1\nline 2\nline 3\n", "oops\n", ["started", "exit 1"])],
+    )
+    out, err = follow.communicate(timeout=30)
+    assert follow.returncode == 3
+    assert out == "line 1\nline 2\nline 3\n"
+    assert err == f"system: started\noops\nsystem: exit 1\ntask {task_id}: EXECUTOR_ERROR\n"
+
+
+def test_new_text_when_the_kept_tail_moved_on():
+    assert new_text("", "abc") == "abc"
+    assert new_text("abc", "abcdef") == "def"
+    # A server that keeps the last N bytes: the start was dropped, the text goes on.
+    assert new_text("0123456789", "56789abc") == "abc"
+    assert new_text("xyz", "nothing in common") == "nothing in common"
+
+
+# ------------------------------------------------------------------------------ help
+def test_help_explains_each_command_with_an_example():
+    top = subprocess.run(
+        [*TES_TASK[:-1], "--help"], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "a client for any TES server" in top.stdout
+    assert (
+        "tes-bridge task wait"
+        in subprocess.run(
+            [*TES_TASK, "--help"], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+    )
+    actions = next(a for a in build_parser()._actions if a.dest == "action").choices
+    assert set(actions) == {"run", "submit", "list", "get", "cancel", "logs", "wait"}
+    for name, parser in actions.items():
+        text = parser.format_help()
+        assert "example" in text and f"tes-bridge task {name}" in text, name
+        if name in ("run", "submit", "logs", "wait"):
+            assert "3  a task ended EXECUTOR_ERROR" in text, name
+            assert "5  a task was CANCELED" in text, name
