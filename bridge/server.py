@@ -22,8 +22,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from http.client import responses
 from typing import Any
 
+from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gtornado import TornadoWorker
 from tornado import httputil
 from tornado.http1connection import HTTP1Connection, HTTP1ConnectionParameters
@@ -31,6 +33,12 @@ from tornado.ioloop import IOLoop
 from tornado.wsgi import WSGIContainer
 
 from bridge.config import Config
+
+
+class BridgeApplication(BaseApplication):
+    """The gunicorn application of `tes-bridge serve`: it carries the config to its workers."""
+
+    bridge_config: Config
 
 
 class Worker(TornadoWorker):
@@ -52,15 +60,21 @@ class Worker(TornadoWorker):
         # Gunicorn's Tornado worker stops its event loop one heartbeat (a second) after it
         # stops accepting, cutting off answers still being computed; wait for them, as the
         # sync workers did, up to graceful_timeout. A request still arriving is not waited for.
-        if not self.alive and not self.server_alive and self.wsgi.in_flight:
+        if not self.alive and not self.server_alive and self._container().in_flight:
             if self._stop_deadline is None:
                 self._stop_deadline = time.monotonic() + self.cfg.graceful_timeout
             if time.monotonic() < self._stop_deadline:
                 return
         super().heartbeat()
 
+    def _container(self) -> BridgeWSGIContainer:
+        # What BridgeApplication.load returned; gunicorn's Tornado worker serves it as it is.
+        assert isinstance(self.wsgi, BridgeWSGIContainer)
+        return self.wsgi
+
     def _apply_limits(self) -> None:
         # `self.app` is the gunicorn application of `tes-bridge serve`, which has the config.
+        assert isinstance(self.app, BridgeApplication)
         self.server.conn_params = connection_parameters(self.app.bridge_config)
 
 
@@ -83,7 +97,9 @@ def connection_parameters(config: Config) -> HTTP1ConnectionParameters:
     )
 
 
-def _refusal(config: Config, start_line: Any, headers: httputil.HTTPHeaders) -> tuple[int, str]:
+def _refusal(
+    config: Config, start_line: httputil.RequestStartLine, headers: httputil.HTTPHeaders
+) -> tuple[int, str]:
     """(status, message) for a request refused on its head alone; (0, "") to read it."""
     line = len(start_line.method) + len(start_line.path) + len(start_line.version) + 2
     if line > config.server.max_request_line_bytes:
@@ -115,7 +131,7 @@ def _json_error(
         {"Content-Type": "application/json", "Content-Length": str(len(body))}
     )
     headers["Connection"] = "close"
-    return httputil.ResponseStartLine("HTTP/1.1", status, httputil.responses[status]), headers, body
+    return httputil.ResponseStartLine("HTTP/1.1", status, responses[status]), headers, body
 
 
 class _Request(httputil.HTTPMessageDelegate):
@@ -133,6 +149,8 @@ class _Request(httputil.HTTPMessageDelegate):
         start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
         headers: httputil.HTTPHeaders,
     ) -> None:
+        # A server's connection only ever reads requests.
+        assert isinstance(start_line, httputil.RequestStartLine)
         status, message = _refusal(self.container.config, start_line, headers)
         if status:
             # Answered and closed here: Tornado reads nothing more (the connection is detached).
@@ -145,7 +163,7 @@ class _Request(httputil.HTTPMessageDelegate):
             return
         self.request = httputil.HTTPServerRequest(
             connection=self.connection,
-            start_line=start_line,  # type: ignore[arg-type]
+            start_line=start_line,
             headers=headers,
         )
         if "Content-Length" in headers or "Transfer-Encoding" in headers:

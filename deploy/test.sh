@@ -6,8 +6,8 @@
 # It installs the system packages (PostgreSQL for the store tests; curl), brings up the local
 # Slurm cluster with Apptainer and an image registry (deploy/local-cluster.sh up), creates a
 # virtual environment in .venv with the package and its test dependencies, checks the code with
-# ruff, and runs pytest. Nothing is skipped: tests that need the cluster or PostgreSQL fail
-# when those are missing.
+# ruff (lint, format, complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
+# that need the cluster or PostgreSQL fail when those are missing.
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -43,6 +43,10 @@ python=${PYTHON:-python3}
 step "ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+
+step "mypy"
+# Strict, over bridge/ (settings and stub packages: [tool.mypy] in pyproject.toml, setup.py).
+.venv/bin/mypy bridge
 
 step "pytest"
 exec .venv/bin/python -m pytest "$@"

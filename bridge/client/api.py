@@ -4,6 +4,7 @@ errors that carry the server's own message."""
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -140,9 +141,10 @@ class TesClient:
     # ------------------------------------------------------------------------ TES calls
     def create(self, task: Mapping[str, Any]) -> str:
         answer = self.request("POST", "/tasks", json=task)
-        if not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
+        task_id = answer.get("id") if isinstance(answer, dict) else None
+        if not isinstance(task_id, str):
             raise TesError(f"POST {self.base}/tasks: the answer has no task id: {answer!r}")
-        return answer["id"]
+        return task_id
 
     def get(self, task_id: str, view: str = "MINIMAL") -> dict[str, Any]:
         return self._object("GET", f"/tasks/{_quote(task_id)}", params={"view": view})
@@ -198,4 +200,4 @@ class TesClient:
 
 
 def _quote(task_id: str) -> str:
-    return requests.utils.quote(task_id, safe="")
+    return urllib.parse.quote(task_id, safe="")

@@ -46,7 +46,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add stage-in, stage-out and exec to an existing subparsers object."""
     stage_in = subparsers.add_parser("stage-in", help="stage the task's inputs into root/")
     _common(stage_in)

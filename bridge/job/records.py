@@ -23,17 +23,21 @@ import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard, get_args
 
 from bridge.job import safepath
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
 
 Outcome = Literal["complete", "executor_error", "system_error"]
-OUTCOMES: tuple[str, ...] = ("complete", "executor_error", "system_error")
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 SYSTEM_LOGS = "system_logs.jsonl"
 OUTPUTS = "outputs.jsonl"
 EXECUTORS = "executors"
+
+
+def _is_outcome(text: str | None) -> TypeGuard[Outcome]:
+    return text in OUTCOMES
 
 
 def now_rfc3339() -> str:
@@ -199,7 +203,7 @@ def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
     records.start_time = _parse_time(_read_small(records_dir / "start_time", 256))
     records.end_time = _parse_time(_read_small(records_dir / "end_time", 256))
     outcome = _read_small(records_dir / "outcome", 256)
-    records.outcome = outcome if outcome in OUTCOMES else None  # type: ignore[assignment]
+    records.outcome = outcome if _is_outcome(outcome) else None
 
     stdio = _stdio_paths(layout)
     for index in _executor_indexes(records_dir):

@@ -32,7 +32,9 @@ def wait_until_up(url: str, process: subprocess.Popen[str], timeout: float = 30)
         try:
             if requests.get(f"{url}/ga4gh/tes/v1/service-info", timeout=1).status_code == 200:
                 return
-        except requests.ConnectionError:
+        # The socket listens before the workers have booted: on a loaded machine the first
+        # answer can take longer than the request's timeout.
+        except (requests.ConnectionError, requests.Timeout):
             time.sleep(0.1)
     raise AssertionError("server did not answer in time")
 
