@@ -29,11 +29,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import peewee
-from playhouse.db_url import connect as connect_url  # type: ignore[import-untyped]  # no stubs
+from playhouse.db_url import connect as connect_url
 
 from bridge.tes import TERMINAL_STATES, State, format_time
 
@@ -159,7 +159,8 @@ def open_database(url: str) -> peewee.Database:
         pooled = url.replace(f"{parsed.scheme}://", "postgres+pool://", 1)
         sep = "&" if "?" in pooled else "?"
         url = f"{pooled}{sep}max_connections=8&stale_timeout=300"
-    database: peewee.Database = connect_url(url)
+    # types-peewee leaves playhouse's connect() unannotated.
+    database: peewee.Database = connect_url(url)  # type: ignore[no-untyped-call]
     return database
 
 
@@ -633,7 +634,7 @@ class Store(_PollerQueries, _Transitions):
         page = self._filtered(TaskRow.select(TaskRow.seq), task_filter, page_token)
         page = page.order_by(TaskRow.seq.desc()).limit(page_size + 1)
         query = TaskRow.select(TaskRow.seq, size.alias("size")).where(TaskRow.seq.in_(page))
-        sizes = list(query.order_by(TaskRow.seq.desc()).tuples())
+        sizes = cast(list[tuple[int, int]], list(query.order_by(TaskRow.seq.desc()).tuples()))
         seqs: list[int] = []
         total = 0
         for seq, nbytes in sizes[:page_size]:
@@ -648,8 +649,11 @@ class Store(_PollerQueries, _Transitions):
         return [_record(row, True) for row in rows], token
 
     def _filtered(
-        self, query: peewee.ModelSelect, task_filter: TaskFilter, page_token: str | None
-    ) -> peewee.ModelSelect:
+        self,
+        query: peewee.ModelSelect[TaskRow],
+        task_filter: TaskFilter,
+        page_token: str | None,
+    ) -> peewee.ModelSelect[TaskRow]:
         if page_token:
             query = query.where(TaskRow.seq < self._decode_token(page_token))
         if task_filter.owner is not None:

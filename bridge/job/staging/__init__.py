@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 #: Schemes the TES API accepts but this deployment cannot stage yet.
 _PLANNED = {"sftp", "gs", "drs", "htsget", "azblob"}
@@ -60,7 +60,7 @@ class StagingOptions:
     s3_region: str | None = None
     s3_profile: str | None = None
     s3_credentials_file: str | None = None
-    s3_addressing_style: str = "auto"
+    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
     s3_multipart_threshold_mb: int = 64
     s3_multipart_chunk_mb: int = 64
     s3_max_concurrency: int = 4
