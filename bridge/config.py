@@ -224,7 +224,7 @@ STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp"]
 
 class StagingConfig(_Section):
     """Job-side transfers. Credentials are never written here: only the paths of the files that
-    hold them, which the compute nodes read (see README, "Staging")."""
+    hold them, which the compute nodes read (see docs/staging.md)."""
 
     #: Schemes tasks may use for inputs and outputs (file is governed by storage.allowed_dirs).
     protocols: list[str] = Field(default_factory=lambda: list(STAGING_PROTOCOLS))

@@ -67,7 +67,7 @@ extra_flags = ["--userns"]
 [storage]
 allowed_dirs = ["$STATE_DIR/data"]
 # Bound read-write at its own path into every executor: workflow engines keep their working
-# directories and job stores here (see README, "Staging").
+# directories and job stores here (see docs/staging.md).
 shared_dirs = ["$STATE_DIR/data"]
 TOML
 }

@@ -82,9 +82,9 @@ def test_a_failing_executor_gives_its_exit_code_to_run_wait_and_logs_follow(brid
     assert follow.stderr.endswith(f"task {created.stdout.strip()}: COMPLETE\n")
 
 
-def test_the_readme_examples_run_as_written(bridge_service, tmp_path):
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("### Command-line client\n", 1)[1].split("\n## ", 1)[0]
+def test_the_client_docs_examples_run_as_written(bridge_service, tmp_path):
+    doc = (Path(__file__).parents[2] / "docs" / "client.md").read_text()
+    section = doc.split("## Examples\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
     assert len(blocks) == 2
     script = "\n".join(blocks).replace("http://127.0.0.1:8000", bridge_service.url)

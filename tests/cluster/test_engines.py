@@ -31,7 +31,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="session")
 def snakemake7(local_cluster: Any) -> Engine:
-    # Client bugs, pinned here and named in the README: Snakemake 7 calls pulp.list_solvers,
+    # Client bugs, pinned here and named in docs/engines.md: Snakemake 7 calls pulp.list_solvers,
     # which pulp 2.8 renamed (the image runs Snakemake too); py-tes 0.4.2 imports six without
     # declaring it.
     return build_engine(

@@ -174,7 +174,7 @@ def test_missing_output_is_logged_and_the_others_are_still_uploaded(
             "executors": [sh("echo here > /out/there.txt")],
         }
     )
-    # Every executor succeeded but an output is missing: SYSTEM_ERROR (README, "Staging").
+    # Every executor succeeded but an output is missing: SYSTEM_ERROR (docs/staging.md, "Outcomes").
     assert task["state"] == "SYSTEM_ERROR"
     assert "/out/absent.txt" in system_logs(task) and "not found" in system_logs(task)
     assert (storage_servers.bucket_dir / "missing-out" / "there.txt").read_text() == "here\n"

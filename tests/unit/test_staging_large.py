@@ -1,7 +1,7 @@
 """One 1 GiB file out and back in through S3 (multipart) and HTTP (PUT, GET), checksummed.
 
 The file is written in 1 MiB blocks (never held in memory); the throughput of each direction
-is printed (`pytest -s`) for the README's figures.
+is printed (`pytest -s`) for the figures in docs/staging.md.
 """
 
 from __future__ import annotations
