@@ -245,14 +245,15 @@ class ImageCache:
         cfg = config.container
         self.failure_ttl = cfg.pull_failure_ttl if failure_ttl is None else failure_ttl
         self.refresh_seconds = cfg.refresh_seconds
+        self._index = _Index(self.cache_dir)
+        self._registry = _Registry(config)
+        self._runtime = _Runtime(config, self.cache_dir)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
         #: Guards the dicts below. Never held while calling out (callbacks, pulls, requests).
         self._lock = threading.Lock()
         self._pending: dict[str, Future[Entry]] = {}
         self._failures: dict[str, tuple[float, str]] = {}
         self._retries: dict[str, _Retry] = {}
-        #: Entries read from disk, with the file's mtime (another process may rewrite one).
-        self._entries: dict[str, tuple[Entry, int]] = {}
         #: key -> reference, for log lines.
         self._names: dict[str, str] = {}
 
@@ -295,9 +296,6 @@ class ImageCache:
         content = digest.split(":", 1)[-1] if digest else _sha(ref)
         return f"{stem}-{content[:32]}.sif"
 
-    def _registry(self, ref: str) -> str:
-        return ref.split("://", 1)[1].split("/", 1)[0]
-
     # ------------------------------------------------------------------ the poller's calls
 
     def ensure(self, image: str) -> Path | None:
@@ -318,7 +316,7 @@ class ImageCache:
             failed = self._failures.get(key)
             if failed and time.monotonic() - failed[0] < self.failure_ttl:
                 raise ImagePullError(image, failed[1])
-            entry = self._entry(key)
+            entry = self._index.read(key)
             sif = self.cache_dir / entry.sif if entry is not None else None
             if sif is not None and not sif.is_file():
                 sif = None
@@ -408,57 +406,22 @@ class ImageCache:
     # ------------------------------------------------------------------ operators' calls
 
     def entries(self) -> list[Entry]:
-        found = []
-        for path in sorted(self.refs_dir.glob("*.json")):
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                found.append(Entry(**json.loads(path.read_text())))
-        return found
+        return self._index.entries()
 
     def forget(self, image: str) -> bool:
         """Drop the reference's entry: the next use checks the registry and pulls again.
         Its SIF goes with the next `prune` that finds no task that could still use it."""
         key = self.key(image)
-        with self._locked(".cache.lock"):
+        with self._index.locked(".cache.lock"):
             with self._lock:
-                self._entries.pop(key, None)
+                self._index.uncache(key)
                 self._failures.pop(key, None)
                 self._retries.pop(key, None)
-            try:
-                (self.refs_dir / f"{key}.json").unlink()
-            except FileNotFoundError:
-                return False
-        return True
+            return self._index.remove(key)
 
     def prune(self, oldest_unfinished: float | None) -> tuple[list[Path], list[Path]]:
-        """Delete SIFs no entry names, once no unfinished task is older than the first prune
-        that saw them unused (a job only uses SIFs named when its task was created or later).
-
-        `oldest_unfinished` is the creation time of the oldest unfinished task (None: none).
-        Returns (deleted, kept for now)."""
-        deleted: list[Path] = []
-        kept: list[Path] = []
-        if not self.cache_dir.is_dir():
-            return deleted, kept
-        with self._locked(".cache.lock"):
-            used = {entry.sif for entry in self.entries()}
-            for sif in sorted(self.cache_dir.glob("*.sif")):
-                marker = self.cache_dir / f".{sif.name}.unused"
-                if sif.name in used:
-                    marker.unlink(missing_ok=True)
-                    continue
-                if not marker.exists():
-                    marker.touch()
-                    kept.append(sif)
-                    continue
-                since = marker.stat().st_mtime
-                if oldest_unfinished is not None and oldest_unfinished <= since:
-                    kept.append(sif)
-                    continue
-                sif.unlink(missing_ok=True)
-                marker.unlink(missing_ok=True)
-                deleted.append(sif)
-                log.info("removed unused image %s", sif.name)
-        return deleted, kept
+        """See `_Index.prune`."""
+        return self._index.prune(oldest_unfinished)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -475,24 +438,6 @@ class ImageCache:
         if _digest_of(entry.reference):
             return False  # a digest reference never changes
         return time.time() - entry.checked_at >= self.refresh_seconds
-
-    def _entry(self, key: str) -> Entry | None:
-        """The reference's entry, read again when its file changed (caller holds the lock)."""
-        path = self.refs_dir / f"{key}.json"
-        try:
-            mtime = path.stat().st_mtime_ns
-        except OSError:
-            self._entries.pop(key, None)
-            return None
-        cached = self._entries.get(key)
-        if cached is not None and cached[1] == mtime:
-            return cached[0]
-        try:
-            entry = Entry(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-        self._entries[key] = (entry, mtime)
-        return entry
 
     def _collect(self, key: str, future: Future[Entry]) -> None:
         """Record how a finished job ended (caller holds the lock)."""
@@ -520,23 +465,6 @@ class ImageCache:
         if self.on_pulled is not None:
             self.on_pulled()
 
-    @contextlib.contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
-        """An exclusive `fcntl` lock on `<cache>/.locks/NAME`, shared by all processes."""
-        locks = self.cache_dir / ".locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        with open(locks / name, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
-
-    def _environment(self) -> dict[str, str]:
-        runtime = os.path.basename(self.config.container.runtime)
-        prefix = "SINGULARITY_" if "singularity" in runtime else "APPTAINER_"
-        env = dict(os.environ)
-        env.setdefault(prefix + "CACHEDIR", str(self.cache_dir / ".runtime-cache"))
-        env.setdefault(prefix + "TMPDIR", str(self.cache_dir / ".tmp"))
-        return env
-
     # ------------------------------------------------------------------ the job itself
 
     def _update(self, ref: str, key: str, check: bool) -> Entry:
@@ -549,10 +477,10 @@ class ImageCache:
                 "Apptainer",
             )
         try:
-            with self._locked(f"{key}.lock"):
+            with self._index.locked(f"{key}.lock"):
                 # Another process may have done it meanwhile.
                 with self._lock:
-                    entry = self._entry(key)
+                    entry = self._index.read(key)
                 if (
                     entry is not None
                     and not check
@@ -562,43 +490,137 @@ class ImageCache:
                     return entry
                 digest = _digest_of(ref) if ref.startswith(("docker://", "oras://")) else None
                 if digest is None and ref.startswith(("docker://", "oras://")):
-                    digest = self._resolve_digest(ref)
+                    digest = self._registry.resolve_digest(ref)
                 sif = self.cache_dir / self.sif_name(ref, digest)
                 pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
                 if not sif.is_file():
                     # Two tags of one digest share the file: one pull of it at a time too.
-                    with self._locked(f"{sif.name}.lock"):
+                    with self._index.locked(f"{sif.name}.lock"):
                         if not sif.is_file():
                             source = ref
                             if digest and not _digest_of(ref):
                                 # Exactly what was checked.
                                 source = ref.rsplit(":", 1)[0] + "@" + digest
-                            self._pull(source, sif)
+                            self._runtime.pull(source, sif)
                             pulled_at = time.time()
                 if entry is not None and entry.sif != sif.name:
                     log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
                 now = time.time()
                 new = Entry(ref, sif.name, digest, checked_at=now, pulled_at=pulled_at or now)
-                self._write_entry(key, new)
+                self._index.write(key, new)
                 return new
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _Transient(f"the image cache is full ({exc.strerror})") from None
             raise ImagePullError(ref, f"image cache: {exc}") from None
 
-    def _write_entry(self, key: str, entry: Entry) -> None:
+
+class _Index:
+    """The on-disk index: `refs/<key>.json` entries, the SIFs they name, and the `fcntl`
+    locks all processes sharing the cache take."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.refs_dir = cache_dir / "refs"
+        #: Entries read from disk, with the file's mtime (another process may rewrite one).
+        self._read: dict[str, tuple[Entry, int]] = {}
+
+    def entries(self) -> list[Entry]:
+        found = []
+        for path in sorted(self.refs_dir.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                found.append(Entry(**json.loads(path.read_text())))
+        return found
+
+    def read(self, key: str) -> Entry | None:
+        """The key's entry, read again when its file changed (caller holds the cache's lock)."""
+        path = self.refs_dir / f"{key}.json"
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            self._read.pop(key, None)
+            return None
+        cached = self._read.get(key)
+        if cached is not None and cached[1] == mtime:
+            return cached[0]
+        try:
+            entry = Entry(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        self._read[key] = (entry, mtime)
+        return entry
+
+    def write(self, key: str, entry: Entry) -> None:
         self.refs_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.refs_dir / f".{key}.{os.getpid()}.{threading.get_ident()}"
         tmp.write_text(json.dumps(asdict(entry)))
         # Under the prune lock: a SIF named by an entry is never removed.
-        with self._locked(".cache.lock"):
+        with self.locked(".cache.lock"):
             if not (self.cache_dir / entry.sif).is_file():
                 tmp.unlink()
                 raise _Transient("the SIF was removed while it was being recorded")
             (self.cache_dir / f".{entry.sif}.unused").unlink(missing_ok=True)
             os.replace(tmp, self.refs_dir / f"{key}.json")
 
-    def _resolve_digest(self, ref: str) -> str:
+    def uncache(self, key: str) -> None:
+        self._read.pop(key, None)
+
+    def remove(self, key: str) -> bool:
+        """Delete the key's entry file (caller holds `.cache.lock`)."""
+        try:
+            (self.refs_dir / f"{key}.json").unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def prune(self, oldest_unfinished: float | None) -> tuple[list[Path], list[Path]]:
+        """Delete SIFs no entry names, once no unfinished task is older than the first prune
+        that saw them unused (a job only uses SIFs named when its task was created or later).
+
+        `oldest_unfinished` is the creation time of the oldest unfinished task (None: none).
+        Returns (deleted, kept for now)."""
+        deleted: list[Path] = []
+        kept: list[Path] = []
+        if not self.cache_dir.is_dir():
+            return deleted, kept
+        with self.locked(".cache.lock"):
+            used = {entry.sif for entry in self.entries()}
+            for sif in sorted(self.cache_dir.glob("*.sif")):
+                marker = self.cache_dir / f".{sif.name}.unused"
+                if sif.name in used:
+                    marker.unlink(missing_ok=True)
+                    continue
+                if not marker.exists():
+                    marker.touch()
+                    kept.append(sif)
+                    continue
+                since = marker.stat().st_mtime
+                if oldest_unfinished is not None and oldest_unfinished <= since:
+                    kept.append(sif)
+                    continue
+                sif.unlink(missing_ok=True)
+                marker.unlink(missing_ok=True)
+                deleted.append(sif)
+                log.info("removed unused image %s", sif.name)
+        return deleted, kept
+
+    @contextlib.contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """An exclusive `fcntl` lock on `<cache>/.locks/NAME`, shared by all processes."""
+        locks = self.cache_dir / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / name, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+
+class _Registry:
+    """The registry side: the manifest digest a reference's tag names now."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def resolve_digest(self, ref: str) -> str:
         """The manifest digest the registry gives the reference's tag now."""
         host, _, rest = ref.split("://", 1)[1].partition("/")
         name, _, tag = rest.rpartition(":")
@@ -647,13 +669,21 @@ class ImageCache:
         )
         client.authenticate(user, password, response=response)
 
-    def _pull(self, ref: str, target: Path) -> None:
+
+class _Runtime:
+    """The runtime side: one `apptainer pull` into a SIF, under the pull timeout."""
+
+    def __init__(self, config: Config, cache_dir: Path) -> None:
+        self.config = config
+        self.cache_dir = cache_dir
+
+    def pull(self, ref: str, target: Path) -> None:
         runtime = self.config.container.runtime
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         for sub in (".runtime-cache", ".tmp"):
             (self.cache_dir / sub).mkdir(mode=0o700, exist_ok=True)
         pull_flags = []
-        if self._registry(ref) in self.config.container.insecure_registries:
+        if _host(ref) in self.config.container.insecure_registries:
             pull_flags.append("--no-https")
         tmp = self.cache_dir / f".{target.stem}.{os.getpid()}.{threading.get_ident()}.sif"
         client = _RuntimeClient(
@@ -672,6 +702,18 @@ class ImageCache:
             if tmp.exists():
                 tmp.unlink()
         log.info("pulled %s in %.1f s -> %s", ref, time.monotonic() - started, target)
+
+    def _environment(self) -> dict[str, str]:
+        runtime = os.path.basename(self.config.container.runtime)
+        prefix = "SINGULARITY_" if "singularity" in runtime else "APPTAINER_"
+        env = dict(os.environ)
+        env.setdefault(prefix + "CACHEDIR", str(self.cache_dir / ".runtime-cache"))
+        env.setdefault(prefix + "TMPDIR", str(self.cache_dir / ".tmp"))
+        return env
+
+
+def _host(ref: str) -> str:
+    return ref.split("://", 1)[1].split("/", 1)[0]
 
 
 def _short(value: object, limit: int = 200) -> str:
