@@ -220,6 +220,26 @@ class SubmissionFailure:
     maybe_started_at: float | None
 
 
+class _Part:
+    """The database every part of :class:`Store` works on."""
+
+    db: peewee.Database
+
+    @property
+    def is_sqlite(self) -> bool:
+        return isinstance(self.db, peewee.SqliteDatabase)
+
+    def meta(self, key: str) -> str | None:
+        row = MetaRow.get_or_none(MetaRow.key == key)
+        return None if row is None else row.value
+
+    @staticmethod
+    def _columns(full: bool) -> list[peewee.Field]:
+        if full:
+            return list(TaskRow._meta.sorted_fields)
+        return [TaskRow.seq, TaskRow.id, TaskRow.state]
+
+
 class _PollerQueries:
     """What the poller reads (a part of :class:`Store`)."""
 
@@ -308,10 +328,8 @@ class _PollerQueries:
         TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
-class _Transitions:
+class _Transitions(_Part):
     """The state changes of a task after its creation (a part of :class:`Store`)."""
-
-    db: peewee.Database
 
     def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
         """Mark a task CANCELED at once (clients treat only final states as final).
@@ -473,133 +491,10 @@ class _Transitions:
         return self._transition(task_id, TaskRow.cancel_pending == True, cancel_pending=False)  # noqa: E712
 
 
-class Store(_PollerQueries, _Transitions):
-    def __init__(self, database: peewee.Database):
-        self.db = database
-        database_proxy.initialize(database)
-        self._secret: bytes | None = None
+class _Listing(_Part):
+    """Listing: filters, keyset pages, signed page tokens (a part of :class:`Store`)."""
 
-    @classmethod
-    def from_url(cls, url: str) -> Store:
-        return cls(open_database(url))
-
-    def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        """A raw statement; returns the cursor."""
-        # peewee's stubs leave execute_sql untyped.
-        return self.db.execute_sql(sql, params)  # type: ignore[no-untyped-call]
-
-    @property
-    def is_sqlite(self) -> bool:
-        return isinstance(self.db, peewee.SqliteDatabase)
-
-    # ----------------------------------------------------------------------------- schema
-    def init_schema(self, version: str = "") -> None:
-        """Create missing tables and record the schema version (safe to run concurrently)."""
-        with self.db.connection_context(), self.db.atomic():
-            self.db.create_tables(MODELS, safe=True)
-            # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
-            self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
-            if not self.is_sqlite:
-                # For the name_prefix range, which compares with the "C" collation.
-                self._sql(
-                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
-                )
-            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
-            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"the database has schema version {recorded.value}, newer than this "
-                    f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
-                )
-            now = format_time(datetime.now(UTC))
-            for key, value in (
-                ("schema_version", str(SCHEMA_VERSION)),
-                ("created_at", now),
-                ("page_token_secret", secrets.token_hex(32)),
-            ):
-                MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
-            if version:
-                previous = MetaRow.get_or_none(MetaRow.key == "version")
-                if previous is None or previous.value != version:
-                    for key, value in (("version", version), ("updated_at", now)):
-                        MetaRow.insert(key=key, value=value).on_conflict(
-                            conflict_target=[MetaRow.key], update={MetaRow.value: value}
-                        ).execute()
-
-    def meta(self, key: str) -> str | None:
-        row = MetaRow.get_or_none(MetaRow.key == key)
-        return None if row is None else row.value
-
-    # ----------------------------------------------------------------------------- create/read
-    def create_task(
-        self,
-        document: dict[str, Any],
-        *,
-        system_logs: Sequence[str] = (),
-        owner: str | None = None,
-    ) -> TaskRecord:
-        task_id = new_task_id()
-        created = format_time(datetime.now(UTC))
-        logs = (
-            [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
-        )
-        values = {
-            "id": task_id,
-            "state": State.QUEUED.value,
-            "name": document.get("name"),
-            "owner": owner,
-            "creation_time": created,
-            "document": json.dumps(document, separators=(",", ":")),
-            "logs": json.dumps(logs),
-            "updated_at": _now(),
-        }
-        tags = document.get("tags") or {}
-        if not self.is_sqlite:
-            # One statement (atomic by itself), one round trip to the server.
-            seq = self._insert_task(values, tags)
-        else:
-            with self.db.atomic():
-                seq = self._insert_task(values)
-                if tags:
-                    params = [p for k, v in tags.items() for p in (seq, k, v)]
-                    sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
-                    self._sql(sql, params)
-        return TaskRecord(
-            seq=seq,
-            id=task_id,
-            state=State.QUEUED.value,
-            creation_time=created,
-            document=document,
-            logs=logs,
-            owner=owner,
-        )
-
-    def _insert_task(self, values: dict[str, Any], tags: dict[str, str] | None = None) -> int:
-        """INSERT of one task row with a cached statement (peewee builds its SQL on each call,
-        about a third of the cost of a create); the fields' defaults fill what is not given.
-        On PostgreSQL the `tags` rows go in with the same statement."""
-        params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
-        sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
-        if self.is_sqlite:
-            return int(self._sql(sql, params).lastrowid)
-        if not tags:
-            return int(self._sql(f'{sql} RETURNING "seq"', params).fetchone()[0])
-        pairs = ", ".join(["(%s, %s)"] * len(tags))
-        statement = (
-            f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
-            f'("task_seq", "key", "value") SELECT t.seq, v.k, v.v FROM t, (VALUES {pairs}) '
-            f"AS v(k, v)) SELECT seq FROM t"
-        )
-        params += [p for item in tags.items() for p in item]
-        return int(self._sql(statement, params).fetchone()[0])
-
-    def get_task(
-        self, task_id: str, *, owner: str | None = None, full: bool = True
-    ) -> TaskRecord | None:
-        query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
-        if owner is not None:
-            query = query.where(TaskRow.owner == owner)
-        row = query.first()
-        return None if row is None else _record(row, full)
+    _secret: bytes | None = None
 
     def list_tasks(
         self,
@@ -714,12 +609,6 @@ class Store(_PollerQueries, _Transitions):
         result: peewee.Expression = condition & (name < high) if upper else condition
         return result
 
-    @staticmethod
-    def _columns(full: bool) -> list[peewee.Field]:
-        if full:
-            return list(TaskRow._meta.sorted_fields)
-        return [TaskRow.seq, TaskRow.id, TaskRow.state]
-
     # ----------------------------------------------------------------------------- tokens
     def _token_secret(self) -> bytes:
         if self._secret is None:
@@ -744,6 +633,126 @@ class Store(_PollerQueries, _Transitions):
         except (ValueError, TypeError):
             pass
         raise InvalidPageToken("page_token was not issued by this server")
+
+
+class Store(_PollerQueries, _Transitions, _Listing):
+    def __init__(self, database: peewee.Database):
+        self.db = database
+        database_proxy.initialize(database)
+
+    @classmethod
+    def from_url(cls, url: str) -> Store:
+        return cls(open_database(url))
+
+    def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """A raw statement; returns the cursor."""
+        # peewee's stubs leave execute_sql untyped.
+        return self.db.execute_sql(sql, params)  # type: ignore[no-untyped-call]
+
+    # ----------------------------------------------------------------------------- schema
+    def init_schema(self, version: str = "") -> None:
+        """Create missing tables and record the schema version (safe to run concurrently)."""
+        with self.db.connection_context(), self.db.atomic():
+            self.db.create_tables(MODELS, safe=True)
+            # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
+            self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
+            if not self.is_sqlite:
+                # For the name_prefix range, which compares with the "C" collation.
+                self._sql(
+                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
+                )
+            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
+            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"the database has schema version {recorded.value}, newer than this "
+                    f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
+                )
+            now = format_time(datetime.now(UTC))
+            for key, value in (
+                ("schema_version", str(SCHEMA_VERSION)),
+                ("created_at", now),
+                ("page_token_secret", secrets.token_hex(32)),
+            ):
+                MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
+            if version:
+                previous = MetaRow.get_or_none(MetaRow.key == "version")
+                if previous is None or previous.value != version:
+                    for key, value in (("version", version), ("updated_at", now)):
+                        MetaRow.insert(key=key, value=value).on_conflict(
+                            conflict_target=[MetaRow.key], update={MetaRow.value: value}
+                        ).execute()
+
+    # ----------------------------------------------------------------------------- create/read
+    def create_task(
+        self,
+        document: dict[str, Any],
+        *,
+        system_logs: Sequence[str] = (),
+        owner: str | None = None,
+    ) -> TaskRecord:
+        task_id = new_task_id()
+        created = format_time(datetime.now(UTC))
+        logs = (
+            [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
+        )
+        values = {
+            "id": task_id,
+            "state": State.QUEUED.value,
+            "name": document.get("name"),
+            "owner": owner,
+            "creation_time": created,
+            "document": json.dumps(document, separators=(",", ":")),
+            "logs": json.dumps(logs),
+            "updated_at": _now(),
+        }
+        tags = document.get("tags") or {}
+        if not self.is_sqlite:
+            # One statement (atomic by itself), one round trip to the server.
+            seq = self._insert_task(values, tags)
+        else:
+            with self.db.atomic():
+                seq = self._insert_task(values)
+                if tags:
+                    params = [p for k, v in tags.items() for p in (seq, k, v)]
+                    sql = _insert_sql(TagRow, _TAG_COLUMNS, len(tags), self.db)
+                    self._sql(sql, params)
+        return TaskRecord(
+            seq=seq,
+            id=task_id,
+            state=State.QUEUED.value,
+            creation_time=created,
+            document=document,
+            logs=logs,
+            owner=owner,
+        )
+
+    def _insert_task(self, values: dict[str, Any], tags: dict[str, str] | None = None) -> int:
+        """INSERT of one task row with a cached statement (peewee builds its SQL on each call,
+        about a third of the cost of a create); the fields' defaults fill what is not given.
+        On PostgreSQL the `tags` rows go in with the same statement."""
+        params = [f.db_value(values.get(f.name, f.default)) for f in _TASK_FIELDS]
+        sql = _insert_sql(TaskRow, tuple(f.column_name for f in _TASK_FIELDS), 1, self.db)
+        if self.is_sqlite:
+            return int(self._sql(sql, params).lastrowid)
+        if not tags:
+            return int(self._sql(f'{sql} RETURNING "seq"', params).fetchone()[0])
+        pairs = ", ".join(["(%s, %s)"] * len(tags))
+        statement = (
+            f'WITH t AS ({sql} RETURNING "seq"), g AS (INSERT INTO "task_tags" '
+            f'("task_seq", "key", "value") SELECT t.seq, v.k, v.v FROM t, (VALUES {pairs}) '
+            f"AS v(k, v)) SELECT seq FROM t"
+        )
+        params += [p for item in tags.items() for p in item]
+        return int(self._sql(statement, params).fetchone()[0])
+
+    def get_task(
+        self, task_id: str, *, owner: str | None = None, full: bool = True
+    ) -> TaskRecord | None:
+        query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
+        if owner is not None:
+            query = query.where(TaskRow.owner == owner)
+        row = query.first()
+        return None if row is None else _record(row, full)
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]
