@@ -52,56 +52,13 @@ import requests
 from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
+from bridge import imageref
 from bridge.config import Config
+from bridge.imageref import DIGEST, DOCKER_HUB
+from bridge.imageref import ImagePullError as ImagePullError
 from bridge.tes import local_image_problem
 
 log = logging.getLogger(__name__)
-
-DOCKER_HUB = {"docker.io", "index.docker.io", "registry-1.docker.io"}
-
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
-_DOMAIN = rf"(?:{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?)"
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
-_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
-_REFERENCE = re.compile(
-    rf"^(?P<name>{_COMPONENT}(?:/{_COMPONENT})*)(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?$"
-)
-_DOMAIN_RE = re.compile(rf"^{_DOMAIN}$")
-_LIBRARY = re.compile(r"^[A-Za-z0-9._/:@-]+$")
-
-
-class ImagePullError(Exception):
-    """An image cannot be made available; the message says why (shown in system_logs)."""
-
-    def __init__(self, image: str, message: str) -> None:
-        # The poller prefixes "cannot pull image: ", so the message starts with the image.
-        super().__init__(f"{image}: {message}")
-        self.image = image
-        self.reason = message
-
-
-def _split_docker(rest: str, image: str, default_registry: str) -> tuple[str, str]:
-    """`[domain/]path[:tag][@digest]` -> (domain, `path:tag` or `path@digest`)."""
-    first, slash, remainder = rest.partition("/")
-    if slash and ("." in first or ":" in first or first == "localhost"):
-        domain, path = first, remainder
-        if not _DOMAIN_RE.fullmatch(domain):
-            raise ImagePullError(image, f"invalid registry name {domain!r}")
-    else:
-        domain, path = default_registry, rest
-    match = _REFERENCE.fullmatch(path)
-    if not match:
-        raise ImagePullError(image, "not a valid image reference (expected [registry/]name[:tag])")
-    name, tag, digest = match.group("name"), match.group("tag"), match.group("digest")
-    if "/" not in name and (domain in DOCKER_HUB or domain == default_registry):
-        name = f"library/{name}"  # official images live under library/
-    if digest:
-        ref = f"{name}:{tag}@{digest}" if tag else f"{name}@{digest}"
-    else:
-        ref = f"{name}:{tag or 'latest'}"
-    return domain, ref
-
 
 _PR_SET_PDEATHSIG = 1
 #: Registry answers and pull errors that say "try again later", not "no such image".
@@ -217,17 +174,10 @@ class _Retry:
     delay: float
 
 
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _digest_of(ref: str) -> str | None:
-    """The digest a reference pins (`...@sha256:...`), if any."""
-    return ref.rsplit("@", 1)[1] if "@" in ref.split("://", 1)[1] else None
-
-
 class ImageCache:
-    """Image reference -> SIF path in `config.image_cache_dir`."""
+    """Image reference -> SIF path in `config.image_cache_dir`: what the cache holds, whether it
+    is fresh, and the update job (check the digest, pull the SIF, record it) that `PullJobs`
+    runs in the background."""
 
     def __init__(
         self,
@@ -238,63 +188,27 @@ class ImageCache:
         on_pulled: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
-        #: Called (from the pull thread) when a job ends, so a waiting poller can wake up.
-        self.on_pulled = on_pulled
         self.cache_dir = Path(config.image_cache_dir)
         self.refs_dir = self.cache_dir / "refs"
-        cfg = config.container
-        self.failure_ttl = cfg.pull_failure_ttl if failure_ttl is None else failure_ttl
-        self.refresh_seconds = cfg.refresh_seconds
+        self.refresh_seconds = config.container.refresh_seconds
         self._index = _Index(self.cache_dir)
         self._registry = _Registry(config)
         self._runtime = _Runtime(config, self.cache_dir)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
-        #: Guards the dicts below. Never held while calling out (callbacks, pulls, requests).
-        self._lock = threading.Lock()
-        self._pending: dict[str, Future[Entry]] = {}
-        self._failures: dict[str, tuple[float, str]] = {}
-        self._retries: dict[str, _Retry] = {}
-        #: key -> reference, for log lines.
-        self._names: dict[str, str] = {}
-
-    # ------------------------------------------------------------------ names
+        self.jobs = PullJobs(
+            self._update,
+            self._cached,
+            max_workers=max_workers,
+            failure_ttl=config.container.pull_failure_ttl if failure_ttl is None else failure_ttl,
+            on_pulled=on_pulled,
+        )
 
     def normalize(self, image: str) -> str:
         """The full reference the runtime pulls (or the absolute path of a local SIF)."""
-        if not isinstance(image, str) or not image or image != image.strip():
-            raise ImagePullError(repr(image), "empty or padded image name")
-        if image.startswith("/"):
-            if not image.endswith(".sif") or os.path.normpath(image) != image:
-                raise ImagePullError(image, "a local image must be a normalised path to a .sif")
-            return image
-        scheme, sep, rest = image.partition("://")
-        if not sep:
-            scheme, rest = "docker", image
-        scheme = scheme.lower()
-        if scheme == "docker":
-            domain, ref = _split_docker(rest, image, self.config.container.default_registry)
-            return f"docker://{domain}/{ref}"
-        if scheme == "oras":
-            domain, ref = _split_docker(rest, image, "")
-            if not domain:
-                raise ImagePullError(image, "an oras:// reference needs a registry")
-            return f"oras://{domain}/{ref}"
-        if scheme == "library":
-            if not _LIBRARY.fullmatch(rest):
-                raise ImagePullError(image, "not a valid library:// reference")
-            return f"library://{rest}"
-        raise ImagePullError(image, f"unsupported image scheme {scheme}:// (docker, oras, library)")
+        return imageref.normalize(image, self.config.container.default_registry)
 
     def key(self, image: str) -> str:
         """Name of the reference's entry in the cache (a hash of the full reference)."""
-        return _sha(self.normalize(image))[:32]
-
-    def sif_name(self, ref: str, digest: str | None) -> str:
-        """Content-addressed file name: readable stem + the manifest digest."""
-        path = ref.split("://", 1)[1].split("@", 1)[0]
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1].split(":", 1)[0])[:40]
-        content = digest.split(":", 1)[-1] if digest else _sha(ref)
-        return f"{stem}-{content[:32]}.sif"
+        return imageref.key(self.normalize(image))
 
     # ------------------------------------------------------------------ the poller's calls
 
@@ -307,32 +221,7 @@ class ImageCache:
         ref = self.normalize(image)
         if ref.startswith("/"):
             return self._local(image)
-        key = _sha(ref)[:32]
-        with self._lock:
-            future = self._pending.get(key)
-            if future is not None and future.done():
-                self._collect(key, future)
-                future = None
-            failed = self._failures.get(key)
-            if failed and time.monotonic() - failed[0] < self.failure_ttl:
-                raise ImagePullError(image, failed[1])
-            entry = self._index.read(key)
-            sif = self.cache_dir / entry.sif if entry is not None else None
-            if sif is not None and not sif.is_file():
-                sif = None
-            if sif is not None and not self._stale(entry):
-                return sif
-            retry = self._retries.get(key)
-            # While the registry cannot be reached, a cached SIF serves rather than stalling work.
-            fallback = sif if retry is not None else None
-            if future is not None or (retry is not None and time.monotonic() < retry.at):
-                return fallback
-            future = self._pool.submit(self._update, ref, key, False)
-            self._pending[key] = future
-            self._names[key] = ref
-        # Outside the lock: the callback runs at once, in this thread, if the job already ended.
-        future.add_done_callback(self._wake)
-        return fallback
+        return self.jobs.ensure(image, ref)
 
     def resolve(self, images: Iterable[str]) -> dict[str, str] | None:
         """`image -> SIF path` for every image once all are ready, else None (pulls started)."""
@@ -349,14 +238,7 @@ class ImageCache:
     def problem(self, image: str) -> str | None:
         """Why `image` is not ready yet when it is a transient failure (for system_logs)."""
         with contextlib.suppress(ImagePullError):
-            key = self.key(image)
-            with self._lock:
-                retry = self._retries.get(key)
-                if retry is not None:
-                    # The same words until the next attempt: the poller stores them on change.
-                    return (
-                        f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
-                    )
+            return self.jobs.problem(image, self.key(image))
         return None
 
     def pull(self, image: str, timeout: float | None = None, *, check: bool = False) -> Path:
@@ -365,9 +247,164 @@ class ImageCache:
         ref = self.normalize(image)
         if ref.startswith("/"):
             return self._local(image)
-        key = _sha(ref)[:32]
         limit = timeout or self.config.container.pull_timeout_seconds + REGISTRY_TIMEOUT + 60
-        deadline = time.monotonic() + limit
+        return self.jobs.wait(image, ref, time.monotonic() + limit, check=check)
+
+    def close(self) -> None:
+        self.jobs.close()
+
+    # ------------------------------------------------------------------ operators' calls
+
+    def entries(self) -> list[Entry]:
+        return self._index.entries()
+
+    def forget(self, image: str) -> bool:
+        """Drop the reference's entry: the next use checks the registry and pulls again.
+        Its SIF goes with the next `prune` that finds no task that could still use it."""
+        key = self.key(image)
+        with self._index.locked(".cache.lock"):
+            self._index.uncache(key)
+            self.jobs.forget(key)
+            return self._index.remove(key)
+
+    def prune(self, oldest_unfinished: float | None) -> tuple[list[Path], list[Path]]:
+        """See `_Index.prune`."""
+        return self._index.prune(oldest_unfinished)
+
+    # ------------------------------------------------------------------ what is cached
+
+    def _local(self, image: str) -> Path:
+        dirs = [str(d) for d in self.config.container.local_image_dirs]
+        problem = local_image_problem(image, dirs)
+        if problem:
+            raise ImagePullError(image, problem)
+        return Path(os.path.realpath(image))
+
+    def _cached(self, key: str) -> tuple[Path | None, bool]:
+        """The key's SIF if it is on disk (else None), and whether it is fresh."""
+        entry = self._index.read(key)
+        sif = self.cache_dir / entry.sif if entry is not None else None
+        if sif is None or not sif.is_file():
+            return None, False
+        return sif, not self._stale(entry)
+
+    def _stale(self, entry: Entry | None) -> bool:
+        if entry is None or entry.digest is None:
+            return entry is None
+        if imageref.digest_of(entry.reference):
+            return False  # a digest reference never changes
+        return time.time() - entry.checked_at >= self.refresh_seconds
+
+    # ------------------------------------------------------------------ the job itself
+
+    def _update(self, ref: str, key: str, check: bool) -> Entry:
+        """Check the reference's digest, pull its SIF when missing, write its entry."""
+        runtime = self.config.container.runtime
+        if shutil.which(runtime) is None:
+            raise ImagePullError(
+                ref,
+                f"{runtime} not found on PATH; set container.runtime in the config or install "
+                "Apptainer",
+            )
+        try:
+            with self._index.locked(f"{key}.lock"):
+                # Another process may have done it meanwhile.
+                entry = self._index.read(key)
+                if (
+                    entry is not None
+                    and not check
+                    and not self._stale(entry)
+                    and (self.cache_dir / entry.sif).is_file()
+                ):
+                    return entry
+                digest = imageref.digest_of(ref) if imageref.is_registry(ref) else None
+                if digest is None and imageref.is_registry(ref):
+                    digest = self._registry.resolve_digest(ref)
+                sif = self.cache_dir / imageref.sif_name(ref, digest)
+                pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
+                if not sif.is_file():
+                    # Two tags of one digest share the file: one pull of it at a time too.
+                    with self._index.locked(f"{sif.name}.lock"):
+                        if not sif.is_file():
+                            self._runtime.pull(imageref.pinned(ref, digest) if digest else ref, sif)
+                            pulled_at = time.time()
+                if entry is not None and entry.sif != sif.name:
+                    log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
+                now = time.time()
+                new = Entry(ref, sif.name, digest, checked_at=now, pulled_at=pulled_at or now)
+                self._index.write(key, new)
+                return new
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _Transient(f"the image cache is full ({exc.strerror})") from None
+            raise ImagePullError(ref, f"image cache: {exc}") from None
+
+
+class PullJobs:
+    """The background update jobs: at most one per reference at a time, started off the
+    caller's thread; how each ended (a missing image is remembered for `failure_ttl`, transient
+    trouble is tried again after a back-off); and waiting for one with a deadline."""
+
+    def __init__(
+        self,
+        job: Callable[[str, str, bool], Entry],
+        cached: Callable[[str], tuple[Path | None, bool]],
+        *,
+        max_workers: int,
+        failure_ttl: float,
+        on_pulled: Callable[[], None] | None,
+    ) -> None:
+        #: (ref, key, check) -> the new entry; runs in a pool thread.
+        self._job = job
+        #: key -> (the SIF on disk or None, whether it is fresh).
+        self._cached = cached
+        self.failure_ttl = failure_ttl
+        #: Called (from the pull thread) when a job ends, so a waiting poller can wake up.
+        self.on_pulled = on_pulled
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
+        #: Guards the dicts below. Never held while calling out (callbacks, pulls, requests).
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future[Entry]] = {}
+        self._failures: dict[str, tuple[float, str]] = {}
+        self._retries: dict[str, _Retry] = {}
+        #: key -> reference, for log lines.
+        self._names: dict[str, str] = {}
+
+    def ensure(self, image: str, ref: str) -> Path | None:
+        """See `ImageCache.ensure`, for a normalised registry or library reference."""
+        key = imageref.key(ref)
+        with self._lock:
+            future = self._pending.get(key)
+            if future is not None and future.done():
+                self._collect(key, future)
+                future = None
+            failed = self._failures.get(key)
+            if failed and time.monotonic() - failed[0] < self.failure_ttl:
+                raise ImagePullError(image, failed[1])
+            sif, fresh = self._cached(key)
+            if sif is not None and fresh:
+                return sif
+            retry = self._retries.get(key)
+            # While the registry cannot be reached, a cached SIF serves rather than stalling work.
+            fallback = sif if retry is not None else None
+            if future is not None or (retry is not None and time.monotonic() < retry.at):
+                return fallback
+            future = self._start(ref, key, check=False)
+        # Outside the lock: the callback runs at once, in this thread, if the job already ended.
+        future.add_done_callback(self._wake)
+        return fallback
+
+    def problem(self, image: str, key: str) -> str | None:
+        with self._lock:
+            retry = self._retries.get(key)
+        if retry is None:
+            return None
+        # The same words until the next attempt: the poller stores them on change.
+        return f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
+
+    def wait(self, image: str, ref: str, deadline: float, *, check: bool) -> Path:
+        """Blocking: the SIF once a job made it ready, by `deadline` (monotonic)."""
+        key = imageref.key(ref)
         if check:
             with self._lock:
                 future = self._pending.get(key)
@@ -375,8 +412,7 @@ class ImageCache:
                     if future is not None:
                         self._collect(key, future)
                     self._failures.pop(key, None)
-                    future = self._pool.submit(self._update, ref, key, True)
-                    self._pending[key] = future
+                    future = self._start(ref, key, check=True)
             future.add_done_callback(self._wake)
         while True:
             with self._lock:
@@ -392,7 +428,7 @@ class ImageCache:
                             self._collect(key, future)
                     reason = exc.reason if isinstance(exc, ImagePullError) else str(exc)
                     raise ImagePullError(image, reason) from None
-            path = self.ensure(image)
+            path = self.ensure(image, ref)
             if path is not None:
                 return path
             if time.monotonic() > deadline:
@@ -400,44 +436,20 @@ class ImageCache:
             if future is None:
                 time.sleep(0.1)
 
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._failures.pop(key, None)
+            self._retries.pop(key, None)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------------ operators' calls
-
-    def entries(self) -> list[Entry]:
-        return self._index.entries()
-
-    def forget(self, image: str) -> bool:
-        """Drop the reference's entry: the next use checks the registry and pulls again.
-        Its SIF goes with the next `prune` that finds no task that could still use it."""
-        key = self.key(image)
-        with self._index.locked(".cache.lock"):
-            with self._lock:
-                self._index.uncache(key)
-                self._failures.pop(key, None)
-                self._retries.pop(key, None)
-            return self._index.remove(key)
-
-    def prune(self, oldest_unfinished: float | None) -> tuple[list[Path], list[Path]]:
-        """See `_Index.prune`."""
-        return self._index.prune(oldest_unfinished)
-
-    # ------------------------------------------------------------------ bookkeeping
-
-    def _local(self, image: str) -> Path:
-        dirs = [str(d) for d in self.config.container.local_image_dirs]
-        problem = local_image_problem(image, dirs)
-        if problem:
-            raise ImagePullError(image, problem)
-        return Path(os.path.realpath(image))
-
-    def _stale(self, entry: Entry | None) -> bool:
-        if entry is None or entry.digest is None:
-            return entry is None
-        if _digest_of(entry.reference):
-            return False  # a digest reference never changes
-        return time.time() - entry.checked_at >= self.refresh_seconds
+    def _start(self, ref: str, key: str, *, check: bool) -> Future[Entry]:
+        """Submit the job (caller holds the lock)."""
+        future = self._pool.submit(self._job, ref, key, check)
+        self._pending[key] = future
+        self._names[key] = ref
+        return future
 
     def _collect(self, key: str, future: Future[Entry]) -> None:
         """Record how a finished job ended (caller holds the lock)."""
@@ -465,55 +477,6 @@ class ImageCache:
         if self.on_pulled is not None:
             self.on_pulled()
 
-    # ------------------------------------------------------------------ the job itself
-
-    def _update(self, ref: str, key: str, check: bool) -> Entry:
-        """Check the reference's digest, pull its SIF when missing, write its entry."""
-        runtime = self.config.container.runtime
-        if shutil.which(runtime) is None:
-            raise ImagePullError(
-                ref,
-                f"{runtime} not found on PATH; set container.runtime in the config or install "
-                "Apptainer",
-            )
-        try:
-            with self._index.locked(f"{key}.lock"):
-                # Another process may have done it meanwhile.
-                with self._lock:
-                    entry = self._index.read(key)
-                if (
-                    entry is not None
-                    and not check
-                    and not self._stale(entry)
-                    and (self.cache_dir / entry.sif).is_file()
-                ):
-                    return entry
-                digest = _digest_of(ref) if ref.startswith(("docker://", "oras://")) else None
-                if digest is None and ref.startswith(("docker://", "oras://")):
-                    digest = self._registry.resolve_digest(ref)
-                sif = self.cache_dir / self.sif_name(ref, digest)
-                pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
-                if not sif.is_file():
-                    # Two tags of one digest share the file: one pull of it at a time too.
-                    with self._index.locked(f"{sif.name}.lock"):
-                        if not sif.is_file():
-                            source = ref
-                            if digest and not _digest_of(ref):
-                                # Exactly what was checked.
-                                source = ref.rsplit(":", 1)[0] + "@" + digest
-                            self._runtime.pull(source, sif)
-                            pulled_at = time.time()
-                if entry is not None and entry.sif != sif.name:
-                    log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
-                now = time.time()
-                new = Entry(ref, sif.name, digest, checked_at=now, pulled_at=pulled_at or now)
-                self._index.write(key, new)
-                return new
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _Transient(f"the image cache is full ({exc.strerror})") from None
-            raise ImagePullError(ref, f"image cache: {exc}") from None
-
 
 class _Index:
     """The on-disk index: `refs/<key>.json` entries, the SIFs they name, and the `fcntl`
@@ -524,6 +487,8 @@ class _Index:
         self.refs_dir = cache_dir / "refs"
         #: Entries read from disk, with the file's mtime (another process may rewrite one).
         self._read: dict[str, tuple[Entry, int]] = {}
+        #: Guards `_read`: the poller's thread and the pull jobs read entries.
+        self._read_lock = threading.Lock()
 
     def entries(self) -> list[Entry]:
         found = []
@@ -533,7 +498,11 @@ class _Index:
         return found
 
     def read(self, key: str) -> Entry | None:
-        """The key's entry, read again when its file changed (caller holds the cache's lock)."""
+        """The key's entry, read again when its file changed."""
+        with self._read_lock:
+            return self._read_locked(key)
+
+    def _read_locked(self, key: str) -> Entry | None:
         path = self.refs_dir / f"{key}.json"
         try:
             mtime = path.stat().st_mtime_ns
@@ -563,7 +532,8 @@ class _Index:
             os.replace(tmp, self.refs_dir / f"{key}.json")
 
     def uncache(self, key: str) -> None:
-        self._read.pop(key, None)
+        with self._read_lock:
+            self._read.pop(key, None)
 
     def remove(self, key: str) -> bool:
         """Delete the key's entry file (caller holds `.cache.lock`)."""
@@ -655,7 +625,7 @@ class _Registry:
             if "refused" in str(reason).lower():
                 reason = "connection refused"
             raise _Transient(f"registry {host} unreachable ({_short(reason)})") from None
-        if not re.fullmatch(_DIGEST, digest):
+        if not re.fullmatch(DIGEST, digest):
             raise _Transient(f"registry {host} gave no usable digest for {name}:{tag}")
         return digest
 
@@ -683,7 +653,7 @@ class _Runtime:
         for sub in (".runtime-cache", ".tmp"):
             (self.cache_dir / sub).mkdir(mode=0o700, exist_ok=True)
         pull_flags = []
-        if _host(ref) in self.config.container.insecure_registries:
+        if imageref.host(ref) in self.config.container.insecure_registries:
             pull_flags.append("--no-https")
         tmp = self.cache_dir / f".{target.stem}.{os.getpid()}.{threading.get_ident()}.sif"
         client = _RuntimeClient(
@@ -710,10 +680,6 @@ class _Runtime:
         env.setdefault(prefix + "CACHEDIR", str(self.cache_dir / ".runtime-cache"))
         env.setdefault(prefix + "TMPDIR", str(self.cache_dir / ".tmp"))
         return env
-
-
-def _host(ref: str) -> str:
-    return ref.split("://", 1)[1].split("/", 1)[0]
 
 
 def _short(value: object, limit: int = 200) -> str:

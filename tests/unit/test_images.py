@@ -309,7 +309,7 @@ def test_a_missing_tag_fails_at_once_and_is_looked_up_again_after_the_ttl(
     assert len(registry.requests) == 1 and pulls(runtime) == []
 
     registry.push("library/alpine:missing", "now it exists")
-    cache.failure_ttl = 0
+    cache.jobs.failure_ttl = 0
     assert cache.pull("alpine:missing", timeout=30).is_file()
 
 
