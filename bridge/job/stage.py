@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from bridge.job import safepath
+from bridge.job.items import TaskInput, TaskOutput, items
 from bridge.job.layout import LayoutError, TaskLayout, has_wildcards, relative_parts, static_dir
 from bridge.job.records import RecordsWriter
 from bridge.job.settings import JobSettings, read_settings
 from bridge.job.staging import (
+    FileKind,
     StagingBackend,
     StagingContext,
     StagingError,
@@ -115,27 +117,11 @@ def stage_in(task_dir: Path, records_dir: Path) -> int:
         log.system_log(f"cannot prepare the task directory {layout.root}: {exc}")
         return STAGE_FAILED
 
-    ctx = _context(layout, settings, log)
-    failed = _make_in_place_output_dirs(task, settings, ctx, log)
-    for index, item in enumerate(task.get("inputs") or []):
-        url = item.get("url") if isinstance(item, dict) else None
-        path = item.get("path") if isinstance(item, dict) else None
-        try:
-            if not isinstance(item, dict) or not isinstance(path, str):
-                raise StagingError("malformed input")
-            mode = settings.file_input_mode
-            if mode == "hardlink" and index not in settings.linkable_inputs:
-                mode = "copy"
-            item_ctx = dataclasses.replace(ctx, file_input_mode=mode)
-            if index in settings.in_place_inputs:
-                _check_in_place(path, item.get("type") or "FILE")
-            else:
-                _stage_input(layout, item_ctx, item, bound=index in settings.bound_inputs)
-        except (StagingError, LayoutError, OSError) as exc:
-            failed += 1
-            source = f"{url} " if url else ("content " if "content" in (item or {}) else "")
-            log.system_log(f"input {index} {source}-> {path}: {_reason(exc)}")
-    return STAGE_FAILED if failed else STAGE_OK
+    inputs = StageIn(layout, settings, _context(layout, settings, log), log)
+    inputs.make_in_place_output_dirs(items(task, "outputs"))
+    for index, item in enumerate(items(task, "inputs")):
+        inputs.stage(index, item)
+    return inputs.exit_code()
 
 
 def _reason(exc: BaseException) -> str:
@@ -144,26 +130,90 @@ def _reason(exc: BaseException) -> str:
     return str(exc)
 
 
-def _make_in_place_output_dirs(
-    task: dict[str, Any], settings: JobSettings, ctx: StagingContext, log: RecordsWriter
-) -> int:
-    """As for any output, its directory exists before the executors run: for an output used
-    in place, in the shared directory itself (links resolved, never outside it)."""
-    failed = 0
-    outputs = task.get("outputs") or []
-    for index in settings.in_place_outputs:
-        item = outputs[index]
-        path = item["path"]
-        directory = path if item.get("type") == "DIRECTORY" else os.path.dirname(path)
+def _raw_label(kind: str, index: int, item: object) -> str:
+    """How system_logs name an item that could not be read as a `TaskInput`/`TaskOutput`."""
+    fields = item if isinstance(item, dict) else {}
+    path, url = fields.get("path"), fields.get("url")
+    if kind == "input":
+        source = f"{url} " if url else ("content " if "content" in fields else "")
+        return f"input {index} {source}-> {path}"
+    return f"output {index} {path} -> {url}"
+
+
+class StageIn:
+    """Places the inputs of one run under root/, counting what failed (reasons in
+    system_logs); each download goes to the `StagingBackend` of the input's URL."""
+
+    def __init__(
+        self, layout: TaskLayout, settings: JobSettings, ctx: StagingContext, log: RecordsWriter
+    ) -> None:
+        self.layout = layout
+        self.settings = settings
+        self.ctx = ctx
+        self.log = log
+        self.failed = 0
+
+    def exit_code(self) -> int:
+        return STAGE_FAILED if self.failed else STAGE_OK
+
+    def stage(self, index: int, item: object) -> None:
+        """Stage input `index` (an item of the task document's `inputs`)."""
+        label = _raw_label("input", index, item)
         try:
-            file.ensure_directory(directory, ctx)
-        except StagingError as exc:
-            failed += 1
-            log.system_log(f"output {index} {path}: {exc}")
-    return failed
+            task_input = TaskInput.parse(index, item)
+            label = task_input.label
+            if index in self.settings.in_place_inputs:
+                _check_in_place(task_input.path, task_input.kind)
+            else:
+                self._place(task_input)
+        except (StagingError, LayoutError, OSError) as exc:
+            self.failed += 1
+            self.log.system_log(f"{label}: {_reason(exc)}")
+
+    def make_in_place_output_dirs(self, outputs: list[object]) -> None:
+        """As for any output, its directory exists before the executors run: for an output
+        used in place, in the shared directory itself (links resolved, never outside it)."""
+        for index in self.settings.in_place_outputs:
+            label = _raw_label("output", index, outputs[index] if index < len(outputs) else None)
+            try:
+                output = TaskOutput.parse(index, outputs[index] if index < len(outputs) else None)
+                label = f"output {index} {output.path}"
+                directory = output.path
+                if output.kind != "DIRECTORY":
+                    directory = os.path.dirname(output.path)
+                file.ensure_directory(directory, self.ctx)
+            except StagingError as exc:
+                self.failed += 1
+                self.log.system_log(f"{label}: {exc}")
+
+    def _context_for(self, task_input: TaskInput) -> StagingContext:
+        mode = self.settings.file_input_mode
+        if mode == "hardlink" and task_input.index not in self.settings.linkable_inputs:
+            mode = "copy"
+        return dataclasses.replace(self.ctx, file_input_mode=mode)
+
+    def _place(self, task_input: TaskInput) -> None:
+        kind = task_input.kind
+        dest = self.layout.host_path(task_input.path)
+        dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if os.path.lexists(dest) and not (kind == "DIRECTORY" and dest.is_dir()):
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            else:
+                dest.unlink()  # a later input at the same path replaces an earlier one
+        url = task_input.url
+        if task_input.inline:
+            write_content(task_input.content or "", dest, kind)
+        elif not url:
+            raise StagingError("input has neither url nor content")
+        elif task_input.index in self.settings.bound_inputs:
+            _make_mount_point(file.allowed_path(url, self.ctx), dest, kind)
+        else:
+            ctx = self._context_for(task_input)
+            backend_for(url, ctx).download(url, dest, kind, ctx)
 
 
-def _check_in_place(path: str, kind: str) -> None:
+def _check_in_place(path: str, kind: FileKind) -> None:
     """An input the executors see at its own path through a shared directory's bind: it is
     used there, live (not copied), so only its presence is checked."""
     try:
@@ -176,39 +226,19 @@ def _check_in_place(path: str, kind: str) -> None:
         raise StagingError(f"{path} is not a regular file (input type is FILE)")
 
 
-def _stage_input(
-    layout: TaskLayout, ctx: StagingContext, item: dict[str, Any], bound: bool
-) -> None:
-    kind = item.get("type") or "FILE"
-    dest = layout.host_path(item["path"])
-    dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    if os.path.lexists(dest) and not (kind == "DIRECTORY" and dest.is_dir()):
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        else:
-            dest.unlink()  # a later input at the same path replaces an earlier one
-    content = item.get("content")
-    url = item.get("url")
-    if isinstance(content, str) and (content or not url):
-        write_content(content, dest, kind)
-    elif not isinstance(url, str) or not url:
-        raise StagingError("input has neither url nor content")
-    elif bound:
-        # Bound read-only straight from the shared filesystem by the runtime: check that it
-        # is there and give the bind a mount point.
-        source = file.allowed_path(url, ctx)
-        if kind == "DIRECTORY" and not source.is_dir():
-            raise StagingError(f"{source} is not a directory (input type is DIRECTORY)")
-        if kind != "DIRECTORY" and not source.is_file():
-            raise StagingError(f"{source} is not a regular file (input type is FILE)")
-        if not os.access(source, os.R_OK):
-            raise StagingError(f"{source} is not readable")
-        if kind == "DIRECTORY":
-            dest.mkdir(mode=0o755, exist_ok=True)
-        else:
-            dest.touch(mode=0o644)
+def _make_mount_point(source: Path, dest: Path, kind: FileKind) -> None:
+    """An input bound read-only straight from the shared filesystem by the runtime: check
+    that it is there and give the bind a mount point."""
+    if kind == "DIRECTORY" and not source.is_dir():
+        raise StagingError(f"{source} is not a directory (input type is DIRECTORY)")
+    if kind != "DIRECTORY" and not source.is_file():
+        raise StagingError(f"{source} is not a regular file (input type is FILE)")
+    if not os.access(source, os.R_OK):
+        raise StagingError(f"{source} is not readable")
+    if kind == "DIRECTORY":
+        dest.mkdir(mode=0o755, exist_ok=True)
     else:
-        backend_for(url, ctx).download(url, dest, kind, ctx)
+        dest.touch(mode=0o644)
 
 
 # --------------------------------------------------------------------------- stage-out
@@ -222,9 +252,8 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
         return STAGE_FAILED
     task, settings = loaded
     outputs = StageOut(layout, _context(layout, settings, log), log)
-    for index, item in enumerate(task.get("outputs") or []):
-        if isinstance(item, dict):
-            outputs.stage(index, item, in_place=index in settings.in_place_outputs)
+    for index, item in enumerate(items(task, "outputs")):
+        outputs.stage(index, item, in_place=index in settings.in_place_outputs)
     return outputs.exit_code()
 
 
@@ -251,22 +280,21 @@ class StageOut:
             return STAGE_FAILED
         return STAGE_MISSING_OUTPUTS if self.missing else STAGE_OK
 
-    def stage(self, index: int, item: dict[str, Any], *, in_place: bool) -> None:
-        """Upload output `index` (a TES output document); failures end in system_logs."""
-        path, url = item.get("path"), item.get("url")
-        kind = item.get("type") or "FILE"
-        label = f"output {index} {path} -> {url}"
+    def stage(self, index: int, item: object, *, in_place: bool) -> None:
+        """Upload output `index` (an item of the task document's `outputs`); failures end in
+        system_logs."""
+        label = _raw_label("output", index, item)
         try:
-            if not isinstance(path, str) or not isinstance(url, str):
-                raise StagingError("malformed output")
+            output = TaskOutput.parse(index, item)
+            label = output.label
             if in_place:
-                self._record_in_place(path, url, kind, label)
+                self._record_in_place(output, label)
                 return
-            upload = _Upload(self, backend_for(url, self.ctx), label)
-            if has_wildcards(path):
-                upload.wildcard(path, url, item.get("path_prefix"))
+            upload = _Upload(self, backend_for(output.url, self.ctx), label)
+            if has_wildcards(output.path):
+                upload.wildcard(output.path, output.url, output.path_prefix)
             else:
-                upload.one(path, url, kind)
+                upload.one(output.path, output.url, output.kind)
         except (StagingError, LayoutError, OSError) as exc:
             self.failed += 1
             self.log.system_log(f"{label}: {_reason(exc)}")
@@ -275,9 +303,10 @@ class StageOut:
         self.missing += 1
         self.log.system_log(f"{label}: {why}")
 
-    def _record_in_place(self, path: str, url: str, kind: str, label: str) -> None:
+    def _record_in_place(self, output: TaskOutput, label: str) -> None:
         """An output the executors wrote at its own path in a shared directory: already where
         it belongs, so it is only recorded (a copy onto itself would truncate it)."""
+        path, url, kind = output.path, output.url, output.kind
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
@@ -319,7 +348,7 @@ class _Upload:
         self.stage.failed += 1
         self._note(message)
 
-    def one(self, path: str, url: str, kind: str) -> None:
+    def one(self, path: str, url: str, kind: FileKind) -> None:
         parts = relative_parts(path)
         found = safepath.lstat_kind(self.root, parts)
         if found is None:
@@ -338,9 +367,9 @@ class _Upload:
         else:
             self._file(parts, path, url)
 
-    def wildcard(self, path: str, url: str, prefix: Any) -> None:
+    def wildcard(self, path: str, url: str, prefix: str | None) -> None:
         parts = relative_parts(path)
-        if not isinstance(prefix, str):
+        if prefix is None:
             # The spec requires path_prefix with wildcards; without one, keep paths relative
             # to the directory above the first wildcard.
             prefix = static_dir(path)

@@ -198,6 +198,39 @@ def test_wrong_input_type_is_reported(tmp_path: Path) -> None:
     assert "not a regular file" in task.read().system_logs[0]
 
 
+def test_items_the_job_side_cannot_read_fail_and_name_the_field(tmp_path: Path) -> None:
+    """The job side reads each input and output once, into a typed record: an item that does
+    not fit it fails, naming the field, rather than being guessed at or skipped."""
+    shared = tmp_path / "shared"
+    (shared / "d").mkdir(parents=True)
+    task = Task(
+        tmp_path,
+        {
+            "inputs": [
+                {"path": "/in/d", "url": f"{shared}/d", "type": "directory"},
+                {"path": "/in/x", "url": 7},
+                "not an input",
+            ]
+        },
+    )
+    assert task.stage_in() == STAGE_FAILED
+    logs = task.read().system_logs
+    assert len(logs) == 3, logs
+    assert "unknown type 'directory'" in logs[0]
+    assert "`url` is not a string" in logs[1]
+    assert logs[2] == "input 2 -> None: malformed input"
+    assert not task.host("/in/d").exists()
+
+    task = Task(tmp_path / "b", {"outputs": [{"path": "/out/x"}, ["not an output"]]})
+    (tmp_path / "b" / "work" / "t1" / "root").mkdir()
+    assert task.stage_out() == STAGE_FAILED
+    logs = task.read().system_logs
+    assert logs == [
+        "output 0 /out/x -> None: `url` is not a string",
+        "output 1 None -> None: malformed output",
+    ]
+
+
 def test_missing_runtime_or_image_fails_staging_with_a_fix(tmp_path: Path) -> None:
     task = Task(tmp_path, {}, runtime="no-such-runtime", images=[str(tmp_path / "none.sif")])
     assert task.stage_in() == STAGE_FAILED

@@ -31,6 +31,9 @@ _SECRET_QUERY = re.compile(
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
+#: A TES input or output `type`.
+FileKind = Literal["FILE", "DIRECTORY"]
+
 
 class StagingError(Exception):
     """An input or output could not be moved; the message is shown in system_logs."""
@@ -101,7 +104,7 @@ def scheme_of(url: str) -> str:
 class StagingBackend(Protocol):
     """What a protocol module offers; `dest`, `source_fd` and `url` are the caller's."""
 
-    def download(self, url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+    def download(self, url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
         """Create `dest` (a FILE, or a DIRECTORY tree) from `url`. `dest` does not exist yet;
         its parent does, and lies in a tree no executor has touched."""
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bridge.job.staging import StagingError
+from bridge.job.staging import FileKind, StagingError
 
 
-def write_content(content: str, dest: Path, kind: str) -> None:
+def write_content(content: str, dest: Path, kind: FileKind) -> None:
     if kind != "FILE":
         raise StagingError("an input with `content` must be of type FILE")
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

@@ -17,7 +17,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from bridge.job.staging import StagingContext, StagingError
+from bridge.job.staging import FileKind, StagingContext, StagingError
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -61,7 +61,7 @@ def allowed_path(url: str, ctx: StagingContext) -> Path:
 # --------------------------------------------------------------------------- download
 
 
-def download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
     source = allowed_path(url, ctx)
     try:
         st = source.stat()

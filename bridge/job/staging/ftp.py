@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bridge.job.staging import (
+    FileKind,
     StagingContext,
     StagingError,
     check_remote_path,
@@ -99,7 +100,7 @@ def _walk(ftp: ftplib.FTP, top: str, rel: str = "") -> Iterator[tuple[str, str]]
             yield from _walk(ftp, top, child)
 
 
-def download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
     with _connect(url, ctx) as (ftp, path):
         if kind != "DIRECTORY":
             try:

@@ -17,7 +17,14 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from bridge.job.staging import StagingContext, StagingError, create_file, netrc_login, redact
+from bridge.job.staging import (
+    FileKind,
+    StagingContext,
+    StagingError,
+    create_file,
+    netrc_login,
+    redact,
+)
 
 #: Statuses worth another attempt: the server or a proxy was briefly unable to answer.
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -66,7 +73,7 @@ def _check_status(response: requests.Response, url: str, verb: str) -> None:
         raise StagingError(f"{verb} {redact(url)} failed: {reason}")
 
 
-def download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
     if kind == "DIRECTORY":
         raise StagingError(
             f"{redact(url)}: DIRECTORY inputs cannot be staged over HTTP (it cannot list a "

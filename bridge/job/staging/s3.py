@@ -23,6 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from botocore.handlers import add_expect_header
 
 from bridge.job.staging import (
+    FileKind,
     StagingContext,
     StagingError,
     StagingOptions,
@@ -101,7 +102,7 @@ def _client_for(ctx: StagingContext) -> Any:
         raise StagingError(f"cannot set up the S3 client: {_reason(exc)}") from None
 
 
-def download(url: str, dest: Path, kind: str, ctx: StagingContext) -> None:
+def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
     bucket, key = split_url(url)
     client = _client_for(ctx)
     if kind != "DIRECTORY":
