@@ -1,11 +1,14 @@
-"""Names the server side and the job side agree on: task ids and the Slurm job name.
+"""Names the server side and the job side agree on: task ids, the Slurm job name, the host
+path a `file:` URL names, and how a moment is written.
 
 Pure and dependency-free, so the job side (on compute nodes) can import it too.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
+from datetime import UTC, datetime
 from typing import TypeGuard
 
 #: What a task id may hold: it names the task directory and goes into `#SBATCH` lines.
@@ -21,3 +24,54 @@ def is_task_id(value: object) -> TypeGuard[str]:
 def job_name(task_id: str) -> str:
     """The Slurm job name of a task: `tes-<task id>`."""
     return f"{JOB_NAME_PREFIX}{task_id}"
+
+
+def format_time(moment: datetime) -> str:
+    """RFC 3339 in UTC with a `Z`, e.g. ``2026-11-22T02:24:15.123456Z`` (TES times)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def format_time_now() -> str:
+    """The current moment, as `format_time` writes it."""
+    return format_time(datetime.now(UTC))
+
+
+class FileUrlError(ValueError):
+    """A `file:` URL or bare path that names no usable local path; the message says why."""
+
+
+def is_local_url(url: str) -> bool:
+    """Whether `url` is for the local filesystem: a `file:` URL or a bare absolute path."""
+    return url.startswith("/") or url[:5].lower() == "file:"
+
+
+def local_path(url: str) -> str:
+    """The host path a `file:` URL or bare absolute path names, without a trailing slash.
+
+    The path is taken literally, with no percent-decoding (as Funnel and the usual TES clients
+    do: `file:///a b` is the file `/a b`, `%2e%2e` is a name, not `..`). Only the local host
+    (`file:///`, `file://localhost/`) and normalised absolute paths are accepted; whether the
+    path may be used (storage.allowed_dirs) is for the caller to judge.
+    """
+    if url.startswith("/"):
+        path = url
+    elif url[:5].lower() == "file:":
+        rest = url[5:]
+        if rest.startswith("//"):
+            host, slash, tail = rest[2:].partition("/")
+            if host not in ("", "localhost"):
+                raise FileUrlError(f"file URL {url!r} names host {host!r}; only local paths work")
+            path = slash + tail
+        else:
+            path = rest
+    else:
+        raise FileUrlError(f"{url!r} is not a file URL")
+    if "\0" in path:
+        raise FileUrlError(f"file URL {url!r} holds a NUL character")
+    if not path.startswith("/"):
+        raise FileUrlError(f"file URL {url!r} does not hold an absolute path")
+    stripped = path.rstrip("/") or "/"
+    # normpath keeps a leading `//` (POSIX leaves its meaning open): refused too.
+    if posixpath.normpath(path) != stripped or stripped.startswith("//"):
+        raise FileUrlError(f"file URL {url!r} is not normalised (`..`, `.` or `//`)")
+    return stripped

@@ -39,7 +39,7 @@ from bridge.job.layout import (
     write_atomically,
 )
 from bridge.job.settings import JobSettings
-from bridge.naming import is_task_id, job_name
+from bridge.naming import FileUrlError, is_local_url, is_task_id, job_name, local_path
 from bridge.slurm import TmpDisk
 from bridge.tes import ExecutorModel, FileType, InputModel, OutputModel, ResourcesModel, TaskModel
 
@@ -502,7 +502,7 @@ def shared_dirs(config: Config) -> list[str]:
 
 
 def _is_file_url(url: str | None) -> TypeGuard[str]:
-    return isinstance(url, str) and (url.startswith("/") or url[:5].lower() == "file:")
+    return isinstance(url, str) and is_local_url(url)
 
 
 def _in_place(url: str | None, content: str | None, path: str, config: Config) -> bool:
@@ -510,12 +510,9 @@ def _in_place(url: str | None, content: str | None, path: str, config: Config) -
     directory (judged lexically: the executor sees exactly that path through the shared bind)."""
     if not _is_file_url(url) or content or has_wildcards(path):
         return False
-    from bridge.job.staging import StagingError
-    from bridge.job.staging.file import url_path
-
     try:
-        host = url_path(url)
-    except StagingError:
+        host = local_path(url)
+    except FileUrlError:
         return False  # stage-in or stage-out reports the reason in system_logs
     return host == path and any(_under(path, d) for d in shared_dirs(config))
 

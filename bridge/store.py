@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
@@ -35,7 +35,8 @@ from urllib.parse import urlparse
 import peewee
 from playhouse.db_url import connect as connect_url
 
-from bridge.tes import TERMINAL_STATES, State, format_time
+from bridge.naming import format_time_now
+from bridge.tes import TERMINAL_STATES, State
 
 SCHEMA_VERSION = 1
 
@@ -667,7 +668,7 @@ class Store(_PollerQueries, _Transitions, _Listing):
                     f"the database has schema version {recorded.value}, newer than this "
                     f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
                 )
-            now = format_time(datetime.now(UTC))
+            now = format_time_now()
             for key, value in (
                 ("schema_version", str(SCHEMA_VERSION)),
                 ("created_at", now),
@@ -691,7 +692,7 @@ class Store(_PollerQueries, _Transitions, _Listing):
         owner: str | None = None,
     ) -> TaskRecord:
         task_id = new_task_id()
-        created = format_time(datetime.now(UTC))
+        created = format_time_now()
         logs = (
             [{"logs": [], "outputs": [], "system_logs": list(system_logs)}] if system_logs else []
         )

@@ -19,7 +19,6 @@ import posixpath
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -36,6 +35,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from bridge.naming import FileUrlError, is_local_url, local_path
 
 
 class State(StrEnum):
@@ -483,19 +484,6 @@ def _check_exec_size(index: int, executor: ExecutorModel) -> list[tuple[str, str
     return problems
 
 
-def _local_path(url: str) -> str | None:
-    """The path of a `file:` URL or bare absolute path, None for other schemes."""
-    if url.startswith("/"):
-        return url
-    if url[:5].lower() != "file:":
-        return None
-    rest = url[5:]
-    if rest.startswith("//"):
-        host, slash, tail = rest[2:].partition("/")
-        return slash + tail if host in ("", "localhost") else ""
-    return rest
-
-
 def local_image_problem(image: str, dirs: Iterable[str]) -> str | None:
     """Why the absolute path `image` may not serve as an executor image (None when it may).
 
@@ -527,14 +515,15 @@ def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, s
     items = [("inputs", i, item.url) for i, item in enumerate(model.inputs or ())]
     items += [("outputs", i, item.url) for i, item in enumerate(model.outputs or ())]
     for kind, index, url in items:
-        path = _local_path(url) if url else None
-        if path is None:
+        if not url or not is_local_url(url):
             continue
         where = f"{kind}[{index}].url"
-        stripped = path.rstrip("/") or "/"
-        if not path.startswith("/") or "\x00" in path or posixpath.normpath(path) != stripped:
-            problems.append((where, "must be a normalised absolute local path (no `..`)"))
-        elif not allowed:
+        try:
+            stripped = local_path(url)
+        except FileUrlError as exc:
+            problems.append((where, str(exc)))
+            continue
+        if not allowed:
             problems.append((where, "file:// URLs and local paths are disabled on this server"))
         elif not any(d == "/" or stripped == d or stripped.startswith(d + "/") for d in allowed):
             problems.append((where, "is outside the directories this server may read and write"))
@@ -597,11 +586,6 @@ def parse_view(value: str | None) -> View:
 # --------------------------------------------------------------------------------------------
 # Rendering
 # --------------------------------------------------------------------------------------------
-
-
-def format_time(moment: datetime) -> str:
-    """RFC 3339 in UTC with a `Z`, e.g. ``2026-11-22T02:24:15.123456Z``."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def render_task(

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeGuard, get_args
 
 from bridge.job import safepath
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
+from bridge.naming import format_time_now
 
 Outcome = Literal["complete", "executor_error", "system_error"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
@@ -38,10 +39,6 @@ EXECUTORS = "executors"
 
 def _is_outcome(text: str | None) -> TypeGuard[Outcome]:
     return text in OUTCOMES
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def executor_dir(records_dir: Path, index: int) -> Path:
@@ -76,7 +73,7 @@ class RecordsWriter:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def system_log(self, message: str) -> None:
-        _append_json_line(self.dir / SYSTEM_LOGS, {"time": now_rfc3339(), "message": message})
+        _append_json_line(self.dir / SYSTEM_LOGS, {"time": format_time_now(), "message": message})
 
     def output(self, *, url: str, path: str, size_bytes: int) -> None:
         entry = {"url": url, "path": path, "size_bytes": str(size_bytes)}

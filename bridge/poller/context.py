@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
 from bridge.config import Config
+from bridge.naming import format_time_now as format_time_now
 from bridge.slurm import SlurmBackend
 from bridge.store import Store
-from bridge.tes import format_time
 
 
 class ImageSource(Protocol):
@@ -54,7 +53,3 @@ def short(exc: Exception) -> str:
     """The first line of an error, for logs and system_logs."""
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
-
-
-def format_time_now() -> str:
-    return format_time(datetime.now(UTC))

@@ -12,8 +12,9 @@ from typing import Any
 
 from bridge import slurm
 from bridge.job.records import JobRecords
+from bridge.naming import format_time
 from bridge.slurm import JobInfo
-from bridge.tes import State, format_time
+from bridge.tes import State
 
 Logs = list[dict[str, Any]]
 

@@ -1,9 +1,10 @@
 """`file://` URLs and bare absolute paths on a filesystem shared with the compute nodes.
 
 Only paths inside `storage.allowed_dirs` may be read or written, judged after resolving
-links, so a link inside an allowed directory cannot lead outside it. The URL path is taken
-literally (no percent-decoding), as Funnel and the usual TES clients do: `file:///a b` is the
-file `/a b`.
+links, so a link inside an allowed directory cannot lead outside it. What a URL names is
+`bridge.naming.local_path`'s to say, for the server and the job side alike: the path taken
+literally (no percent-decoding), as Funnel and the usual TES clients do (`file:///a b` is the
+file `/a b`).
 """
 
 from __future__ import annotations
@@ -18,30 +19,18 @@ import tempfile
 from pathlib import Path
 
 from bridge.job.staging import FileKind, StagingContext, StagingError
+from bridge.naming import FileUrlError, local_path
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
 
 def url_path(url: str) -> str:
-    if url.startswith("/"):
-        path = url
-    elif url[:5].lower() == "file:":
-        rest = url[5:]
-        if rest.startswith("//"):
-            host, slash, tail = rest[2:].partition("/")
-            if host not in ("", "localhost"):
-                raise StagingError(f"file URL {url!r} names host {host!r}; only local paths work")
-            path = slash + tail
-        else:
-            path = rest
-    else:
-        raise StagingError(f"{url!r} is not a file URL")
-    if not path.startswith("/") or "\0" in path:
-        raise StagingError(f"file URL {url!r} does not hold an absolute path")
-    if posixpath.normpath(path) != path.rstrip("/") and path != "/":
-        raise StagingError(f"file URL {url!r} is not normalised (`..`, `.` or `//`)")
-    return path.rstrip("/") or "/"
+    """The host path of a `file:` URL or bare path (see `bridge.naming.local_path`)."""
+    try:
+        return local_path(url)
+    except FileUrlError as exc:
+        raise StagingError(str(exc)) from None
 
 
 def allowed_path(url: str, ctx: StagingContext) -> Path:
