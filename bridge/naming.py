@@ -1,5 +1,5 @@
 """Names the server side and the job side agree on: task ids, the Slurm job name, the host
-path a `file:` URL names, and how a moment is written.
+path a `file:` URL names, what makes an output path a pattern, and how a moment is written.
 
 Pure and dependency-free, so the job side (on compute nodes) can import it too.
 """
@@ -34,6 +34,15 @@ def format_time(moment: datetime) -> str:
 def format_time_now() -> str:
     """The current moment, as `format_time` writes it."""
     return format_time(datetime.now(UTC))
+
+
+#: The characters that make an output path a POSIX glob pattern.
+_WILDCARDS = frozenset("*?[")
+
+
+def has_wildcards(path: str) -> bool:
+    """Whether an output `path` is a glob pattern (TES: then it needs a `path_prefix`)."""
+    return any(ch in _WILDCARDS for ch in path)
 
 
 class FileUrlError(ValueError):

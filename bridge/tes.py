@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from bridge.naming import FileUrlError, is_local_url, local_path
+from bridge.naming import FileUrlError, has_wildcards, is_local_url, local_path
 
 
 class State(StrEnum):
@@ -85,7 +85,6 @@ class TaskValidationError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_WILDCARD = re.compile(r"[*?\[]")
 #: Slurm counts a job's CPUs in 16 bits, the two largest values meaning "unset" and
 #: "unlimited"; more would be refused or wrapped around by sbatch.
 MAX_CPU_CORES = 2**16 - 3
@@ -170,7 +169,7 @@ class OutputModel(_Document):
 
     @model_validator(mode="after")
     def _wildcards_need_prefix(self) -> OutputModel:
-        if _WILDCARD.search(self.path) and not self.path_prefix:
+        if has_wildcards(self.path) and not self.path_prefix:
             raise ValueError("an output whose `path` has wildcards needs a `path_prefix`")
         return self
 

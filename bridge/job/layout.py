@@ -18,6 +18,8 @@ import os
 import posixpath
 from pathlib import Path
 
+from bridge.naming import has_wildcards as has_wildcards
+
 TASK_JSON = "task.json"
 JOB_CONFIG_JSON = "job-config.json"
 SCRIPT = "job.sh"
@@ -44,14 +46,6 @@ def relative_parts(container_path: str) -> tuple[str, ...]:
     """The components of a checked container path below `/` (empty for `/` itself)."""
     check_container_path(container_path)
     return tuple(part for part in container_path.split("/") if part)
-
-
-#: The characters that make an output path a POSIX glob pattern.
-_WILDCARDS = frozenset("*?[")
-
-
-def has_wildcards(path: str) -> bool:
-    return any(ch in _WILDCARDS for ch in path)
 
 
 def static_dir(container_path: str) -> str:
