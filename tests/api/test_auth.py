@@ -26,7 +26,16 @@ from bridge.app import create_app
 from bridge.auth import AdminPolicy, AuthError, BasicAuth, UserMap
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
-from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, UnixUsers, write_htpasswd
+from tests.fixtures.auth import (
+    AUDIENCE,
+    OIDC,
+    PASSWORDS,
+    UnixUsers,
+    basic_auth_toml,
+    bearer_auth_toml,
+    write_htpasswd,
+)
+from tests.fixtures.service import serve_api_only
 from tests.procs import free_port
 
 TASK = {"executors": [{"image": "alpine", "command": ["true"]}]}
@@ -386,51 +395,16 @@ def test_owners_see_get_list_and_cancel_only_their_own_tasks(
 
 
 # ------------------------------------------------------------------------------ real server
-def _serve(tmp_path: Path, auth_toml: str) -> Iterator[str]:
-    port = free_port()
-    config = tmp_path / "tes-bridge.toml"
-    config.write_text(
-        f'state_dir = "{tmp_path / "state"}"\n[server]\nbind = "127.0.0.1:{port}"\nworkers = 1\n'
-        + auth_toml
-    )
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed below)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{url}/ga4gh/tes/v1/service-info", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
-
-
 @pytest.fixture
 def bearer_server(tmp_path: Path, oidc: OIDC) -> Iterator[str]:
-    yield from _serve(
-        tmp_path,
-        f'[auth]\nmode = "bearer"\nissuer = "{oidc.issuer}"\naudience = "{AUDIENCE}"\n'
-        f'jwks_url = "{oidc.jwks_url}"\n',
-    )
+    with serve_api_only(tmp_path, bearer_auth_toml(oidc)) as url:
+        yield url
 
 
 @pytest.fixture
 def basic_server(tmp_path: Path) -> Iterator[str]:
-    htpasswd = write_htpasswd(tmp_path / "htpasswd")
-    yield from _serve(tmp_path, f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n')
+    with serve_api_only(tmp_path, basic_auth_toml(write_htpasswd(tmp_path / "htpasswd"))) as url:
+        yield url
 
 
 def _py_tes_round(client: tes.HTTPClient, other: tes.HTTPClient) -> None:

@@ -9,7 +9,6 @@ import os
 import pty
 import select
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,14 @@ import requests
 from bridge.client.cli import build_parser
 from bridge.client.watch import new_text
 from bridge.store import Store
-from tests.fixtures.auth import AUDIENCE, OIDC, PASSWORDS, write_htpasswd
+from tests.fixtures.auth import (
+    OIDC,
+    PASSWORDS,
+    basic_auth_toml,
+    bearer_auth_toml,
+    write_htpasswd,
+)
+from tests.fixtures.service import serve_api_only
 from tests.procs import free_port
 from tests.tes_cli import TES_TASK, client_env, tes_task
 
@@ -59,35 +65,8 @@ class Server:
 
 
 def serve(root: Path, auth_toml: str = "") -> Iterator[Server]:
-    port = free_port()
-    config = root / "tes-bridge.toml"
-    config.write_text(
-        f'state_dir = "{root / "state"}"\n[server]\nbind = "127.0.0.1:{port}"\nworkers = 1\n'
-        + auth_toml
-    )
-    log = open(root / "serve.log", "wb")  # noqa: SIM115 (closed below)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bridge", "--config", str(config), "serve", "--no-poller"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    server = Server(f"http://127.0.0.1:{port}", root / "state")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{server.api}/service-info", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert process.poll() is None, (root / "serve.log").read_text()
-            assert time.monotonic() < deadline, (root / "serve.log").read_text()
-            time.sleep(0.2)
-        yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
+    with serve_api_only(root, auth_toml) as url:
+        yield Server(url, root / "state")
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +272,7 @@ def test_a_url_with_a_tes_base_path_is_used_as_it_is(server: Server):
 # ------------------------------------------------------------------------------ auth
 @pytest.fixture
 def basic_server(tmp_path: Path) -> Iterator[Server]:
-    htpasswd = write_htpasswd(tmp_path / "htpasswd")
-    yield from serve(tmp_path, f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n')
+    yield from serve(tmp_path, basic_auth_toml(write_htpasswd(tmp_path / "htpasswd")))
 
 
 def test_basic_authentication_from_the_environment_or_netrc(basic_server: Server, tmp_path: Path):
@@ -326,11 +304,7 @@ def test_basic_authentication_from_the_environment_or_netrc(basic_server: Server
 
 
 def test_bearer_token_from_option_or_environment(tmp_path: Path, oidc: OIDC):
-    auth = (
-        f'[auth]\nmode = "bearer"\nissuer = "{oidc.issuer}"\naudience = "{AUDIENCE}"\n'
-        f'jwks_url = "{oidc.jwks_url}"\n'
-    )
-    for bearer in serve(tmp_path, auth):
+    for bearer in serve(tmp_path, bearer_auth_toml(oidc)):
         token = oidc.token("tesalice")
         created = tes_task(bearer.url, "run", "alpine", "--", "true", TES_TOKEN=token)
         assert created.returncode == 0, created.stderr
