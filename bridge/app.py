@@ -20,6 +20,7 @@ from bridge.resources import (
     RequestError,
     ServiceInfo,
     Task,
+    TaskOutput,
     Tasks,
 )
 from bridge.store import Store, unavailable_reason
@@ -167,6 +168,7 @@ def create_app(
 
     tasks = Tasks(config, store)
     task = Task(store)
+    output = TaskOutput(config, store)
     service_info = ServiceInfo(config, store)
     openapi = OpenAPI(config)
     # The literal `service-info` segment wins over `{task_id}` in Falcon's router.
@@ -176,6 +178,7 @@ def create_app(
         app.add_route(f"{prefix}/tasks", tasks)
         app.add_route(f"{prefix}/tasks/{{task_id}}", task)
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
+        app.add_route(f"{prefix}/tasks/{{task_id}}/output", output)
         app.add_route(f"{prefix}/openapi.json", openapi)
     return app
 
