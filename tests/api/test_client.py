@@ -496,10 +496,12 @@ def test_logs_follow_prints_a_running_executors_output_as_it_is_written(server: 
     edir.mkdir(parents=True)
     stdout = edir / "stdout"
     stdout.write_text("tick 1\n")
+    stderr = (server.state_dir / f"{task_id}.stderr").open("w+")
+    # Read line by line (communicate() would skip what readline() has buffered).
     follow = subprocess.Popen(
         [*TES_TASK, "logs", "--follow", "--interval", "0.2", task_id],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         env=client_env(server.url),
     )
@@ -511,7 +513,10 @@ def test_logs_follow_prints_a_running_executors_output_as_it_is_written(server: 
     assert follow.stdout.readline() == "tick 2\n"
     (edir / "exit_code").write_text("0\n")
     server.update(task_id, state="COMPLETE", logs=[_attempt("tick 1\ntick 2\n")])
-    out, err = follow.communicate(timeout=30)
+    out = follow.stdout.read()
+    follow.wait(timeout=30)
+    stderr.seek(0)
+    err = stderr.read()
     assert follow.returncode == 0, err
     assert out == ""  # nothing twice
     assert err.endswith(f"task {task_id}: COMPLETE\n")
