@@ -181,7 +181,7 @@ function stopTimers() {
 }
 
 // ------------------------------------------------------------------------------ the list
-const listState = { tokens: [""], page: 0 };
+const listState = { tokens: [""], page: 0, loads: 0 };
 
 function listParams() {
   const params = [["view", "BASIC"], ["page_size", $("filter-size").value]];
@@ -217,8 +217,10 @@ async function loadList() {
   if (answer.next_page_token) listState.tokens.push(answer.next_page_token);
   $("page-next").disabled = !answer.next_page_token;
   $("page-first").disabled = listState.page === 0;
+  $("page-previous").disabled = listState.page === 0;
   $("page-number").textContent = `page ${listState.page + 1}`;
-  $("tasks").dataset.loaded = String(Date.now());
+  listState.loads += 1;
+  $("tasks").dataset.loaded = String(listState.loads);  // tells a watcher a new answer is shown
 }
 
 function scheduleList() {
@@ -348,8 +350,15 @@ function scheduleTask(id) {
   clearTimeout(refreshTimer);
   clearTimeout(liveTimer);
   const task = current && current.task;
-  if (!task || FINAL.has(task.state)) {
-    $("live").hidden = true;
+  if (!task) return;
+  if (FINAL.has(task.state)) {
+    // An executor stopped before it had an exit code (a cancel, a time limit) has no log in
+    // the task document: show what it wrote, once.
+    const attempts = task.logs || [];
+    const logged = attempts.length ? (attempts[attempts.length - 1].logs || []).length : 0;
+    const stopped = attempts.length > 0 && logged < (task.executors || []).length;
+    if (stopped) guarded(() => loadLive(id));
+    else $("live").hidden = true;
     return;
   }
   const running = task.state === "RUNNING" || task.state === "INITIALIZING";
@@ -412,6 +421,11 @@ function start() {
   });
   $("page-first").addEventListener("click", () => {
     listState.page = 0;
+    stopTimers();
+    showList();
+  });
+  $("page-previous").addEventListener("click", () => {
+    listState.page = Math.max(0, listState.page - 1);
     stopTimers();
     showList();
   });

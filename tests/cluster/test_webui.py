@@ -180,6 +180,25 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         assert browser.execute_script("return window.__pwned") is None
         shot("list")
 
+        # Paging with the server's page tokens, two tasks a page (an option added for this).
+        browser.execute_script(
+            "const o = document.createElement('option'); o.value = o.textContent = '2';"
+            "document.getElementById('filter-size').append(o);"
+        )
+        Select(browser.find_element(By.ID, "filter-size")).select_by_value("2")
+        _search(browser, tag=f"webui-run={run}")
+        first_page = _rows(browser)
+        assert len(first_page) == 2
+        pages = []
+        for button in ("page-next", "page-previous"):
+            before = browser.find_element(By.ID, "tasks").get_attribute("data-loaded")
+            browser.find_element(By.ID, button).click()
+            _until(browser, lambda d, b=before: d.find_element(By.ID, "tasks").get_attribute(
+                "data-loaded") != b)  # fmt: skip
+            pages.append(set(_rows(browser)))
+        assert pages == [{done, hostile, ticking} - set(first_page), set(first_page)]
+        Select(browser.find_element(By.ID, "filter-size")).select_by_value("50")
+
         # Filter by state and search by name.
         _wait_state(service, done, {"COMPLETE"})
         _search(browser, state="COMPLETE", tag=f"webui-run={run}")
@@ -219,6 +238,9 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         browser.find_element(By.ID, "cancel-confirm").click()
         _until(browser, lambda d: d.find_element(By.ID, "task-state").text == "CANCELED")
         assert _get(service, ticking)["state"] == "CANCELED"
+        # What the stopped executor wrote stays readable (it has no log in the document).
+        assert _until(browser, lambda d: "tick 2" in d.find_element(
+            By.CSS_SELECTOR, "pre.live-stdout").text)  # fmt: skip
         shot("canceled")
     finally:
         shot("last")
