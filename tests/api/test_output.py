@@ -172,3 +172,12 @@ def test_other_owners_output_is_404_as_with_get_task(tmp_path, sqlite_store, htp
     assert client.simulate_get(url, headers=alice).json["text"] == "alice's\n"
     assert client.simulate_get(url, headers=basic("tesbob", "bob-secret")).status_code == 404
     assert client.simulate_get(url).status_code == 401
+
+
+def test_the_endpoint_is_in_the_served_openapi_document(client):
+    document = client.simulate_get(f"{API}/openapi.json").json
+    operation = document["paths"]["/tasks/{id}/output"]["get"]
+    assert operation["operationId"] == "GetExecutorOutput"
+    names = {p["name"] for p in operation["parameters"]}
+    assert names == {"id", "executor", "stream", "offset", "max_bytes", "attempt"}
+    assert "ExecutorOutput" in document["components"]["schemas"]
