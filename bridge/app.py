@@ -20,9 +20,12 @@ from bridge.resources import (
     RequestError,
     ServiceInfo,
     Task,
+    TaskOutput,
     Tasks,
 )
 from bridge.store import Store, unavailable_reason
+from bridge.ui import add_routes as add_ui_routes
+from bridge.ui import is_ui_path
 
 #: The spec's base path, and the one most clients use (Nextflow, py-tes, Funnel's CLI, Cromwell).
 PREFIXES = ("/ga4gh/tes/v1", "/v1")
@@ -52,8 +55,9 @@ class DatabaseSession:
 class Authentication:
     """Sets `req.context.identity` (user, is_admin); a 401 when the credentials do not do.
 
-    service-info (both shapes) and the OpenAPI document stay public: those exact paths, not
-    every path ending like them (`/tasks/openapi.json` is a task id, and needs an identity).
+    service-info (both shapes), the OpenAPI document and the web page's static files stay
+    public: those exact paths, not every path ending like them (`/tasks/openapi.json` is a task
+    id, and needs an identity); the page's data comes from the API, with credentials.
     The 401 never says which part of the credentials was wrong; the reason goes to the log.
     """
 
@@ -66,7 +70,7 @@ class Authentication:
         self.authenticator = authenticator
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if req.path in self.PUBLIC_PATHS:
+        if req.path in self.PUBLIC_PATHS or is_ui_path(req.path):
             req.context.identity = None
             return
         try:
@@ -167,6 +171,7 @@ def create_app(
 
     tasks = Tasks(config, store)
     task = Task(store)
+    output = TaskOutput(config, store)
     service_info = ServiceInfo(config, store)
     openapi = OpenAPI(config)
     # The literal `service-info` segment wins over `{task_id}` in Falcon's router.
@@ -176,7 +181,9 @@ def create_app(
         app.add_route(f"{prefix}/tasks", tasks)
         app.add_route(f"{prefix}/tasks/{{task_id}}", task)
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
+        app.add_route(f"{prefix}/tasks/{{task_id}}/output", output)
         app.add_route(f"{prefix}/openapi.json", openapi)
+    add_ui_routes(app)
     return app
 
 

@@ -86,6 +86,42 @@ def _response_schemas(request_properties: dict[str, Any]) -> dict[str, Any]:
             },
         },
         "tesCancelTaskResponse": {"type": "object"},
+        "ExecutorOutput": {
+            "type": "object",
+            "description": (
+                "An extension of TES: a byte range of an executor's stdout or stderr, readable "
+                "while it runs (the task document lists an executor's log only once it has an "
+                "exit code). Follow a stream by asking again from `next_offset` until `done`, or "
+                "until the task's `state` is final and `next_offset` has reached `size`."
+            ),
+            "required": [
+                "id",
+                "state",
+                "attempt",
+                "executor",
+                "stream",
+                "text",
+                "offset",
+                "next_offset",
+                "size",
+                "done",
+                "started",
+            ],
+            "properties": {
+                "id": _string(),
+                "state": {"$ref": _REF + "tesState"},
+                "attempt": {"type": "integer", "description": "1-based"},
+                "executor": {"type": "integer"},
+                "stream": {"type": "string", "enum": ["stdout", "stderr"]},
+                "slurm_job_id": _string("The attempt's Slurm job (absent before it has one)."),
+                "text": _string("The bytes read, as UTF-8 (invalid bytes replaced)."),
+                "offset": {"type": "integer", "description": "The byte offset of `text`."},
+                "next_offset": {"type": "integer", "description": "Where to continue."},
+                "size": {"type": "integer", "description": "The stream's size in bytes now."},
+                "done": {"type": "boolean", "description": "The executor has finished."},
+                "started": {"type": "boolean", "description": "The executor has started."},
+            },
+        },
         "Error": {
             "type": "object",
             "required": ["code", "message"],
@@ -102,6 +138,20 @@ def _response_schemas(request_properties: dict[str, Any]) -> dict[str, Any]:
             },
         },
     }
+
+
+def _query_integer(
+    name: str,
+    description: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: int | None = None,
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for key, value in (("minimum", minimum), ("maximum", maximum), ("default", default)):
+        if value is not None:
+            schema[key] = value
+    return {"name": name, "in": "query", "description": description, "schema": schema}
 
 
 def _json_response(schema: str, description: str = "OK") -> dict[str, Any]:
@@ -195,6 +245,43 @@ def openapi_document(config: Config) -> dict[str, Any]:
                     "operationId": "GetTask",
                     "parameters": [task_id, view],
                     "responses": {"200": _json_response("tesTask"), **errors},
+                }
+            },
+            "/tasks/{id}/output": {
+                "get": {
+                    "operationId": "GetExecutorOutput",
+                    "description": (
+                        "Live output of an executor (an extension of TES), with the same "
+                        "access rules as GetTask."
+                    ),
+                    "parameters": [
+                        task_id,
+                        _query_integer("executor", "0-based", minimum=0, default=0),
+                        {
+                            "name": "stream",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "enum": ["stdout", "stderr"],
+                                "default": "stdout",
+                            },
+                        },
+                        _query_integer(
+                            "offset",
+                            "Byte offset to read from; negative: that many bytes before the end.",
+                            minimum=-1048576,
+                            default=0,
+                        ),
+                        _query_integer("max_bytes", "At most this many bytes.", 1, 1048576, 65536),
+                        _query_integer("attempt", "1-based; the latest by default.", minimum=1),
+                    ],
+                    "responses": {
+                        "200": _json_response("ExecutorOutput"),
+                        **errors,
+                        "409": _json_response(
+                            "Error", "The stream is a link or not a regular file: never read."
+                        ),
+                    },
                 }
             },
             "/tasks/{id}:cancel": {

@@ -12,7 +12,9 @@ import falcon
 
 from bridge import __version__
 from bridge.config import Config
+from bridge.job.output import OutputChunk, chunk_to_json
 from bridge.openapi import openapi_document
+from bridge.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
 from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
 from bridge.tes import (
     Limits,
@@ -208,6 +210,87 @@ class Task:
         if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
             raise _not_found(task_id)
         resp.media = {}
+
+
+#: What one output request returns at most when it does not say (max_bytes).
+DEFAULT_OUTPUT_BYTES = 64 * 1024
+MAX_OUTPUT_BYTES = 1024 * 1024
+
+
+def _int_param(req: falcon.Request, name: str, default: int, low: int, high: int) -> int:
+    value = _param(req, name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = low - 1
+    if not low <= number <= high:
+        raise TaskValidationError([(name, f"must be an integer from {low} to {high}")])
+    return number
+
+
+def _output_request(req: falcon.Request, executors: int, attempts: int) -> OutputRequest:
+    stream = _param(req, "stream") or "stdout"
+    if stream not in ("stdout", "stderr"):
+        raise TaskValidationError([("stream", "must be stdout or stderr")])
+    attempt = _param(req, "attempt")
+    return OutputRequest(
+        executor=_int_param(req, "executor", 0, 0, max(executors - 1, 0)),
+        stream="stdout" if stream == "stdout" else "stderr",
+        # Negative: that many bytes before the end (a tail).
+        offset=_int_param(req, "offset", 0, -MAX_OUTPUT_BYTES, 2**62),
+        max_bytes=_int_param(req, "max_bytes", DEFAULT_OUTPUT_BYTES, 1, MAX_OUTPUT_BYTES),
+        attempt=None if not attempt else _int_param(req, "attempt", 1, 1, max(attempts, 1)),
+    )
+
+
+class TaskOutput:
+    """`/tasks/{task_id}/output`: a byte range of an executor's stdout or stderr, live.
+
+    An extension of TES: while an executor runs, its log is not in the task document (TES
+    requires an `exit_code` on every executor log), so clients that follow output read it here.
+    """
+
+    def __init__(self, config: Config, store: Store):
+        self.store = store
+        self.output = LiveOutput(config)
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
+        try:
+            _no_nul("id", task_id)
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
+        record = self.store.get_task(task_id, owner=req.context.identity.owner_filter)
+        if record is None or record.document is None:
+            raise _not_found(task_id)
+        try:
+            request = _output_request(
+                req, len(record.document.get("executors") or []), len(record.logs or [])
+            )
+        except TaskValidationError as exc:
+            raise _bad_request(exc) from None
+        answer: dict[str, Any] = {
+            "id": task_id,
+            "state": record.state,
+            "attempt": request.attempt or max(record.attempt, len(record.logs or []), 1),
+            "executor": request.executor,
+            "stream": request.stream,
+        }
+        job_id = job_of(record, request.attempt)
+        if job_id is None:  # not submitted yet: nothing written
+            nothing = OutputChunk(
+                "", max(request.offset, 0), max(request.offset, 0), 0, False, False
+            )
+            resp.media = {**answer, **chunk_to_json(nothing)}
+            return
+        try:
+            chunk = self.output.read(record, job_id, request)
+        except OutputRefused as exc:
+            raise RequestError(falcon.HTTP_409, str(exc)) from None
+        except OutputUnavailable as exc:
+            raise RequestError(falcon.HTTP_503, str(exc)) from None
+        resp.media = {**answer, "slurm_job_id": job_id, **chunk_to_json(chunk)}
 
 
 def _not_found(task_id: str) -> RequestError:

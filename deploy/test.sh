@@ -30,6 +30,7 @@ if ! dpkg -s postgresql curl python3-venv sudo >/dev/null 2>&1; then
   "${apt_get[@]}" install --no-install-recommends postgresql curl python3-venv sudo  # sudo: site mode
   ((own_policy)) && rm -f /usr/sbin/policy-rc.d
 fi
+dpkg -s chromium chromium-driver >/dev/null 2>&1 || { "${apt_get[@]}" update && "${apt_get[@]}" install --no-install-recommends chromium chromium-driver; }  # the web page's browser test
 
 step "local Slurm cluster, Apptainer and registry"
 deploy/local-cluster.sh up

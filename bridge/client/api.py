@@ -157,6 +157,16 @@ class TesClient:
             )
         return answer
 
+    def output(
+        self, task_id: str, *, executor: int, stream: str, offset: int, max_bytes: int | None = None
+    ) -> dict[str, Any]:
+        """A range of an executor's live output: this server's extension of TES
+        (`GET /tasks/{id}/output`); other servers answer 404."""
+        params: dict[str, Any] = {"executor": executor, "stream": stream, "offset": offset}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        return self._object("GET", f"/tasks/{_quote(task_id)}/output", params=params)
+
     def cancel(self, task_id: str) -> None:
         self.request("POST", f"/tasks/{_quote(task_id)}:cancel", json={})
 

@@ -120,7 +120,9 @@ example:
         """\
 Print the executors' stdout (on stdout) and stderr (on stderr) of the task's last attempt,
 then its system logs (on stderr, as `system: ...`). A server may keep only the tail of each.
-With --follow, poll until the task is final, printing only new text, and exit like `wait`.
+With --follow, poll until the task is final, printing only new text, and exit like `wait`:
+from tes-slurm-bridge each line as the executor writes it (its live output endpoint), from
+other servers an executor's output once it has finished.
 
 examples:
   tes-bridge task logs 3f2a9c1e-... > out.txt

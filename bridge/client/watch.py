@@ -167,17 +167,19 @@ class LogPrinter:
         self.shown: dict[tuple[int, str], str] = {}
         self.system_seen: set[str] = set()
 
-    def show(self, task: dict[str, Any]) -> None:
+    def show(self, task: dict[str, Any], *, streams: bool = True) -> None:
+        """With `streams` False, only the system logs (the streams are followed live)."""
         attempts = task.get("logs") or []
         if not attempts:
             return
         index = len(attempts) - 1
         if self.attempt is not None and index != self.attempt:
-            self.err.write(f"--- attempt {index + 1} ---\n")
+            if streams:
+                self.err.write(f"--- attempt {index + 1} ---\n")
             self.shown.clear()
         self.attempt = index
         last = attempts[-1] or {}
-        for number, log in enumerate(last.get("logs") or []):
+        for number, log in enumerate(last.get("logs") or [] if streams else []):
             for stream, target in (("stdout", self.out), ("stderr", self.err)):
                 text = (log or {}).get(stream) or ""
                 target.write(new_text(self.shown.get((number, stream), ""), text))
@@ -190,21 +192,87 @@ class LogPrinter:
         self.err.flush()
 
 
+class OutputUnsupported(Exception):
+    """The server has no live output endpoint (any TES server but this one)."""
+
+
+class LiveOutput:
+    """Follows each executor's stdout and stderr through the server's output endpoint, as they
+    are written: executors run in order, so each stream moves to the next executor once the
+    current one is done and read to its end."""
+
+    def __init__(self, client: TesClient, task_id: str, out: TextIO, err: TextIO):
+        self.client = client
+        self.task_id = task_id
+        self.targets = {"stdout": out, "stderr": err}
+        self.attempt: int | None = None
+        self.position = {stream: (0, 0) for stream in self.targets}  # (executor, offset)
+
+    def _read(self, executor: int, stream: str, offset: int) -> dict[str, Any]:
+        try:
+            return self.client.output(self.task_id, executor=executor, stream=stream, offset=offset)
+        except TesError as exc:
+            if self.attempt is None and exc.status in (404, 405, 501):
+                raise OutputUnsupported(str(exc)) from None
+            raise
+
+    def step(self, task: dict[str, Any], *, final: bool) -> None:
+        """Print what was written since the last step; with `final` (the task is over), read
+        every executor's streams to their ends. An executor whose files are gone (a task
+        directory cleaned up) or were never seen here gives its log from the task document."""
+        executors = len(task.get("executors") or [])
+        attempts = task.get("logs") or []
+        documented = ((attempts[-1] or {}).get("logs") or []) if attempts else []
+        for stream, target in self.targets.items():
+            while self.position[stream][0] < max(executors, 1):
+                executor, offset = self.position[stream]
+                answer = self._read(executor, stream, offset)
+                attempt = int(answer.get("attempt") or 1)
+                if self.attempt is not None and attempt != self.attempt:
+                    self.targets["stderr"].write(f"--- attempt {attempt} ---\n")
+                    self.position = {s: (0, 0) for s in self.targets}
+                    self.attempt = attempt
+                    continue
+                self.attempt = attempt
+                if not answer.get("started") and final and executor < len(documented):
+                    target.write(str((documented[executor] or {}).get(stream) or ""))
+                    self.position[stream] = (executor + 1, 0)
+                    continue
+                target.write(str(answer.get("text") or ""))
+                target.flush()
+                next_offset = int(answer.get("next_offset") or 0)
+                self.position[stream] = (executor, next_offset)
+                if next_offset < int(answer.get("size") or 0):
+                    continue  # more than one read's worth: read on
+                if not (answer.get("done") or final):
+                    break  # the executor is still writing
+                self.position[stream] = (executor + 1, 0)
+            target.flush()
+
+
 def follow_logs(
     client: TesClient, task_id: str, *, out: TextIO, err: TextIO, interval: float
 ) -> int:
-    """Print new output until the task is final; the exit code is the task's outcome."""
+    """Print new output until the task is final; the exit code is the task's outcome. The
+    executors' streams come live from the server's output endpoint when it has one, else from
+    the task document (which lists an executor's log once it has finished)."""
     printer = LogPrinter(out, err)
+    live: LiveOutput | None = LiveOutput(client, task_id, out, err)
     while True:
         try:
             task = client.get(task_id, view="FULL")
+            state = task.get("state")
+            if live is not None:
+                try:
+                    live.step(task, final=state in FINAL_STATES)
+                except OutputUnsupported:
+                    live = None
         except TesError as exc:
             if exc.status is not None and exc.status < 500:
                 raise
             time.sleep(interval)
             continue
-        printer.show(task)
-        state = task.get("state")
+        printer.show(task, streams=live is None)
         if state in FINAL_STATES:
             err.write(f"task {task_id}: {state}\n")
             return outcome([str(state)])

@@ -8,7 +8,10 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
   rendered task.json, job-config.json and job.sh into it, read as one JSON object from stdin;
 - ``read-records --work-dir WORK --tail-bytes N DIR:JOBID...``: the records of those jobs, as
   JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks);
-- ``remove --work-dir WORK --task-dir DIR``: remove an old task directory.
+- ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
+- ``read-output --work-dir WORK --task-dir DIR --job-id J --executor N --stream S --offset K
+  --max-bytes M``: a range of an executor's live output (bridge.job.output), as JSON on stdout,
+  for the API's output endpoint.
 
 These run as the owner, not as root, so the worst a wrong argument can do is what the owner
 could do; still they refuse anything but a task directory directly inside WORK (the sudo rule
@@ -32,11 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout, write_atomically
+from bridge.job.output import STREAMS, chunk_to_json, read_output
 from bridge.job.records import ExecutorRecord, JobRecords, read_records
+from bridge.job.safepath import UnsafePathError
 from bridge.naming import is_task_id
 
 #: The files adopt writes, with their modes (the script must be executable by its owner only).
 FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}
+
+
+#: read-output's exit status when the stream is a link or not a regular file.
+EXIT_REFUSED = 3
 
 
 class OwnerError(Exception):
@@ -161,6 +170,20 @@ def _read_records(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_output(args: argparse.Namespace) -> int:
+    task_dir = _task_dir(args.task_dir, args.work_dir)
+    _own_dir(task_dir)
+    try:
+        chunk = read_output(
+            task_dir, args.job_id, args.executor, args.stream, args.offset, args.max_bytes
+        )
+    except UnsafePathError as exc:
+        print(f"bridge.job: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    json.dump(chunk_to_json(chunk), sys.stdout)
+    return 0
+
+
 def _guarded(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
@@ -215,3 +238,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     read.add_argument("--tail-bytes", type=int, required=True, action=Once)
     read.add_argument("pairs", nargs="*", metavar="DIR:JOBID")
     read.set_defaults(job_func=_guarded(_read_records))
+
+    output = subparsers.add_parser(
+        "read-output", help="(site mode, as the owner) a range of an executor's output as JSON"
+    )
+    output.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
+    output.add_argument("--task-dir", required=True, action=Once)
+    output.add_argument("--job-id", required=True, action=Once)
+    output.add_argument("--executor", type=int, required=True, action=Once)
+    output.add_argument("--stream", choices=STREAMS, required=True, action=Once)
+    output.add_argument("--offset", type=int, required=True, action=Once)
+    output.add_argument("--max-bytes", type=int, required=True, action=Once)
+    output.set_defaults(job_func=_guarded(_read_output))

@@ -9,6 +9,7 @@ import os
 import pty
 import select
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -452,6 +453,47 @@ def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server
     assert follow.returncode == 3
     assert out == "line 1\nline 2\nline 3\n"
     assert err == f"system: started\noops\nsystem: exit 1\ntask {task_id}: EXECUTOR_ERROR\n"
+
+
+def test_logs_follow_prints_a_running_executors_output_as_it_is_written(server: Server):
+    """Through the output endpoint: lines appear while the task runs, each once, although the
+    task document lists no executor log until it has an exit code."""
+    task_id = server.create()
+    store = Store.from_url(f"sqlite:///{server.state_dir / 'tes-bridge.db'}")
+    try:
+        assert store.mark_submitting(task_id, attempt=1, now=0.0)
+        store.record_job(task_id, "77", logs=[_attempt("")])
+        assert store.update_task(task_id, state="RUNNING", logs=[{"logs": [], "outputs": []}])
+    finally:
+        store.db.close()
+    edir = server.state_dir / "work" / task_id / "records" / "77" / "executors" / "0"
+    edir.mkdir(parents=True)
+    stdout = edir / "stdout"
+    stdout.write_text("tick 1\n")
+    stderr = (server.state_dir / f"{task_id}.stderr").open("w+")
+    # Read line by line (communicate() would skip what readline() has buffered).
+    follow = subprocess.Popen(
+        [*TES_TASK, "logs", "--follow", "--interval", "0.2", task_id],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=client_env(server.url),
+    )
+    assert follow.stdout is not None
+    threading.Timer(60, follow.kill).start()  # a hung read ends as a failure, not a hang
+    assert follow.stdout.readline() == "tick 1\n"  # blocks until printed: the task runs on
+    with stdout.open("a") as stream:
+        stream.write("tick 2\n")
+    assert follow.stdout.readline() == "tick 2\n"
+    (edir / "exit_code").write_text("0\n")
+    server.update(task_id, state="COMPLETE", logs=[_attempt("tick 1\ntick 2\n")])
+    out = follow.stdout.read()
+    follow.wait(timeout=30)
+    stderr.seek(0)
+    err = stderr.read()
+    assert follow.returncode == 0, err
+    assert out == ""  # nothing twice
+    assert err.endswith(f"task {task_id}: COMPLETE\n")
 
 
 def test_new_text_when_the_kept_tail_moved_on():

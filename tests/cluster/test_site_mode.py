@@ -386,3 +386,32 @@ def test_unauthenticated_requests_are_refused(site: BridgeService):
     assert answer.status_code == 401
     assert answer.headers["WWW-Authenticate"].startswith("Basic")
     assert requests.get(f"{site.api}/service-info", timeout=10).status_code == 200
+
+
+def test_live_output_is_read_as_the_owner(site: BridgeService, site_python: str):
+    """The task directory is private to its owner: the API reads a running executor's output
+    through the sudo rule's `read-output`, for the owner (and admins) only."""
+    alice = Client(site, "tesalice")
+    uid = pwd.getpwnam("tesalice").pw_uid
+    task_id = alice.post(
+        {"executors": [{"image": "alpine",
+                        "command": ["sh", "-c", "echo live from $(id -u); sleep 8; echo done"]}]}
+    )  # fmt: skip
+    url = f"{site.api}/tasks/{task_id}/output"
+    deadline = time.monotonic() + 180
+    while True:
+        answer = requests.get(url, auth=alice.auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+        if answer.json()["text"]:
+            break
+        assert time.monotonic() < deadline, site.log_tail()
+        time.sleep(0.5)
+    running = answer.json()
+    assert running["text"] == f"live from {uid}\n" and running["done"] is False
+    bob = requests.get(url, auth=("tesbob", PASSWORDS["tesbob"]), timeout=30)
+    assert bob.status_code == 404
+    admin = requests.get(url, auth=("tesadmin", PASSWORDS["tesadmin"]), timeout=30)
+    assert admin.status_code == 200 and admin.json()["text"].startswith("live from")
+    assert alice.wait(task_id)["state"] == "COMPLETE"
+    final = requests.get(url, auth=alice.auth, timeout=30).json()
+    assert final["text"] == f"live from {uid}\ndone\n" and final["done"] is True

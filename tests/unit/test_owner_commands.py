@@ -112,3 +112,26 @@ def test_commands_work_inside_the_work_dir(work: Path) -> None:
     removed = job("remove", "--work-dir", str(work), "--task-dir", f"{work}/t3")
     assert removed.returncode == 0, removed.stderr
     assert not (work / "t3").exists()
+
+
+def _read_output(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return job(
+        "read-output", "--work-dir", str(work), "--task-dir", f"{work}/t1", "--job-id", "7",
+        "--executor", "0", "--stream", "stdout", "--offset", "0", "--max-bytes", "100", *extra,
+    )  # fmt: skip
+
+
+def test_read_output_reads_a_range_and_refuses_a_link(work: Path, victim: Path) -> None:
+    edir = work / "t1" / "records" / "7" / "executors" / "0"
+    edir.mkdir(parents=True)
+    (edir / "stdout").write_text("so far\n")
+    result = _read_output(work)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert (answer["text"], answer["next_offset"], answer["done"]) == ("so far\n", 7, False)
+    assert _read_output(work, "--offset", "1").returncode == 2  # each option once
+
+    (edir / "stdout").unlink()
+    (edir / "stdout").symlink_to(victim / "precious.txt")
+    refused = _read_output(work)
+    assert refused.returncode == 3 and "keep me" not in refused.stdout

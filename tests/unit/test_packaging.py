@@ -60,6 +60,8 @@ def test_a_wheel_built_from_the_sdist_renders_a_job_script(tmp_path: Path):
     with tarfile.open(sdist) as archive:
         names = archive.getnames()
     assert any(name.endswith("/templates/job.sh.j2") for name in names), names
+    for page in ("index.html", "app.js", "style.css"):
+        assert any(name.endswith(f"/bridge/webui/{page}") for name in names), names
 
     # The wheel is built from the unpacked sdist alone, as pip does with a source download.
     with tarfile.open(sdist) as archive:
@@ -69,6 +71,8 @@ def test_a_wheel_built_from_the_sdist_renders_a_job_script(tmp_path: Path):
     (wheel,) = dist.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert "bridge/templates/job.sh.j2" in archive.namelist()
+        for page in ("index.html", "app.js", "style.css"):
+            assert f"bridge/webui/{page}" in archive.namelist()
         archive.extractall(tmp_path / "installed")
 
     # The installed copy renders; the checkout's templates/ is out of its reach.

@@ -1,0 +1,249 @@
+"""The web page of tasks in a real browser: Debian's headless Chromium, driven by Selenium
+through Debian's chromedriver, against the bridge on the real cluster with basic
+authentication. Screenshots of each step go to the test's temporary directory (printed)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from tests.fixtures.auth import PASSWORDS, write_htpasswd
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ALICE = ("tesalice", PASSWORDS["tesalice"])
+BOB = ("tesbob", PASSWORDS["tesbob"])
+#: A hostile name: shown as text, it must never become an element or run.
+XSS_NAME = '<img src=x onerror="window.__pwned=1">'
+
+
+@pytest.fixture(scope="module")
+def service(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    root = tmp_path_factory.mktemp("webui")
+    htpasswd = write_htpasswd(root / "htpasswd")
+    service = start_bridge_service(
+        local_cluster, root, extra_toml=f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n'
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    assert shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER), (
+        "apt install chromium chromium-driver"
+    )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
+        options.add_argument(argument)  # --no-sandbox: the suite runs as root
+    # Debian's chromedriver: Selenium Manager would download one from the internet.
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _post(service: BridgeService, auth: tuple[str, str], task: dict[str, Any]) -> str:
+    answer = requests.post(f"{service.api}/tasks", json=task, auth=auth, timeout=10)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["id"])
+
+
+def _get(service: BridgeService, task_id: str) -> dict[str, Any]:
+    answer = requests.get(
+        f"{service.api}/tasks/{task_id}", params={"view": "FULL"}, auth=ALICE, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def _wait_state(service: BridgeService, task_id: str, states: set[str], timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while (task := _get(service, task_id))["state"] not in states:
+        assert time.monotonic() < deadline, f"{task_id} still {task['state']}\n{service.log_tail()}"
+        time.sleep(0.3)
+    return task
+
+
+def _until(driver: WebDriver, condition: Callable[[WebDriver], Any], timeout: float = 30) -> Any:
+    def check(d: WebDriver) -> Any:
+        try:
+            return condition(d)
+        except StaleElementReferenceException:  # the list was redrawn meanwhile
+            return False
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(check)
+
+
+def _rows(driver: WebDriver) -> dict[str, tuple[str, str]]:
+    """The listed tasks: id -> (name, state), as the page shows them (text)."""
+    rows = driver.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
+    return {
+        row.get_attribute("data-id"): (
+            row.find_element(By.CSS_SELECTOR, "td.name").text,
+            row.find_element(By.CSS_SELECTOR, "td.state").text,
+        )
+        for row in rows
+    }
+
+
+def _search(driver: WebDriver, *, state: str = "", name: str = "", tag: str = "") -> None:
+    Select(driver.find_element(By.ID, "filter-state")).select_by_value(state)
+    for field, value in (("filter-name", name), ("filter-tag", tag)):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    before = driver.find_element(By.ID, "tasks").get_attribute("data-loaded")
+    driver.find_element(By.ID, "filter-apply").click()
+    _until(driver, lambda d: d.find_element(By.ID, "tasks").get_attribute("data-loaded") != before)
+
+
+def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDriver, tmp_path):
+    run = uuid.uuid4().hex[:8]
+    tag = {"webui-run": run}
+    result_url = f"file://{service.data_dir}/webui-{run}.txt"
+    done = _post(service, ALICE, {
+        "name": f"webui-done-{run}", "tags": tag,
+        "inputs": [{"name": "greeting", "path": "/in/greeting.txt", "content": "hello"}],
+        "outputs": [{"name": "result", "path": "/out/result.txt", "url": result_url}],
+        "executors": [{"image": "alpine", "command": [
+            "sh", "-c", "echo 'hello <b>web</b>'; cat /in/greeting.txt > /out/result.txt"]}],
+    })  # fmt: skip
+    hostile = _post(service, ALICE, {
+        "name": XSS_NAME, "tags": {**tag, "<i>k</i>": "<script>v</script>"},
+        "executors": [{"image": "alpine", "command": ["true"]}],
+    })  # fmt: skip
+    ticking = _post(service, ALICE, {
+        "name": f"webui-long-{run}", "tags": tag,
+        "executors": [{"image": "alpine", "command": [
+            "sh", "-c", "i=0; while [ $i -lt 300 ]; do i=$((i+1)); echo tick $i; sleep 1; done"]}],
+    })  # fmt: skip
+    bobs = _post(service, BOB, {
+        "name": f"webui-bob-{run}", "tags": tag,
+        "executors": [{"image": "alpine", "command": ["true"]}],
+    })  # fmt: skip
+    shots: list[Path] = []
+
+    def shot(name: str) -> None:
+        shots.append(tmp_path / f"{len(shots) + 1:02d}-{name}.png")
+        browser.save_screenshot(str(shots[-1]))
+
+    print(f"\nscreenshots in {tmp_path}")
+    try:
+        # The page is public, its data is not: the page asks for credentials.
+        browser.get(service.url + "/")
+        assert browser.current_url == service.url + "/ui/"
+        login = _until(browser, lambda d: d.find_element(By.ID, "login").is_displayed())
+        assert login
+        shot("sign-in")
+        browser.find_element(By.ID, "login-user").send_keys(ALICE[0])
+        browser.find_element(By.ID, "login-password").send_keys(ALICE[1])
+        browser.find_element(By.ID, "login-submit").click()
+        _until(browser, lambda d: done in _rows(d))
+        assert not browser.find_element(By.ID, "login").is_displayed()
+        assert browser.find_element(By.ID, "who").text == "signed in as tesalice"
+
+        # Alice's tasks only; the hostile name is text, not an element, and nothing ran.
+        _search(browser, tag=f"webui-run={run}")
+        rows = _rows(browser)
+        assert set(rows) == {done, hostile, ticking} and bobs not in rows
+        assert rows[hostile][0] == XSS_NAME
+        assert browser.find_elements(By.CSS_SELECTOR, "#tasks img, #tasks script, #tasks i") == []
+        assert browser.execute_script("return window.__pwned") is None
+        shot("list")
+
+        # Paging with the server's page tokens, two tasks a page (an option added for this).
+        browser.execute_script(
+            "const o = document.createElement('option'); o.value = o.textContent = '2';"
+            "document.getElementById('filter-size').append(o);"
+        )
+        Select(browser.find_element(By.ID, "filter-size")).select_by_value("2")
+        _search(browser, tag=f"webui-run={run}")
+        first_page = _rows(browser)
+        assert len(first_page) == 2
+        pages = []
+        for button in ("page-next", "page-previous"):
+            before = browser.find_element(By.ID, "tasks").get_attribute("data-loaded")
+            browser.find_element(By.ID, button).click()
+            _until(browser, lambda d, b=before: d.find_element(By.ID, "tasks").get_attribute(
+                "data-loaded") != b)  # fmt: skip
+            pages.append(set(_rows(browser)))
+        assert pages == [{done, hostile, ticking} - set(first_page), set(first_page)]
+        Select(browser.find_element(By.ID, "filter-size")).select_by_value("50")
+
+        # Filter by state and search by name.
+        _wait_state(service, done, {"COMPLETE"})
+        _search(browser, state="COMPLETE", tag=f"webui-run={run}")
+        assert done in _rows(browser) and ticking not in _rows(browser)
+        assert {state for _, state in _rows(browser).values()} == {"COMPLETE"}
+        _search(browser, name=f"webui-done-{run}")
+        assert list(_rows(browser)) == [done]
+        shot("filtered")
+
+        # A finished task: its attempt with the Slurm job and node, and the executor's stdout.
+        job = _get(service, done)["logs"][-1]["metadata"]
+        browser.find_element(By.LINK_TEXT, f"webui-done-{run}").click()
+        attempt = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".attempt"))
+        assert job["slurm_job_id"] in attempt.text and job["slurm_node"] in attempt.text
+        assert attempt.find_element(By.CSS_SELECTOR, "pre.stdout").text == "hello <b>web</b>"
+        assert browser.find_elements(By.CSS_SELECTOR, ".attempt b") == []
+        assert not browser.find_element(By.ID, "cancel").is_displayed()
+        assert "/in/greeting.txt" in browser.find_element(By.ID, "inputs").text
+        assert result_url in browser.find_element(By.ID, "outputs").text
+        assert f"{result_url} (5 B)" in attempt.text  # what was uploaded
+        shot("task")
+
+        # A running task: its live output, then the cancel button.
+        _wait_state(service, ticking, {"RUNNING"})
+        browser.get(f"{service.url}/ui/#/task/{ticking}")
+        live = _until(
+            browser,
+            lambda d: (
+                "tick 2" in d.find_element(By.CSS_SELECTOR, "pre.live-stdout").text
+                and d.find_element(By.CSS_SELECTOR, "pre.live-stdout")
+            ),
+        )
+        assert _get(service, ticking)["state"] == "RUNNING"
+        assert live.text.startswith("tick 1")
+        shot("live-output")
+        browser.find_element(By.ID, "cancel").click()
+        browser.find_element(By.ID, "cancel-confirm").click()
+        _until(browser, lambda d: d.find_element(By.ID, "task-state").text == "CANCELED")
+        assert _get(service, ticking)["state"] == "CANCELED"
+        # What the stopped executor wrote stays readable (it has no log in the document).
+        assert _until(browser, lambda d: "tick 2" in d.find_element(
+            By.CSS_SELECTOR, "pre.live-stdout").text)  # fmt: skip
+        shot("canceled")
+    finally:
+        shot("last")
+        for task_id in (ticking,):
+            requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)
+    assert all(path.stat().st_size > 0 for path in shots)
