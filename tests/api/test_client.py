@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import socket
 import subprocess
 import threading
 import time
@@ -31,7 +32,6 @@ from tests.fixtures.auth import (
     write_htpasswd,
 )
 from tests.fixtures.service import serve_api_only
-from tests.procs import free_port
 from tests.tes_cli import TES_TASK, client_env, tes_task
 
 ALPINE = {"executors": [{"image": "alpine", "command": ["true"]}]}
@@ -256,7 +256,11 @@ def test_errors_show_the_servers_message_and_never_a_traceback(server: Server):
     for option, value in [("--limit", "0"), ("--page-size", "-1"), ("--tag", "=x")]:
         refused = tes_task(server.url, "list", option, value)
         assert refused.returncode == 2 and option in refused.stderr, refused.stderr
-    down = tes_task(f"http://127.0.0.1:{free_port()}", "list")
+    # A port held bound but not listening refuses connections for as long as it is held, so no
+    # other process can take it between choosing and connecting.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        down = tes_task(f"http://127.0.0.1:{closed.getsockname()[1]}", "list")
     assert down.returncode == 1
     assert "cannot reach" in down.stderr and "Connection refused" in down.stderr
     not_http = tes_task("ftp://example.org", "list")
