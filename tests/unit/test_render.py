@@ -413,9 +413,11 @@ def test_shared_dirs_are_bound_read_write_at_their_own_path_in_every_executor(
         volumes=[f"{shared}/vol"],
     )
     plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
-    # The shared directory first, so what the task mounts inside it lies on top.
-    assert plan.binds[0] == Bind(str(shared), str(shared), False, uniform=False)
-    assert plan.binds[1].container == f"{shared}/vol" and plan.binds[1].uniform
+    # The shared directory first, so what the task mounts inside it lies on top (both after
+    # the scratch bind of /tmp, where pytest's tmp_path lies).
+    binds = [*plan.binds, *plan.after_scratch]
+    assert binds[0] == Bind(str(shared), str(shared), False, uniform=False)
+    assert binds[1].container == f"{shared}/vol" and binds[1].uniform
     assert plan.mkdirs == [f"{shared}/vol"]  # nothing is made for the shared bind itself
     script = render(tmp_path, task, storage={"shared_dirs": [str(shared)]})
     assert script.count(f"--bind {shared}:{shared} ") == 2
@@ -462,7 +464,7 @@ def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -
     plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
     assert plan.in_place_inputs == [0, 1]
     assert plan.in_place_outputs == [0]
-    containers = [(b.container, b.readonly) for b in plan.binds]
+    containers = [(b.container, b.readonly) for b in [*plan.binds, *plan.after_scratch]]
     # Nothing read-only is mounted over the live job store, nothing over the output's directory.
     assert (f"{shared}/js", True) not in containers
     assert (f"{shared}/a.txt", True) not in containers
@@ -472,7 +474,8 @@ def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -
     # Without shared_dirs, the same task is staged and bound as before.
     plain = binds_of(tmp_path, task, storage={"allowed_dirs": [str(shared)]})
     assert plain.in_place_inputs == [] and plain.in_place_outputs == []
-    assert (f"{shared}/js", True) in [(b.container, b.readonly) for b in plain.binds]
+    plain_binds = [*plain.binds, *plain.after_scratch]
+    assert (f"{shared}/js", True) in [(b.container, b.readonly) for b in plain_binds]
 
 
 @pytest.mark.parametrize(
@@ -699,13 +702,19 @@ def test_executors_drop_privileges_and_get_their_own_pid_namespace(tmp_path: Pat
     [
         ({}, ["/tmp", "/var/tmp"]),
         ({"volumes": ["/tmp"]}, ["/var/tmp"]),
-        ({"inputs": [{"path": "/tmp/in.txt", "content": "x"}]}, ["/var/tmp"]),
-        ({"outputs": [{"path": "/var/tmp/o.txt", "url": "file:///d/o.txt"}]}, ["/tmp"]),
         ({"volumes": ["/var"]}, ["/tmp"]),
         ({"volumes": ["/data/tmp"]}, ["/tmp", "/var/tmp"]),
+        # An output's directory is mounted read-write: here /var/tmp itself.
+        ({"outputs": [{"path": "/var/tmp/o.txt", "url": "file:///d/o.txt"}]}, ["/tmp"]),
+        # Below them: mounted on top of the scratch bind.
+        ({"inputs": [{"path": "/tmp/in.txt", "content": "x"}]}, ["/tmp", "/var/tmp"]),
+        (
+            {"outputs": [{"path": "/var/tmp/o/o.txt", "url": "file:///d/o.txt"}]},
+            ["/tmp", "/var/tmp"],
+        ),
     ],
 )
-def test_tmp_and_var_tmp_come_from_the_scratch_directory_unless_the_task_mounts_there(
+def test_tmp_and_var_tmp_come_from_the_scratch_directory_unless_the_task_mounts_at_or_above(
     tmp_path: Path, fields: dict[str, Any], bound: list[str]
 ) -> None:
     script = render(tmp_path, make_task(**fields))
@@ -724,3 +733,117 @@ def test_scratch_dir_setting(tmp_path: Path) -> None:
     assert default.index("SCRATCH=") < default.index('export TMPDIR="$TASK_DIR/tmp"')
     with pytest.raises(Exception, match="scratch_dir"):
         make_config(tmp_path, job={"scratch_dir": "/a:b"})
+
+
+def _make_exec_tmp(script: str, tmp_path: Path) -> Path:
+    """Run the script's own make_exec_tmp in bash, in a scratch directory of tmp_path."""
+    start = script.index("make_exec_tmp() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = subprocess.run(
+        [
+            "bash",
+            "-euc",
+            f'{function}\nsystem_log() {{ echo "$*" >&2; }}\nmake_exec_tmp\necho "$EXEC_TMP"',
+        ],
+        env={"PATH": os.environ["PATH"], "SCRATCH": str(scratch), "JOB_ID": "7"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): "dir" if p.is_dir() else "file" for p in sorted(root.rglob("*"))
+    }
+
+
+def test_task_binds_under_tmp_go_on_top_of_the_disk_backed_scratch(tmp_path: Path) -> None:
+    """An input, an output, a stdout and a volume under /tmp or /var/tmp: /tmp and /var/tmp
+    still come from the scratch directory, the task's binds are mounted over it, each on a
+    mount point the job makes there (an empty file for a FILE input)."""
+    task = make_task(
+        executors=[{"image": "alpine", "command": ["true"], "stdout": "/tmp/log/out.txt"}],
+        inputs=[
+            {"path": "/tmp/in/data.txt", "content": "x"},
+            {"path": "/tmp/in/ref", "url": "file:///d/ref", "type": "DIRECTORY"},
+        ],
+        outputs=[{"path": "/tmp/out", "url": "file:///d/out", "type": "DIRECTORY"}],
+        volumes=["/var/tmp/vol"],
+    )
+    plan = binds_of(tmp_path, task)
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    # Parents before children (by depth), as every bind.
+    assert [b.container for b in plan.after_scratch] == [
+        "/tmp/log", "/tmp/out", "/tmp/in/data.txt", "/tmp/in/ref", "/var/tmp/vol",
+    ]  # fmt: skip
+    assert [(b.readonly, b.file) for b in plan.after_scratch] == [
+        (False, False), (False, False), (True, True), (True, False), (False, False),
+    ]  # fmt: skip
+    assert not any(b.container.startswith(("/tmp", "/var/tmp")) for b in plan.binds)
+    assert plan.scratch_mountpoints == ["tmp/in", "tmp/in/ref", "tmp/log", "tmp/out", "var-tmp/vol"]
+    assert plan.scratch_mountfiles == ["tmp/in/data.txt"]
+    script = render(tmp_path, task)
+    bash_syntax_ok(script, tmp_path)
+    call = script[script.index("executor_0() {") :].splitlines()
+    # The scratch binds first, then what goes on top of them, parents before children.
+    scratch = call.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
+    assert call[scratch + 1] == '    --bind "$EXEC_TMP/var-tmp:/var/tmp" \\'
+    root = tmp_path / "state" / "work" / "task-1" / "root"
+    on_top = [
+        f"--bind {root}/tmp/log:/tmp/log",
+        f"--bind {root}/tmp/out:/tmp/out",
+        f"--bind {root}/tmp/in/data.txt:/tmp/in/data.txt:ro",
+        f"--bind {root}/tmp/in/ref:/tmp/in/ref:ro",
+        f"--bind {root}/var/tmp/vol:/var/tmp/vol",
+    ]
+    assert [line.strip(" \\") for line in call[scratch + 2 : scratch + 7]] == on_top
+    exec_tmp = _make_exec_tmp(script, tmp_path)
+    assert _tree(exec_tmp) == {
+        "tmp": "dir", "tmp/in": "dir", "tmp/in/data.txt": "file", "tmp/in/ref": "dir",
+        "tmp/log": "dir", "tmp/out": "dir", "var-tmp": "dir", "var-tmp/vol": "dir",
+    }  # fmt: skip
+    assert (exec_tmp / "tmp/in/data.txt").stat().st_size == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a b",
+        "$(touch pwned)",
+        "`touch pwned`",
+        "'; touch pwned; '",
+        '"quoted"',
+        "-rf",
+        "x\ny",
+        "c:d,e",
+        "*",
+        "~",
+        "ünïcödé",
+    ],
+)
+def test_hostile_paths_under_tmp_are_only_mount_points(tmp_path: Path, name: str) -> None:
+    """Whatever a task's path under /tmp holds, the job makes that mount point and nothing else,
+    and the runtime gets it as one argument (with --mount where `:` or `,` would split it)."""
+    task = make_task(
+        inputs=[{"path": f"/tmp/{name}/in.txt", "content": "x"}],
+        volumes=[f"/var/tmp/{name}"],
+    )
+    plan = binds_of(tmp_path, task)
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    assert plan.scratch_mountpoints == [f"tmp/{name}", f"var-tmp/{name}"]
+    assert plan.scratch_mountfiles == [f"tmp/{name}/in.txt"]
+    script = render(tmp_path, task)
+    bash_syntax_ok(script, tmp_path)
+    exec_tmp = _make_exec_tmp(script, tmp_path)
+    assert _tree(exec_tmp) == {
+        "tmp": "dir", f"tmp/{name}": "dir", f"tmp/{name}/in.txt": "file",
+        "var-tmp": "dir", f"var-tmp/{name}": "dir",
+    }  # fmt: skip
+    assert not list(tmp_path.rglob("pwned"))
+    if any(ch in name for ch in ":,\n"):
+        assert "--mount" in script
