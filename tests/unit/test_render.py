@@ -435,7 +435,8 @@ def test_a_shared_dir_under_tmp_is_mounted_on_top_of_the_scratch_bind(tmp_path: 
     lines = script.splitlines()
     scratch = lines.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
     assert lines[scratch + 2] == f"    --bind {shared}:{shared} \\"
-    assert f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]}' in lines
+    mkdir = f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]} || {{ no_mount_point;'
+    assert any(line.startswith(mkdir) for line in lines), lines
     bash_syntax_ok(script, tmp_path)
     # A shared directory at or above /tmp is what the site wants there: no scratch bind.
     config = make_config(tmp_path, state_dir="/srv/tes-state", storage={"shared_dirs": ["/tmp"]})
@@ -735,23 +736,26 @@ def test_scratch_dir_setting(tmp_path: Path) -> None:
         make_config(tmp_path, job={"scratch_dir": "/a:b"})
 
 
-def _make_exec_tmp(script: str, tmp_path: Path) -> Path:
-    """Run the script's own make_exec_tmp in bash, in a scratch directory of tmp_path."""
-    start = script.index("make_exec_tmp() {")
-    function = script[start : script.index("\n}\n", start) + 3]
+def _run_make_exec_tmp(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run the script's own make_exec_tmp in bash (as the script calls it: in an `if`), in a
+    scratch directory of tmp_path."""
+    names = ("make_exec_tmp", "no_mount_point")
+    starts = [script.index(f"\n{name}() {{") + 1 for name in names]
+    functions = [script[start : script.index("\n}\n", start) + 3] for start in starts]
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    result = subprocess.run(
-        [
-            "bash",
-            "-euc",
-            f'{function}\nsystem_log() {{ echo "$*" >&2; }}\nmake_exec_tmp\necho "$EXEC_TMP"',
-        ],
+    call = 'if make_exec_tmp; then echo "$EXEC_TMP"; else exit 1; fi'
+    return subprocess.run(
+        ["bash", "-euc", "\n".join([*functions, 'system_log() { echo "$*" >&2; }', call])],
         env={"PATH": os.environ["PATH"], "SCRATCH": str(scratch), "JOB_ID": "7"},
         cwd=tmp_path,
         capture_output=True,
         text=True,
     )
+
+
+def _make_exec_tmp(script: str, tmp_path: Path) -> Path:
+    result = _run_make_exec_tmp(script, tmp_path)
     assert result.returncode == 0, result.stderr
     return Path(result.stdout.strip())
 
@@ -847,3 +851,12 @@ def test_hostile_paths_under_tmp_are_only_mount_points(tmp_path: Path, name: str
     assert not list(tmp_path.rglob("pwned"))
     if any(ch in name for ch in ":,\n"):
         assert "--mount" in script
+
+
+def test_a_mount_point_that_cannot_be_made_fails_the_attempt_with_a_reason(tmp_path: Path) -> None:
+    """A name longer than the filesystem takes (255 bytes): the job says so and runs nothing,
+    even when the mount points after it can be made."""
+    task = make_task(volumes=["/tmp/" + "x" * 300, "/tmp/y"])
+    result = _run_make_exec_tmp(render(tmp_path, task), tmp_path)
+    assert result.returncode == 1
+    assert "cannot make a mount point under /tmp" in result.stderr
