@@ -19,7 +19,7 @@ import os
 import re
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -145,7 +145,8 @@ BACKEND_PARAMETERS: dict[str, re.Pattern[str]] = {
 _RESERVED = ("/proc", "/sys", "/dev")
 
 #: Bound from the attempt's scratch directory on disk: with `--contain` the runtime would
-#: otherwise give the container a RAM tmpfs there, charged to the job's memory.
+#: otherwise give the container a small RAM tmpfs there (Apptainer's `sessiondir max size`,
+#: 64 MiB by default), charged to the job's memory.
 #: container path -> subdirectory of the scratch directory (see templates/job.sh.j2).
 SCRATCH_TARGETS = {"/tmp": "tmp", "/var/tmp": "var-tmp"}
 
@@ -305,6 +306,8 @@ class Bind:
     readonly: bool
     #: The host side is root/<container> (False for inputs bound from the shared filesystem).
     uniform: bool = True
+    #: The container side is a file (a FILE input), not a directory: how its mount point is made.
+    file: bool = field(default=False, compare=False)
 
 
 def _parent(path: str) -> str:
@@ -321,12 +324,14 @@ class BindPlan:
     #: Inputs that may be hardlinked (file_input_mode "hardlink"): those that stay read-only.
     linkable_inputs: list[int]
     #: Of /tmp and /var/tmp, those that get the attempt's disk-backed scratch directory: each
-    #: one the task mounts nothing at, under or above.
+    #: one the task mounts nothing at or above.
     scratch_targets: list[str]
-    #: Shared directories inside a scratch target: bound after the scratch binds, on mount
-    #: points (relative to the attempt's scratch directory) the job script makes.
+    #: Binds inside a scratch target (shared directories, the task's inputs, outputs and
+    #: volumes): bound after the scratch binds, on mount points (relative to the attempt's
+    #: scratch directory) the job script makes: directories, and empty files for FILE inputs.
     after_scratch: list[Bind]
     scratch_mountpoints: list[str]
+    scratch_mountfiles: list[str]
     #: file:// inputs and outputs whose container path is their own host path inside a shared
     #: directory: the shared bind already shows them, so they are neither staged nor bound.
     in_place_inputs: list[int]
@@ -346,8 +351,8 @@ class _BindCollector:
         self.bound: list[int] = []
         self.linkable: list[int] = []
 
-    def uniform(self, path: str, readonly: bool) -> Bind:
-        return Bind(str(self.layout.host_path(path)), path, readonly)
+    def uniform(self, path: str, readonly: bool, file: bool = False) -> Bind:
+        return Bind(str(self.layout.host_path(path)), path, readonly, file=file)
 
     def rw_dir(self, path: str, where: str) -> None:
         if _reserved(path):
@@ -390,13 +395,14 @@ class _BindCollector:
             if _in_place(item.url, item.content, path, self.config):
                 self.in_place_inputs.append(i)
             else:
-                staged.append((i, self.uniform(path, True), item))
+                is_file = item.type != FileType.DIRECTORY
+                staged.append((i, self.uniform(path, True, file=is_file), item))
         for i, bind, item in staged:
             path = bind.container
             source = _shared_source(item, self.config)
             # Bound straight from the shared filesystem only where no other mount goes inside.
             if source and not self._mounts_inside(path, writable, staged, i):
-                self.wanted.append(Bind(source, path, True, uniform=False))
+                self.wanted.append(Bind(source, path, True, uniform=False, file=bind.file))
                 self.bound.append(i)
                 continue
             # A hardlink shares its inode with the file in the allowed directory: only where
@@ -442,15 +448,12 @@ class _BindCollector:
         return keep
 
     def scratch_targets(self) -> list[str]:
-        """/tmp and /var/tmp where the task mounts nothing at, under or above."""
-        task_paths = [
-            b.container for b in self.wanted if b.container not in self.shared or b.uniform
-        ]
+        """/tmp and /var/tmp where nothing is mounted at or above them: what is mounted below
+        goes on top of the scratch bind."""
         return [
             target
             for target in SCRATCH_TARGETS
-            if not any(_under(p, target) or _under(target, p) for p in task_paths)
-            and not any(_under(target, d) for d in self.shared)
+            if not any(_under(target, b.container) for b in self.wanted)
         ]
 
 
@@ -474,20 +477,17 @@ def compute_binds(
     collect.inputs(model.inputs or [])
     keep = collect.kept()
     scratch = collect.scratch_targets()
-    # A shared directory below /tmp or /var/tmp (e.g. /var/tmp/project) is mounted on top of
-    # the attempt's scratch bind there, on a mount point the job makes in the scratch directory.
-    nested = [
-        (b, target)
-        for b in keep
-        for target in scratch
-        if not b.uniform and b.container in collect.shared and _under(b.container, target)
-    ]
+    # What lies below /tmp or /var/tmp (a shared /var/tmp/project, an input at /tmp/in/x) is
+    # mounted on top of the attempt's scratch bind there, so the rest of /tmp stays on disk;
+    # its mount point is made by the job in the scratch directory (kept order: parents first).
+    nested = [(b, t) for b in keep for t in scratch if _under(b.container, t)]
+    mountpoints = {b.container: SCRATCH_TARGETS[t] + b.container[len(t) :] for b, t in nested}
+    files = [mountpoints[b.container] for b, _ in nested if b.file]
     return BindPlan(
-        binds=[b for b in keep if b not in [n for n, _ in nested]],
+        binds=[b for b in keep if b.container not in mountpoints],
         after_scratch=[b for b, _ in nested],
-        scratch_mountpoints=[
-            SCRATCH_TARGETS[target] + b.container[len(target) :] for b, target in nested
-        ],
+        scratch_mountpoints=sorted({_parent(m) if m in files else m for m in mountpoints.values()}),
+        scratch_mountfiles=sorted(set(files)),
         scratch_targets=scratch,
         mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
         bound_inputs=collect.bound,
@@ -696,6 +696,7 @@ def render_script(
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
         "scratch_mountpoints": plan.scratch_mountpoints,
+        "scratch_mountfiles": plan.scratch_mountfiles,
         "executors": [
             _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
             for i, ex in enumerate(typed.model.executors)

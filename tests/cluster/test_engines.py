@@ -75,6 +75,17 @@ def toil7(local_cluster: Any) -> Engine:
     )
 
 
+@pytest.fixture(scope="session")
+def cwltes(local_cluster: Any) -> Engine:
+    # cwl-tes 0.3 pins cwltool 1.0.20191022103248, whose schema-salad needs rdflib-jsonld < 0.5:
+    # its setup.py runs 2to3, which setuptools dropped in 58. Built by an older setuptools, it
+    # runs on Debian 12's Python 3.11. Its tools bring their own images (DockerRequirement).
+    return build_engine(
+        local_cluster, "cwltes", [], client_only=["cwl-tes==0.3.0"],
+        setup_py_2to3=["rdflib-jsonld==0.4.0"],
+    )  # fmt: skip
+
+
 @pytest.fixture
 def workdir(quickstart: Quickstart) -> Iterator[Path]:
     """A fresh directory of the service account's, in the quickstart's data directory."""
@@ -262,5 +273,71 @@ def test_snakemake9_with_the_tes_executor_plugin_and_fs_storage(
     assert (storage / "total.txt").read_text() == "60\n"
     tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
     assert len(tasks) == 5, result.stderr[-4000:]
+    for task_id in tasks:
+        assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+
+
+CWL_WORKFLOW = """
+cwlVersion: v1.0
+class: Workflow
+inputs:
+  message: File
+outputs:
+  counted:
+    type: File
+    outputSource: count/counted
+steps:
+  upper:
+    in: {source: message}
+    out: [upper]
+    run:
+      class: CommandLineTool
+      requirements:
+        DockerRequirement: {dockerPull: "IMAGE"}
+      baseCommand: [tr, a-z, A-Z]
+      stdin: $(inputs.source.path)
+      stdout: upper.txt
+      inputs:
+        source: File
+      outputs:
+        upper: {type: stdout}
+  count:
+    in: {source: upper/upper}
+    out: [counted]
+    run:
+      class: CommandLineTool
+      requirements:
+        DockerRequirement: {dockerPull: "IMAGE"}
+      baseCommand: [sh, -c, 'cat "$0"; wc -l < "$0"']
+      stdout: counted.txt
+      inputs:
+        source: {type: File, inputBinding: {position: 1}}
+      outputs:
+        counted: {type: stdout}
+"""
+
+
+def test_cwltes_two_steps(
+    quickstart: Quickstart, cwltes: Engine, local_cluster: Any, workdir: Path
+) -> None:
+    """Two CommandLineTools, the second reading the first's output: files go as file:// URLs of
+    cwltool's directories in the working directory, in the shared data directory."""
+    image = f"{local_cluster.registry}/library/alpine:latest"
+    (workdir / "workflow.cwl").write_text(CWL_WORKFLOW.replace("IMAGE", image))
+    (workdir / "message.txt").write_text("hello\nworld\n")
+    (workdir / "job.yml").write_text("message: {class: File, path: message.txt}\n")
+    result = run_as_account(
+        [
+            "cwl-tes", "--tes", quickstart.url, "--outdir", str(workdir / "out"),
+            "workflow.cwl", "job.yml",
+        ],
+        workdir,
+        cwltes,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, quickstart)
+    assert (workdir / "out" / "counted.txt").read_text() == "HELLO\nWORLD\n2\n"
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "task id:" in line]
+    assert len(tasks) == 2, result.stderr[-4000:]
     for task_id in tasks:
         assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"

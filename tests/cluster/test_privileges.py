@@ -220,6 +220,50 @@ def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
     assert max(rss) < 512 * 2**20, rss
 
 
+def test_tmp_stays_on_disk_under_the_tasks_own_inputs_and_outputs_there(
+    quickstart: Quickstart,
+):
+    """Snakemake's tasks put their inputs and outputs under /tmp: an input at /tmp/in/data.txt
+    and an output under /tmp/out are mounted on top of the disk-backed /tmp, not instead of it."""
+    account = pwd.getpwnam(ACCOUNT)
+    data = quickstart.data_dir / f"tmp-binds-{uuid.uuid4().hex[:8]}"
+    data.mkdir()
+    (data / "data.txt").write_text("hello\n")
+    for path in (data, data / "data.txt"):
+        os.chown(path, account.pw_uid, account.pw_gid)
+    writer = sh(
+        "dd if=/dev/zero of=/tmp/big bs=1M count=1024 && "
+        "echo fs=$(stat -f -c %T /tmp) && tr a-z A-Z < /tmp/in/data.txt > /tmp/out/result.txt"
+    )
+    reader = sh("echo size=$(stat -c %s /tmp/big); ls /tmp; sleep 20")
+    task = quickstart.wait(
+        quickstart.create(
+            {
+                "executors": [writer, reader],
+                "inputs": [{"path": "/tmp/in/data.txt", "url": f"file://{data}/data.txt"}],
+                "outputs": [{"path": "/tmp/out", "url": f"file://{data}/out", "type": "DIRECTORY"}],
+            }
+        )
+    )
+    try:
+        assert task["state"] == "COMPLETE", json.dumps(task["logs"])
+        first, second = (log["stdout"] for log in task["logs"][-1]["logs"])
+        assert "fs=tmpfs" not in first and "fs=" in first, first
+        assert f"size={GIB}" in second, second
+        assert (data / "out" / "result.txt").read_text() == "HELLO\n"
+        assert not (data / "out" / "big").exists()
+        job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
+        rss = _wait_for(
+            lambda: [_bytes(r[1]) for r in _sacct(job_id, "JobID,MaxRSS") if r[1]],
+            60,
+            "MaxRSS in sacct",
+        )
+        print(f"job {job_id}: sacct MaxRSS {max(rss) / 2**20:.0f} MiB after 1 GiB to /tmp")
+        assert max(rss) < 512 * 2**20, rss
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
 def test_tmp_is_removed_when_the_job_fails_or_is_cancelled(quickstart: Quickstart):
     failing = quickstart.create({"executors": [sh("echo x > /tmp/f; exit 3")]})
     running = quickstart.create({"executors": [sh("echo x > /tmp/f; sleep 300")]})

@@ -413,9 +413,11 @@ def test_shared_dirs_are_bound_read_write_at_their_own_path_in_every_executor(
         volumes=[f"{shared}/vol"],
     )
     plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
-    # The shared directory first, so what the task mounts inside it lies on top.
-    assert plan.binds[0] == Bind(str(shared), str(shared), False, uniform=False)
-    assert plan.binds[1].container == f"{shared}/vol" and plan.binds[1].uniform
+    # The shared directory first, so what the task mounts inside it lies on top (both after
+    # the scratch bind of /tmp, where pytest's tmp_path lies).
+    binds = [*plan.binds, *plan.after_scratch]
+    assert binds[0] == Bind(str(shared), str(shared), False, uniform=False)
+    assert binds[1].container == f"{shared}/vol" and binds[1].uniform
     assert plan.mkdirs == [f"{shared}/vol"]  # nothing is made for the shared bind itself
     script = render(tmp_path, task, storage={"shared_dirs": [str(shared)]})
     assert script.count(f"--bind {shared}:{shared} ") == 2
@@ -433,7 +435,8 @@ def test_a_shared_dir_under_tmp_is_mounted_on_top_of_the_scratch_bind(tmp_path: 
     lines = script.splitlines()
     scratch = lines.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
     assert lines[scratch + 2] == f"    --bind {shared}:{shared} \\"
-    assert f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]}' in lines
+    mkdir = f'  mkdir -p -- "$EXEC_TMP/"tmp{str(shared)[len("/tmp") :]} || {{ no_mount_point;'
+    assert any(line.startswith(mkdir) for line in lines), lines
     bash_syntax_ok(script, tmp_path)
     # A shared directory at or above /tmp is what the site wants there: no scratch bind.
     config = make_config(tmp_path, state_dir="/srv/tes-state", storage={"shared_dirs": ["/tmp"]})
@@ -462,7 +465,7 @@ def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -
     plan = binds_of(tmp_path, task, storage={"shared_dirs": [str(shared)]})
     assert plan.in_place_inputs == [0, 1]
     assert plan.in_place_outputs == [0]
-    containers = [(b.container, b.readonly) for b in plan.binds]
+    containers = [(b.container, b.readonly) for b in [*plan.binds, *plan.after_scratch]]
     # Nothing read-only is mounted over the live job store, nothing over the output's directory.
     assert (f"{shared}/js", True) not in containers
     assert (f"{shared}/a.txt", True) not in containers
@@ -472,7 +475,8 @@ def test_same_path_file_urls_in_a_shared_dir_are_used_in_place(tmp_path: Path) -
     # Without shared_dirs, the same task is staged and bound as before.
     plain = binds_of(tmp_path, task, storage={"allowed_dirs": [str(shared)]})
     assert plain.in_place_inputs == [] and plain.in_place_outputs == []
-    assert (f"{shared}/js", True) in [(b.container, b.readonly) for b in plain.binds]
+    plain_binds = [*plain.binds, *plain.after_scratch]
+    assert (f"{shared}/js", True) in [(b.container, b.readonly) for b in plain_binds]
 
 
 @pytest.mark.parametrize(
@@ -699,13 +703,19 @@ def test_executors_drop_privileges_and_get_their_own_pid_namespace(tmp_path: Pat
     [
         ({}, ["/tmp", "/var/tmp"]),
         ({"volumes": ["/tmp"]}, ["/var/tmp"]),
-        ({"inputs": [{"path": "/tmp/in.txt", "content": "x"}]}, ["/var/tmp"]),
-        ({"outputs": [{"path": "/var/tmp/o.txt", "url": "file:///d/o.txt"}]}, ["/tmp"]),
         ({"volumes": ["/var"]}, ["/tmp"]),
         ({"volumes": ["/data/tmp"]}, ["/tmp", "/var/tmp"]),
+        # An output's directory is mounted read-write: here /var/tmp itself.
+        ({"outputs": [{"path": "/var/tmp/o.txt", "url": "file:///d/o.txt"}]}, ["/tmp"]),
+        # Below them: mounted on top of the scratch bind.
+        ({"inputs": [{"path": "/tmp/in.txt", "content": "x"}]}, ["/tmp", "/var/tmp"]),
+        (
+            {"outputs": [{"path": "/var/tmp/o/o.txt", "url": "file:///d/o.txt"}]},
+            ["/tmp", "/var/tmp"],
+        ),
     ],
 )
-def test_tmp_and_var_tmp_come_from_the_scratch_directory_unless_the_task_mounts_there(
+def test_tmp_and_var_tmp_come_from_the_scratch_directory_unless_the_task_mounts_at_or_above(
     tmp_path: Path, fields: dict[str, Any], bound: list[str]
 ) -> None:
     script = render(tmp_path, make_task(**fields))
@@ -724,3 +734,129 @@ def test_scratch_dir_setting(tmp_path: Path) -> None:
     assert default.index("SCRATCH=") < default.index('export TMPDIR="$TASK_DIR/tmp"')
     with pytest.raises(Exception, match="scratch_dir"):
         make_config(tmp_path, job={"scratch_dir": "/a:b"})
+
+
+def _run_make_exec_tmp(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run the script's own make_exec_tmp in bash (as the script calls it: in an `if`), in a
+    scratch directory of tmp_path."""
+    names = ("make_exec_tmp", "no_mount_point")
+    starts = [script.index(f"\n{name}() {{") + 1 for name in names]
+    functions = [script[start : script.index("\n}\n", start) + 3] for start in starts]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    call = 'if make_exec_tmp; then echo "$EXEC_TMP"; else exit 1; fi'
+    return subprocess.run(
+        ["bash", "-euc", "\n".join([*functions, 'system_log() { echo "$*" >&2; }', call])],
+        env={"PATH": os.environ["PATH"], "SCRATCH": str(scratch), "JOB_ID": "7"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+
+
+def _make_exec_tmp(script: str, tmp_path: Path) -> Path:
+    result = _run_make_exec_tmp(script, tmp_path)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): "dir" if p.is_dir() else "file" for p in sorted(root.rglob("*"))
+    }
+
+
+def test_task_binds_under_tmp_go_on_top_of_the_disk_backed_scratch(tmp_path: Path) -> None:
+    """An input, an output, a stdout and a volume under /tmp or /var/tmp: /tmp and /var/tmp
+    still come from the scratch directory, the task's binds are mounted over it, each on a
+    mount point the job makes there (an empty file for a FILE input)."""
+    task = make_task(
+        executors=[{"image": "alpine", "command": ["true"], "stdout": "/tmp/log/out.txt"}],
+        inputs=[
+            {"path": "/tmp/in/data.txt", "content": "x"},
+            {"path": "/tmp/in/ref", "url": "file:///d/ref", "type": "DIRECTORY"},
+        ],
+        outputs=[{"path": "/tmp/out", "url": "file:///d/out", "type": "DIRECTORY"}],
+        volumes=["/var/tmp/vol"],
+    )
+    plan = binds_of(tmp_path, task)
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    # Parents before children (by depth), as every bind.
+    assert [b.container for b in plan.after_scratch] == [
+        "/tmp/log", "/tmp/out", "/tmp/in/data.txt", "/tmp/in/ref", "/var/tmp/vol",
+    ]  # fmt: skip
+    assert [(b.readonly, b.file) for b in plan.after_scratch] == [
+        (False, False), (False, False), (True, True), (True, False), (False, False),
+    ]  # fmt: skip
+    assert not any(b.container.startswith(("/tmp", "/var/tmp")) for b in plan.binds)
+    assert plan.scratch_mountpoints == ["tmp/in", "tmp/in/ref", "tmp/log", "tmp/out", "var-tmp/vol"]
+    assert plan.scratch_mountfiles == ["tmp/in/data.txt"]
+    script = render(tmp_path, task)
+    bash_syntax_ok(script, tmp_path)
+    call = script[script.index("executor_0() {") :].splitlines()
+    # The scratch binds first, then what goes on top of them, parents before children.
+    scratch = call.index('    --bind "$EXEC_TMP/tmp:/tmp" \\')
+    assert call[scratch + 1] == '    --bind "$EXEC_TMP/var-tmp:/var/tmp" \\'
+    root = tmp_path / "state" / "work" / "task-1" / "root"
+    on_top = [
+        f"--bind {root}/tmp/log:/tmp/log",
+        f"--bind {root}/tmp/out:/tmp/out",
+        f"--bind {root}/tmp/in/data.txt:/tmp/in/data.txt:ro",
+        f"--bind {root}/tmp/in/ref:/tmp/in/ref:ro",
+        f"--bind {root}/var/tmp/vol:/var/tmp/vol",
+    ]
+    assert [line.strip(" \\") for line in call[scratch + 2 : scratch + 7]] == on_top
+    exec_tmp = _make_exec_tmp(script, tmp_path)
+    assert _tree(exec_tmp) == {
+        "tmp": "dir", "tmp/in": "dir", "tmp/in/data.txt": "file", "tmp/in/ref": "dir",
+        "tmp/log": "dir", "tmp/out": "dir", "var-tmp": "dir", "var-tmp/vol": "dir",
+    }  # fmt: skip
+    assert (exec_tmp / "tmp/in/data.txt").stat().st_size == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a b",
+        "$(touch pwned)",
+        "`touch pwned`",
+        "'; touch pwned; '",
+        '"quoted"',
+        "-rf",
+        "x\ny",
+        "c:d,e",
+        "*",
+        "~",
+        "ünïcödé",
+    ],
+)
+def test_hostile_paths_under_tmp_are_only_mount_points(tmp_path: Path, name: str) -> None:
+    """Whatever a task's path under /tmp holds, the job makes that mount point and nothing else,
+    and the runtime gets it as one argument (with --mount where `:` or `,` would split it)."""
+    task = make_task(
+        inputs=[{"path": f"/tmp/{name}/in.txt", "content": "x"}],
+        volumes=[f"/var/tmp/{name}"],
+    )
+    plan = binds_of(tmp_path, task)
+    assert plan.scratch_targets == ["/tmp", "/var/tmp"]
+    assert plan.scratch_mountpoints == [f"tmp/{name}", f"var-tmp/{name}"]
+    assert plan.scratch_mountfiles == [f"tmp/{name}/in.txt"]
+    script = render(tmp_path, task)
+    bash_syntax_ok(script, tmp_path)
+    exec_tmp = _make_exec_tmp(script, tmp_path)
+    assert _tree(exec_tmp) == {
+        "tmp": "dir", f"tmp/{name}": "dir", f"tmp/{name}/in.txt": "file",
+        "var-tmp": "dir", f"var-tmp/{name}": "dir",
+    }  # fmt: skip
+    assert not list(tmp_path.rglob("pwned"))
+    if any(ch in name for ch in ":,\n"):
+        assert "--mount" in script
+
+
+def test_a_mount_point_that_cannot_be_made_fails_the_attempt_with_a_reason(tmp_path: Path) -> None:
+    """A name longer than the filesystem takes (255 bytes): the job says so and runs nothing,
+    even when the mount points after it can be made."""
+    task = make_task(volumes=["/tmp/" + "x" * 300, "/tmp/y"])
+    result = _run_make_exec_tmp(render(tmp_path, task), tmp_path)
+    assert result.returncode == 1
+    assert "cannot make a mount point under /tmp" in result.stderr
