@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bridge import __version__
@@ -165,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Gunicorn workers and the poller process read the same file.
         os.environ[ENV_CONFIG] = os.path.abspath(args.config)
 
+    if args.command in ("serve", "poller"):
+        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
+        prepare_metrics_dir(config, wipe=args.command == "serve")
     if args.command == "show-config":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -269,6 +273,35 @@ def _init_store(config: Config) -> None:
     store.db.close()
 
 
+#: The variable prometheus_client's multiprocess mode reads when it is first imported.
+ENV_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def prepare_metrics_dir(config: Config, *, wipe: bool) -> Path:
+    """Point every process of the service (gunicorn workers, the poller) at one private
+    directory for their metrics files; with `wipe` (serve starting), drop the files of
+    processes that are gone. A poller running as its own service keeps its live files."""
+    directory = config.state_dir / "metrics"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if wipe:
+        for path in directory.glob("*.db"):
+            pid = path.stem.rsplit("_", 1)[-1]
+            if not pid.isdigit() or not _alive(int(pid)):
+                path.unlink(missing_ok=True)
+    os.environ[ENV_METRICS_DIR] = str(directory)
+    return directory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def refuse_root(config: Config, euid: int) -> str | None:
     """Why the service must not start as user `euid` (None when it may)."""
     if euid != 0 or config.container.allow_root:
@@ -362,6 +395,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
+    from prometheus_client.multiprocess import mark_process_dead
+
     from bridge.app import create_app
     from bridge.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
     from bridge.store import Store
@@ -402,6 +437,8 @@ def serve(
                 "accesslog": None,
                 "logconfig_dict": _gunicorn_logconfig(log_level),
                 "on_exit": stop_poller,
+                # A dead worker's live gauges must not be summed into the next scrape.
+                "child_exit": lambda arbiter, worker: mark_process_dead(worker.pid),
                 # A worker whose master was killed -9 would keep the port for up to
                 # `timeout` / 2 before it notices: end it (gracefully) at once instead.
                 "post_fork": lambda arbiter, worker: set_parent_death_signal(

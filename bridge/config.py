@@ -339,6 +339,12 @@ class AuthConfig(_Section):
         return self
 
 
+class MetricsConfig(_Section):
+    #: Serve Prometheus metrics at /metrics, to admins (auth.admin_users, auth.admin_group;
+    #: every caller with auth.mode none, which only binds loopback).
+    enabled: bool = True
+
+
 class SiteConfig(_Section):
     #: Site mode: submit, cancel and stage as each task's owner through `sudo -n -u OWNER`
     #: (see deploy/sudoers.tes-bridge); needs auth mode basic or bearer.
@@ -364,6 +370,7 @@ class Config(_Section):
     job: JobConfig = Field(default_factory=JobConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     site: SiteConfig = Field(default_factory=SiteConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _site_needs_auth(self) -> Config:

@@ -52,6 +52,7 @@ import requests
 from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
+from bridge import metrics
 from bridge.config import Config
 from bridge.tes import local_image_problem
 
@@ -690,6 +691,7 @@ class _Runtime:
             runtime, pull_flags, self._environment(), self.config.container.pull_timeout_seconds
         )
         started = time.monotonic()
+        metrics.IMAGE_PULLS.inc()
         try:
             client.pull(ref, name=str(tmp), force=True, quiet=True)
             if not tmp.is_file() or tmp.stat().st_size == 0:
@@ -697,7 +699,11 @@ class _Runtime:
             os.chmod(tmp, 0o644)  # the compute nodes' jobs read it
             os.replace(tmp, target)
         except _PullFailed as exc:
+            metrics.IMAGE_PULL_FAILURES.inc()
             raise ImagePullError(ref, str(exc)) from None
+        except BaseException:
+            metrics.IMAGE_PULL_FAILURES.inc()
+            raise
         finally:
             if tmp.exists():
                 tmp.unlink()

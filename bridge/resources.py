@@ -12,6 +12,7 @@ import falcon
 
 from bridge import __version__
 from bridge.config import Config
+from bridge.metrics import TASKS_CREATED
 from bridge.openapi import openapi_document
 from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
 from bridge.tes import (
@@ -91,6 +92,7 @@ class Tasks:
         record = self.store.create_task(
             task.document, system_logs=task.warnings, owner=req.context.identity.user
         )
+        TASKS_CREATED.inc()
         resp.media = {"id": record.id}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
