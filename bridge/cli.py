@@ -166,9 +166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Gunicorn workers and the poller process read the same file.
         os.environ[ENV_CONFIG] = os.path.abspath(args.config)
 
-    if args.command in ("serve", "poller"):
-        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
-        prepare_metrics_dir(config, wipe=args.command == "serve")
     if args.command == "show-config":
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -187,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"tes-bridge: {problem}", file=sys.stderr)
             return 2
+    if args.command in ("serve", "poller"):
+        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
+        prepare_metrics_dir(config, wipe=args.command == "serve")
     if args.command == "images":
         return images_command(config, args)
     if args.command == "poller" and args.supervise:

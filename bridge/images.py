@@ -448,6 +448,7 @@ class ImageCache:
             self._retries.pop(key, None)
             self._failures.pop(key, None)
             return
+        metrics.IMAGE_PULL_FAILURES.inc()  # the digest check or the pull
         if isinstance(exc, ImagePullError):
             self._retries.pop(key, None)
             self._failures[key] = (time.monotonic(), exc.reason)
@@ -699,11 +700,7 @@ class _Runtime:
             os.chmod(tmp, 0o644)  # the compute nodes' jobs read it
             os.replace(tmp, target)
         except _PullFailed as exc:
-            metrics.IMAGE_PULL_FAILURES.inc()
             raise ImagePullError(ref, str(exc)) from None
-        except BaseException:
-            metrics.IMAGE_PULL_FAILURES.inc()
-            raise
         finally:
             if tmp.exists():
                 tmp.unlink()

@@ -52,8 +52,11 @@ POLL_CYCLE = Histogram(
     "Seconds a full poll cycle took (submit, follow jobs, cancel).",
     buckets=SHORT_BUCKETS,
 )
-IMAGE_PULLS = Counter("tes_bridge_image_pulls", "Image pulls into the SIF cache.")
-IMAGE_PULL_FAILURES = Counter("tes_bridge_image_pull_failures", "Image pulls that failed.")
+IMAGE_PULLS = Counter("tes_bridge_image_pulls", "Image pulls into the SIF cache started.")
+IMAGE_PULL_FAILURES = Counter(
+    "tes_bridge_image_pull_failures",
+    "Image cache updates that failed: the registry's digest check or the pull.",
+)
 HTTP_REQUESTS = Counter(
     "tes_bridge_http_requests",
     "HTTP requests answered, by method, route template and status.",
