@@ -91,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the database tables (serve and poller also do this on start)",
     )
     commands.add_parser("show-config", help="print the effective configuration as JSON")
+    check = commands.add_parser(
+        "check",
+        help="check this host's setup: config, database, directories, Slurm, Apptainer, sudo",
+        description="Check that the configuration loads, the database takes writes, the work "
+        "directory, image cache and file directories exist with the right permissions for the "
+        "service account, sinfo and sacct answer, the container runtime runs an image, and "
+        "(site mode) the sudo rule is installed. One line per check, with what to fix; exit "
+        "status 1 when any check fails. Run it as the service account (as root, permissions "
+        "are checked for the owner of the state directory).",
+    )
+    check.add_argument(
+        "--image",
+        default="alpine",
+        help="image the runtime must run, as tasks name it (default: alpine, from "
+        "container.default_registry)",
+    )
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
 
     images = commands.add_parser(
         "images",
@@ -157,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     setup_logging(args.log_level)
+    if args.command == "check":
+        return check_command(args)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -184,15 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"tes-bridge: {problem}", file=sys.stderr)
             return 2
-    if args.command in ("serve", "poller"):
-        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
-        prepare_metrics_dir(config, wipe=args.command == "serve")
     if args.command == "images":
         return images_command(config, args)
     if args.command == "poller" and args.supervise:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
         return supervise(argv + (["--once"] if args.once else []))
     if args.command == "poller":
+        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
+        prepare_metrics_dir(config, wipe=False)
         from bridge.poller import run_poller
 
         _init_store(config)
@@ -207,6 +225,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def check_command(args: argparse.Namespace) -> int:
+    """`tes-bridge check`: one line per check (or JSON); 1 when any failed."""
+    from bridge.check import Doctor, Result
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        results = [Result("config", False, str(exc), "correct the configuration file")]
+    else:
+        where = args.config or os.environ.get(ENV_CONFIG) or "defaults"
+        results = [Result("config", True, f"loaded ({where})")]
+        results += Doctor(config, image=args.image).run()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.line(), flush=True)
+    return 0 if all(r.ok for r in results) else 1
 
 
 def images_command(config: Config, args: argparse.Namespace) -> int:
@@ -395,6 +433,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
+    # Before anything imports prometheus_client, which reads it once (bridge.metrics).
+    prepare_metrics_dir(config, wipe=True)
     from prometheus_client.multiprocess import mark_process_dead
 
     from bridge.app import create_app
