@@ -117,6 +117,7 @@ class Doctor:
             ("database", self.database),
             ("work dir", self.work_dir),
             ("image cache", self.image_cache),
+            ("metrics dir", self.metrics_dir),
             ("file dirs", self.file_dirs),
             ("slurm", self.slurm),
             ("sacct", self.sacct),
@@ -208,6 +209,16 @@ class Doctor:
             return f"{cache} will be created by the poller"
         self._writable_dir(cache, "container.cache_dir")
         return f"{cache} writable by {self.account.name}"
+
+    def metrics_dir(self) -> str:
+        if not self.config.metrics.enabled:
+            return "metrics are off (metrics.enabled = false)"
+        directory = self.config.state_dir / "metrics"
+        if not directory.exists():
+            self._writable_dir(directory.parent, "state_dir")
+            return f"{directory} will be created by serve"
+        self._writable_dir(directory, "metrics.enabled = false to do without")
+        return f"{directory} writable by {self.account.name}"
 
     def file_dirs(self) -> str:
         dirs = self.config.file_dirs
@@ -314,14 +325,27 @@ class Doctor:
             f"the paths of this host, for {self.account.name}"
         )
         out = _command(listing, self.config.slurm.command_timeout, "sudo -l", fix)
-        missing = [
-            word
-            for word in ("sbatch", "scancel", "bridge\\.job adopt", "bridge\\.job read-records")
-            if word not in out
-        ]
+        # The rule's regular expressions escape `.` and the like: compare without backslashes.
+        plain = out.replace("\\", "")
+        python, work = self.config.job.python, self.config.work_dir
+        wanted = {
+            "sbatch": "sbatch --parsable",
+            "scancel": "scancel",
+            f"{python} -m bridge.job adopt --work-dir {work}": (
+                f"{python} ^-m bridge.job adopt --work-dir {work} "
+            ),
+            f"{python} -m bridge.job read-records --work-dir {work}": (
+                f"{python} ^-m bridge.job read-records --work-dir {work} "
+            ),
+        }
+        missing = [shown for shown, text in wanted.items() if text not in plain]
         if missing:
-            shown = ", ".join(w.replace("\\", "") for w in missing)
-            raise Failed(f"the sudo rules of {self.account.name} allow no {shown}", fix)
-        if "(root)" in out.replace(" ", "") or "(ALL)" in out.replace(" ", ""):
+            raise Failed(
+                f"the sudo rules of {self.account.name} allow no {'; no '.join(missing)} "
+                "(job.python and job.work_dir must be the rule's paths)",
+                fix,
+            )
+        compact = out.replace(" ", "")
+        if "(root)" in compact or "(ALL)" in compact:
             raise Failed(f"{self.account.name} may run commands as root", fix)
         return f"{self.account.name} may run sbatch, scancel and bridge.job as task owners"

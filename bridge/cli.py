@@ -209,12 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
         return supervise(argv + (["--once"] if args.once else []))
     if args.command == "poller":
-        # Before anything imports prometheus_client, which reads it once (bridge.metrics).
-        prepare_metrics_dir(config, wipe=False)
-        from bridge.poller import run_poller
-
-        _init_store(config)
-        return run_poller(config, once=args.once)
+        return poller_command(config, once=args.once)
     if args.command == "serve":
         return serve(
             config,
@@ -225,6 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def poller_command(config: Config, *, once: bool) -> int:
+    if not _metrics_ready(config, wipe=False):
+        return 2
+    from bridge.poller import run_poller
+
+    _init_store(config)
+    return run_poller(config, once=once)
 
 
 def check_command(args: argparse.Namespace) -> int:
@@ -315,12 +319,24 @@ def _init_store(config: Config) -> None:
 ENV_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
+class MetricsDirError(Exception):
+    """The metrics directory cannot be made or used; the message says how to fix it."""
+
+
 def prepare_metrics_dir(config: Config, *, wipe: bool) -> Path:
     """Point every process of the service (gunicorn workers, the poller) at one private
     directory for their metrics files; with `wipe` (serve starting), drop the files of
     processes that are gone. A poller running as its own service keeps its live files."""
     directory = config.state_dir / "metrics"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(directory))
+    except OSError as exc:
+        raise MetricsDirError(
+            f"cannot use {directory} for the metrics files ({exc.strerror}): create it, owned "
+            "by the service account with mode 0700, or set metrics.enabled = false"
+        ) from None
     if wipe:
         for path in directory.glob("*.db"):
             pid = path.stem.rsplit("_", 1)[-1]
@@ -328,6 +344,19 @@ def prepare_metrics_dir(config: Config, *, wipe: bool) -> Path:
                 path.unlink(missing_ok=True)
     os.environ[ENV_METRICS_DIR] = str(directory)
     return directory
+
+
+def _metrics_ready(config: Config, *, wipe: bool) -> bool:
+    """Multiprocess metrics set up (or turned off); False, said on stderr, when impossible.
+    Runs before anything imports prometheus_client, which reads the directory once."""
+    if not config.metrics.enabled:
+        return True
+    try:
+        prepare_metrics_dir(config, wipe=wipe)
+    except MetricsDirError as exc:
+        print(f"tes-bridge: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -433,8 +462,8 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
-    # Before anything imports prometheus_client, which reads it once (bridge.metrics).
-    prepare_metrics_dir(config, wipe=True)
+    if not _metrics_ready(config, wipe=True):
+        return 2
     from prometheus_client.multiprocess import mark_process_dead
 
     from bridge.app import create_app

@@ -161,3 +161,13 @@ def test_the_cli_imports_no_prometheus_client_before_the_directory_is_set() -> N
     code = "import sys, bridge.cli; print('prometheus_client' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_serve_says_how_to_fix_an_unusable_metrics_dir(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "metrics").write_text("not a directory")
+    env = {"TES_BRIDGE_STATE_DIR": str(tmp_path / "state"), "PATH": os.environ["PATH"]}
+    argv = [sys.executable, "-m", "bridge", "serve", "--no-poller", "--bind", "127.0.0.1:0"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "metrics" in result.stderr and "metrics.enabled = false" in result.stderr

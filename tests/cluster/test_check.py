@@ -25,6 +25,7 @@ CHECKS = [
     "database",
     "work dir",
     "image cache",
+    "metrics dir",
     "file dirs",
     "slurm",
     "sacct",
@@ -176,9 +177,15 @@ def test_site_mode_checks_the_service_accounts_permissions_and_sudo_rule(
     finally:
         rule.unlink()
 
-    # No rule: the check says which file to install.
-    code, results, text = _check(config)
+    # A rule for another work directory (or none): the check says which file to install.
+    rule.write_text(sudoers_for(tmp_path / "elsewhere", sys.executable))
+    rule.chmod(0o440)
+    try:
+        code, results, text = _check(config)
+    finally:
+        rule.unlink()
     assert code == 1
+    assert "job.work_dir" in results["sudo rule"]["message"], text
     assert "deploy/sudoers.tes-bridge" in results["sudo rule"]["fix"], text
 
     # A private parent, a work directory the service account cannot write, a wrong mode.
