@@ -4,6 +4,9 @@ them; only an admin may read it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,3 +127,30 @@ def test_metrics_need_an_admin(service: BridgeService) -> None:
 def test_root_of_state_holds_a_private_metrics_dir(service: BridgeService) -> None:
     directory = Path(service.root / "state/metrics")
     assert directory.stat().st_mode & 0o777 == 0o700
+
+
+def test_counts_survive_a_worker_that_dies(service: BridgeService) -> None:
+    """A dead worker's counters stay in the sum (its files are kept; only its live gauges
+    go, in gunicorn's child_exit), so a counter never goes back when gunicorn replaces it."""
+    before = _scrape(service)
+    api = service.processes["api"].pid
+    workers = subprocess.run(["pgrep", "-P", str(api)], capture_output=True, text=True)
+    victim = int(workers.stdout.split()[0])
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        now = subprocess.run(["pgrep", "-P", str(api)], capture_output=True, text=True)
+        pids = {int(p) for p in now.stdout.split()}
+        if victim not in pids and len(pids) >= 2:
+            break
+        assert time.monotonic() < deadline, now.stdout
+        time.sleep(0.2)
+    after = _scrape(service)
+    name = "tes_bridge_tasks_created_total"
+    assert value(after, name) == value(before, name)
+    gets = value(
+        after, "tes_bridge_http_requests_total", method="GET", route="/metrics", status="200"
+    )
+    assert gets >= value(
+        before, "tes_bridge_http_requests_total", method="GET", route="/metrics", status="200"
+    )
