@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "hold no worker, and a request must arrive within server.header_timeout_seconds and "
         "server.body_timeout_seconds) and, unless --no-poller, the poller "
         "that submits tasks to Slurm and follows them (restarted if it dies; it dies with "
-        "serve, even with kill -9). Logs are JSON lines on stderr.",
+        "serve, even with kill -9). Logs are JSON lines on stderr. Prometheus metrics are at "
+        "/metrics for admins (metrics.enabled); the workers and the poller keep them in "
+        "<state_dir>/metrics.",
     )
     serve.add_argument(
         "--bind", help="address:port to listen on (default: server.bind, 127.0.0.1:8000)"
