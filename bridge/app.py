@@ -183,7 +183,7 @@ def create_app(
         app.add_route(f"{prefix}/tasks/{{task_id}}", task)
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
         app.add_route(f"{prefix}/openapi.json", openapi)
-    if config.metrics.enabled:
+    if config.metrics.enabled and not config.metrics.bind:
         app.add_route("/metrics", MetricsResource(store.count_by_state))
     return app
 

@@ -361,6 +361,24 @@ def _metrics_ready(config: Config, *, wipe: bool) -> bool:
     return True
 
 
+def start_metrics_server(config: Config) -> None:
+    """`metrics.bind`: serve the metrics from gunicorn's master, which outlives its workers.
+    The store is opened for each scrape only, so no worker inherits an open connection."""
+    if not (config.metrics.enabled and config.metrics.bind):
+        return
+    from bridge.metrics_api import serve_metrics
+    from bridge.store import Store
+
+    store = Store.from_url(config.database_url)
+
+    def count_by_state() -> dict[str, int]:
+        with store.db.connection_context():
+            return store.count_by_state()
+
+    serve_metrics(config.metrics.bind, count_by_state)
+    log.info("metrics served", extra={"bind": config.metrics.bind})
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -515,6 +533,7 @@ def serve(
                 "post_fork": lambda arbiter, worker: set_parent_death_signal(
                     signal.SIGTERM, arbiter.pid
                 ),
+                "when_ready": lambda arbiter: start_metrics_server(config),
                 # Slow clients cost no worker: see bridge.server.
                 "worker_class": WORKER_CLASS,
                 "proc_name": "tes-bridge",

@@ -343,6 +343,18 @@ class MetricsConfig(_Section):
     #: Serve Prometheus metrics at /metrics, to admins (auth.admin_users, auth.admin_group;
     #: every caller with auth.mode none, which only binds loopback).
     enabled: bool = True
+    #: Serve them instead on this address of their own ("127.0.0.1:9464"), to anyone who
+    #: reaches it, and not on the API; None: on the API, for admins.
+    bind: str | None = None
+
+    @field_validator("bind")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+        return value
 
 
 class SiteConfig(_Section):

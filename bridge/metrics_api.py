@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import falcon
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -36,6 +36,25 @@ def scrape(count_by_state: Callable[[], dict[str, int]]) -> bytes:
     collected = metrics.registry()
     collected.register(TaskStates(count_by_state))
     return generate_latest(collected)
+
+
+class _Scrape:
+    """Every process's metrics and the store's task states, for prometheus_client's server."""
+
+    def __init__(self, count_by_state: Callable[[], dict[str, int]]):
+        self.count_by_state = count_by_state
+
+    def collect(self) -> Iterator[Metric]:
+        collected = metrics.registry()
+        collected.register(TaskStates(self.count_by_state))
+        yield from collected.collect()
+
+
+def serve_metrics(bind: str, count_by_state: Callable[[], dict[str, int]]) -> None:
+    """`metrics.bind`: the metrics on an address of their own, served by prometheus_client's
+    server in a daemon thread of this process (gunicorn's master), without authentication."""
+    host, _, port = bind.rpartition(":")
+    start_wsgi_server(int(port), host.strip("[]"), registry=_Scrape(count_by_state))
 
 
 class MetricsResource:

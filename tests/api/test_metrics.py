@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bridge import metrics
 from bridge.app import create_app
 from bridge.cli import prepare_metrics_dir
-from bridge.config import load_config
+from bridge.config import ConfigError, load_config
 from bridge.metrics_api import TaskStates, scrape
 from bridge.store import Store
 from tests.fixtures.auth import PASSWORDS
@@ -171,3 +171,18 @@ def test_serve_says_how_to_fix_an_unusable_metrics_dir(tmp_path: Path) -> None:
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "metrics" in result.stderr and "metrics.enabled = false" in result.stderr
+
+
+@pytest.mark.parametrize("bind", ["9464", "host:", "127.0.0.1:99999", ":9464"])
+def test_a_metrics_bind_must_be_host_and_port(bind: str) -> None:
+    with pytest.raises(ConfigError, match=r"metrics\.bind: .*HOST:PORT"):
+        load_config(environ={}, overrides={"metrics.bind": bind})
+
+
+def test_with_a_metrics_bind_the_api_serves_no_metrics(tmp_path: Path, sqlite_store: Store) -> None:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"metrics.bind": "127.0.0.1:9464"},
+    )
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    assert client.simulate_get("/metrics").status_code == 404

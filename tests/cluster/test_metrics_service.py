@@ -18,6 +18,7 @@ import requests
 from tests.api.test_metrics import value
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
 from tests.fixtures.service import TERMINAL, BridgeService, start_bridge_service
+from tests.procs import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -154,3 +155,25 @@ def test_counts_survive_a_worker_that_dies(service: BridgeService) -> None:
     assert gets >= value(
         before, "tes_bridge_http_requests_total", method="GET", route="/metrics", status="200"
     )
+
+
+def test_metrics_on_a_bind_of_their_own(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With metrics.bind, gunicorn's master serves them on that address, without
+    credentials, and the API no longer does."""
+    port = free_port()
+    root = tmp_path_factory.mktemp("metrics-bind")
+    service = start_bridge_service(
+        local_cluster, root, extra_toml=f'[metrics]\nbind = "127.0.0.1:{port}"\n'
+    )
+    try:
+        task = {"executors": [{"image": "alpine", "command": ["true"]}]}
+        assert service.run(task)["state"] == "COMPLETE"
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert value(text, "tes_bridge_tasks_created_total") == 1
+        assert value(text, "tes_bridge_tasks", state="COMPLETE") == 1
+        assert value(text, "tes_bridge_slurm_command_seconds_count", command="sbatch") == 1
+        assert requests.get(f"{service.url}/metrics", timeout=10).status_code == 404
+    finally:
+        service.stop()
