@@ -57,6 +57,8 @@ setup(
         "cryptography>=42",
         # `tes-bridge task submit` reads YAML task documents.
         "PyYAML>=6.0",
+        # /metrics: counters shared by gunicorn's workers and the poller (multiprocess mode).
+        "prometheus-client>=0.20",
     ],
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],

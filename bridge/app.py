@@ -14,6 +14,7 @@ import falcon
 
 from bridge.auth import Authenticator, AuthError, build_authenticator
 from bridge.config import Config, load_config
+from bridge.metrics_api import MetricsResource, RequestMetrics
 from bridge.resources import (
     LegacyServiceInfo,
     OpenAPI,
@@ -161,7 +162,12 @@ def create_app(
 ) -> falcon.App[falcon.Request, falcon.Response]:
     authentication = Authentication(authenticator or build_authenticator(config))
     app: falcon.App[falcon.Request, falcon.Response] = falcon.App(
-        middleware=[AccessLog(config.server.access_log), authentication, DatabaseSession(store)],
+        middleware=[
+            RequestMetrics(),
+            AccessLog(config.server.access_log),
+            authentication,
+            DatabaseSession(store),
+        ],
         cors_enable=False,
     )
     app.req_options.keep_blank_qs_values = True
@@ -184,6 +190,8 @@ def create_app(
         app.add_route(f"{prefix}/tasks/{{task_id}}/output", output)
         app.add_route(f"{prefix}/openapi.json", openapi)
     add_ui_routes(app)
+    if config.metrics.enabled and not config.metrics.bind:
+        app.add_route("/metrics", MetricsResource(store.count_by_state))
     return app
 
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bridge import __version__
@@ -57,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "hold no worker, and a request must arrive within server.header_timeout_seconds and "
         "server.body_timeout_seconds) and, unless --no-poller, the poller "
         "that submits tasks to Slurm and follows them (restarted if it dies; it dies with "
-        "serve, even with kill -9). Logs are JSON lines on stderr.",
+        "serve, even with kill -9). Logs are JSON lines on stderr. Prometheus metrics are at "
+        "/metrics for admins (metrics.enabled); the workers and the poller keep them in "
+        "<state_dir>/metrics.",
     )
     serve.add_argument(
         "--bind", help="address:port to listen on (default: server.bind, 127.0.0.1:8000)"
@@ -90,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the database tables (serve and poller also do this on start)",
     )
     commands.add_parser("show-config", help="print the effective configuration as JSON")
+    check = commands.add_parser(
+        "check",
+        help="check this host's setup: config, database, directories, Slurm, Apptainer, sudo",
+        description="Check that the configuration loads, the database takes writes, the work "
+        "directory, image cache and file directories exist with the right permissions for the "
+        "service account, sinfo and sacct answer, the container runtime runs an image, and "
+        "(site mode) the sudo rule is installed. One line per check, with what to fix; exit "
+        "status 1 when any check fails. Run it as the service account (as root, permissions "
+        "are checked for the owner of the state directory).",
+    )
+    check.add_argument(
+        "--image",
+        default="alpine",
+        help="image the runtime must run, as tasks name it (default: alpine, from "
+        "container.default_registry)",
+    )
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
 
     images = commands.add_parser(
         "images",
@@ -156,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     setup_logging(args.log_level)
+    if args.command == "check":
+        return check_command(args)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -189,10 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = [sys.executable, "-m", "bridge", "--log-level", args.log_level, "poller"]
         return supervise(argv + (["--once"] if args.once else []))
     if args.command == "poller":
-        from bridge.poller import run_poller
-
-        _init_store(config)
-        return run_poller(config, once=args.once)
+        return poller_command(config, once=args.once)
     if args.command == "serve":
         return serve(
             config,
@@ -203,6 +222,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def poller_command(config: Config, *, once: bool) -> int:
+    if not _metrics_ready(config, wipe=False):
+        return 2
+    from bridge.poller import run_poller
+
+    _init_store(config)
+    return run_poller(config, once=once)
+
+
+def check_command(args: argparse.Namespace) -> int:
+    """`tes-bridge check`: one line per check (or JSON); 1 when any failed."""
+    from bridge.check import Doctor, Result
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        results = [Result("config", False, str(exc), "correct the configuration file")]
+    else:
+        where = args.config or os.environ.get(ENV_CONFIG) or "defaults"
+        results = [Result("config", True, f"loaded ({where})")]
+        results += Doctor(config, image=args.image).run()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.line(), flush=True)
+    return 0 if all(r.ok for r in results) else 1
 
 
 def images_command(config: Config, args: argparse.Namespace) -> int:
@@ -267,6 +315,78 @@ def _init_store(config: Config) -> None:
     store = Store.from_url(config.database_url)
     store.init_schema(__version__)
     store.db.close()
+
+
+#: The variable prometheus_client's multiprocess mode reads when it is first imported.
+ENV_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class MetricsDirError(Exception):
+    """The metrics directory cannot be made or used; the message says how to fix it."""
+
+
+def prepare_metrics_dir(config: Config, *, wipe: bool) -> Path:
+    """Point every process of the service (gunicorn workers, the poller) at one private
+    directory for their metrics files; with `wipe` (serve starting), drop the files of
+    processes that are gone. A poller running as its own service keeps its live files."""
+    directory = config.state_dir / "metrics"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(directory))
+    except OSError as exc:
+        raise MetricsDirError(
+            f"cannot use {directory} for the metrics files ({exc.strerror}): create it, owned "
+            "by the service account with mode 0700, or set metrics.enabled = false"
+        ) from None
+    if wipe:
+        for path in directory.glob("*.db"):
+            pid = path.stem.rsplit("_", 1)[-1]
+            if not pid.isdigit() or not _alive(int(pid)):
+                path.unlink(missing_ok=True)
+    os.environ[ENV_METRICS_DIR] = str(directory)
+    return directory
+
+
+def _metrics_ready(config: Config, *, wipe: bool) -> bool:
+    """Multiprocess metrics set up (or turned off); False, said on stderr, when impossible.
+    Runs before anything imports prometheus_client, which reads the directory once."""
+    if not config.metrics.enabled:
+        return True
+    try:
+        prepare_metrics_dir(config, wipe=wipe)
+    except MetricsDirError as exc:
+        print(f"tes-bridge: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def start_metrics_server(config: Config) -> None:
+    """`metrics.bind`: serve the metrics from gunicorn's master, which outlives its workers.
+    The store is opened for each scrape only, so no worker inherits an open connection."""
+    if not (config.metrics.enabled and config.metrics.bind):
+        return
+    from bridge.metrics_api import serve_metrics
+    from bridge.store import Store
+
+    store = Store.from_url(config.database_url)
+
+    def count_by_state() -> dict[str, int]:
+        with store.db.connection_context():
+            return store.count_by_state()
+
+    serve_metrics(config.metrics.bind, count_by_state)
+    log.info("metrics served", extra={"bind": config.metrics.bind})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def refuse_root(config: Config, euid: int) -> str | None:
@@ -362,6 +482,10 @@ def supervise(argv: list[str], *, max_delay: float = 60.0) -> int:
 def serve(
     config: Config, *, bind: str | None, workers: int | None, poller: bool, log_level: str
 ) -> int:
+    if not _metrics_ready(config, wipe=True):
+        return 2
+    from prometheus_client.multiprocess import mark_process_dead
+
     from bridge.app import create_app
     from bridge.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
     from bridge.store import Store
@@ -402,11 +526,14 @@ def serve(
                 "accesslog": None,
                 "logconfig_dict": _gunicorn_logconfig(log_level),
                 "on_exit": stop_poller,
+                # A dead worker's live gauges must not be summed into the next scrape.
+                "child_exit": lambda arbiter, worker: mark_process_dead(worker.pid),
                 # A worker whose master was killed -9 would keep the port for up to
                 # `timeout` / 2 before it notices: end it (gracefully) at once instead.
                 "post_fork": lambda arbiter, worker: set_parent_death_signal(
                     signal.SIGTERM, arbiter.pid
                 ),
+                "when_ready": lambda arbiter: start_metrics_server(config),
                 # Slow clients cost no worker: see bridge.server.
                 "worker_class": WORKER_CLASS,
                 "proc_name": "tes-bridge",

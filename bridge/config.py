@@ -339,6 +339,24 @@ class AuthConfig(_Section):
         return self
 
 
+class MetricsConfig(_Section):
+    #: Serve Prometheus metrics at /metrics, to admins (auth.admin_users, auth.admin_group;
+    #: every caller with auth.mode none, which only binds loopback).
+    enabled: bool = True
+    #: Serve them instead on this address of their own ("127.0.0.1:9464"), to anyone who
+    #: reaches it, and not on the API; None: on the API, for admins.
+    bind: str | None = None
+
+    @field_validator("bind")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+        return value
+
+
 class SiteConfig(_Section):
     #: Site mode: submit, cancel and stage as each task's owner through `sudo -n -u OWNER`
     #: (see deploy/sudoers.tes-bridge); needs auth mode basic or bearer.
@@ -364,6 +382,7 @@ class Config(_Section):
     job: JobConfig = Field(default_factory=JobConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     site: SiteConfig = Field(default_factory=SiteConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _site_needs_auth(self) -> Config:

@@ -52,7 +52,7 @@ import requests
 from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
-from bridge import imageref
+from bridge import imageref, metrics
 from bridge.config import Config
 from bridge.imageref import DIGEST, DOCKER_HUB
 from bridge.imageref import ImagePullError as ImagePullError
@@ -459,6 +459,7 @@ class PullJobs:
             self._retries.pop(key, None)
             self._failures.pop(key, None)
             return
+        metrics.IMAGE_PULL_FAILURES.inc()  # the digest check or the pull
         if isinstance(exc, ImagePullError):
             self._retries.pop(key, None)
             self._failures[key] = (time.monotonic(), exc.reason)
@@ -660,6 +661,7 @@ class _Runtime:
             runtime, pull_flags, self._environment(), self.config.container.pull_timeout_seconds
         )
         started = time.monotonic()
+        metrics.IMAGE_PULLS.inc()
         try:
             client.pull(ref, name=str(tmp), force=True, quiet=True)
             if not tmp.is_file() or tmp.stat().st_size == 0:

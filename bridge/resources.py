@@ -13,6 +13,7 @@ import falcon
 from bridge import __version__
 from bridge.config import Config
 from bridge.job.output import OutputChunk, chunk_to_json
+from bridge.metrics import TASKS_CREATED
 from bridge.openapi import openapi_document
 from bridge.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
 from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
@@ -93,6 +94,7 @@ class Tasks:
         record = self.store.create_task(
             task.document, system_logs=task.warnings, owner=req.context.identity.user
         )
+        TASKS_CREATED.inc()
         resp.media = {"id": record.id}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:

@@ -43,12 +43,14 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
+from bridge.metrics import observe_slurm_command
 from bridge.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
 
 log = logging.getLogger(__name__)
@@ -547,10 +549,14 @@ class SlurmClient:
         }  # a user's SQUEUE_USERS or SACCT_FORMAT would change what the parsers see
         env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
         env["SLURM_TIME_FORMAT"] = "standard"
+        started = time.monotonic()
+        failed = True
         try:
             # Killed at its time-out and when the poller dies: an sbatch never outlives the
             # poller that started it (see the poller's recovery of interrupted submissions).
-            return run(argv, timeout=self.timeout, env=env)
+            proc = run(argv, timeout=self.timeout, env=env)
+            failed = proc.returncode != 0
+            return proc
         except CommandNotFound as exc:
             raise SlurmError(
                 f"{argv[0]} not found; install the Slurm client commands on this host or set "
@@ -565,6 +571,8 @@ class SlurmClient:
                 stdout=exc.stdout,
                 stderr=exc.stderr,
             ) from exc
+        finally:
+            observe_slurm_command(argv, time.monotonic() - started, failed)
 
     def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
         argv = [str(a) for a in proc.args]

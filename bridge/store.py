@@ -305,6 +305,11 @@ class _PollerQueries:
         )
         return datetime.fromisoformat(oldest).timestamp() if oldest else None
 
+    def count_by_state(self) -> dict[str, int]:
+        """How many tasks are in each state (one GROUP BY over the state index)."""
+        query = TaskRow.select(TaskRow.state, peewee.fn.COUNT(TaskRow.seq)).group_by(TaskRow.state)
+        return dict(cast("Iterable[tuple[str, int]]", query.tuples()))
+
     def newest_seq(self) -> int | None:
         """The `seq` of the newest task (an index lookup): tells the poller a task arrived."""
         newest: int | None = TaskRow.select(peewee.fn.MAX(TaskRow.seq)).scalar()

@@ -94,7 +94,7 @@ make_account() {
 own_state() {
   local group
   group=$(id -gn "$ACCOUNT")
-  mkdir -p "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images" "$STATE_DIR/db"
+  mkdir -p "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images" "$STATE_DIR/db" "$STATE_DIR/metrics"
   chown root:root "$STATE_DIR"
   chmod 0755 "$STATE_DIR"
   # An installation from before the account: its database moves into db/.
@@ -107,6 +107,9 @@ own_state() {
   fi
   touch "$STATE_DIR/poller.lock"
   chown -R "$ACCOUNT:$group" "$STATE_DIR/data" "$STATE_DIR/work" "$STATE_DIR/images" "$STATE_DIR/db"
+  # The API's workers and the poller write their Prometheus metrics files here (private).
+  chown "$ACCOUNT:$group" "$STATE_DIR/metrics"
+  chmod 0700 "$STATE_DIR/metrics"
   chown "$ACCOUNT:$group" "$STATE_DIR/poller.lock"
   chown "root:$group" "$CONFIG"
   chmod 0640 "$CONFIG"

@@ -3,10 +3,11 @@
 #
 #   deploy/test.sh [PYTEST ARGS...]     (as root)
 #
-# It installs the system packages (PostgreSQL for the store tests; curl), brings up the local
-# Slurm cluster with Apptainer and an image registry (deploy/local-cluster.sh up), creates a
-# virtual environment in .venv with the package and its test dependencies, checks the code with
-# ruff (lint, format, complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
+# It installs the system packages (PostgreSQL for the store tests; curl; nginx, logrotate and
+# systemd-analyze for the deploy/ files), brings up the local Slurm cluster with Apptainer
+# and an image registry (deploy/local-cluster.sh up), creates a virtual environment in .venv
+# with the package and its test dependencies, checks the code with ruff (lint, format,
+# complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
 # that need the cluster or PostgreSQL fail when those are missing.
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,16 +19,19 @@ step() { printf '\n== %s\n' "$*"; }
 step "system packages"
 export DEBIAN_FRONTEND=noninteractive
 apt_get=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
-if ! dpkg -s postgresql curl python3-venv sudo >/dev/null 2>&1; then
+# nginx-light, logrotate and systemd (for systemd-analyze; PID 1 may be anything): the
+# deploy/ files are tested with the real tools.
+packages=(postgresql curl python3-venv sudo nginx-light logrotate systemd)
+if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
   "${apt_get[@]}" update
-  # policy-rc.d keeps the package from starting a system-wide PostgreSQL: the tests start
-  # their own private server on a free port.
+  # policy-rc.d keeps the packages from starting a system-wide PostgreSQL or nginx: the
+  # tests start their own private servers on free ports.
   own_policy=0
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     own_policy=1
   fi
-  "${apt_get[@]}" install --no-install-recommends postgresql curl python3-venv sudo  # sudo: site mode
+  "${apt_get[@]}" install --no-install-recommends "${packages[@]}"  # sudo: site mode
   ((own_policy)) && rm -f /usr/sbin/policy-rc.d
 fi
 dpkg -s chromium chromium-driver >/dev/null 2>&1 || { "${apt_get[@]}" update && "${apt_get[@]}" install --no-install-recommends chromium chromium-driver; }  # the web page's browser test

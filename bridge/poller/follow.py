@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from bridge import metrics
 from bridge.job.records import JobRecords, read_records
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import (
@@ -149,7 +150,7 @@ class Follower:
         set_condition(entry, None if final or decision.retry else decision.condition)
         if final and (job is None or not job.ended or job.max_rss_bytes is None):
             self._facts_pending[task.id] = (task.job_id, max(task.attempt, 1), now)
-        return self.ctx.store.apply_decision(
+        changed = self.ctx.store.apply_decision(
             task.id,
             job_id=task.job_id,
             state=None if decision.state is current else decision.state,
@@ -157,3 +158,12 @@ class Follower:
             resubmit=decision.retry,
             cancel_job=decision.cancel_job,
         )
+        if changed:
+            metrics.observe_task_change(
+                task.creation_time,
+                entry,
+                current.value,
+                decision.state.value,
+                final or decision.retry,
+            )
+        return changed

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bridge import metrics
 from bridge.config import Config
 from bridge.images import ImageCache
 from bridge.job.layout import TaskLayout
@@ -198,6 +199,7 @@ def run_poller(config: Config, *, once: bool = False) -> int:
 def _run_cycle(poller: Poller) -> None:
     try:
         stats = poller.cycle()
+        metrics.POLL_CYCLE.observe(stats.seconds)
         if stats.submitted or stats.updated or stats.canceled:
             log.info("poll cycle", extra=stats.__dict__)
     except Exception as exc:

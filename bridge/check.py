@@ -1,0 +1,351 @@
+"""`tes-bridge check`: does this host's setup let the bridge work? One line per check.
+
+Each check answers ok with what it saw, or what is wrong and how to fix it. Run it as the
+service account (`sudo -u tesbridge tes-bridge check`): the permissions it checks are that
+account's. As root it checks them for the owner of the state directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bridge.config import Config
+from bridge.proc import CommandError, run
+
+
+@dataclass
+class Result:
+    name: str
+    ok: bool
+    #: What was seen (ok), or what is wrong (failed).
+    message: str
+    #: How to fix it (failed checks only).
+    fix: str = ""
+
+    def line(self) -> str:
+        status = "ok  " if self.ok else "FAIL"
+        text = f"{status}  {self.name}: {self.message}"
+        return text + (f"\n      fix: {self.fix}" if self.fix else "")
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Failed(Exception):
+    """A check failed: the message says what is wrong, `fix` how to put it right."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class Account:
+    """The Unix account the service runs as, whose permissions the checks are about."""
+
+    name: str
+    uid: int
+    gids: frozenset[int]
+
+    @classmethod
+    def of(cls, uid: int) -> Account:
+        entry = pwd.getpwuid(uid)
+        return cls(entry.pw_name, uid, frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid)))
+
+
+def service_account(config: Config) -> Account:
+    """This process's account, or as root the owner of the state directory (the service's)."""
+    uid = os.geteuid()
+    if uid == 0:
+        with contextlib.suppress(OSError, KeyError):
+            return Account.of(config.state_dir.stat().st_uid)
+    return Account.of(uid)
+
+
+def may(account: Account, path: Path, want: int) -> bool:
+    """Would `account` get `want` (a mask of 4 read, 2 write, 1 search) on `path`, by its mode
+    bits? Root may do everything."""
+    if account.uid == 0:
+        return True
+    info = path.stat()
+    if info.st_uid == account.uid:
+        bits = info.st_mode >> 6
+    elif info.st_gid in account.gids:
+        bits = info.st_mode >> 3
+    else:
+        bits = info.st_mode
+    return bits & want == want
+
+
+def _reachable(account: Account, path: Path) -> Path | None:
+    """The first parent of `path` that `account` cannot search, if any."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not may(account, parent, 1):
+            return parent
+    return None
+
+
+def _command(argv: list[str], timeout: float, what: str, fix: str) -> str:
+    try:
+        proc = run(argv, timeout=timeout)
+    except CommandError as exc:
+        raise Failed(f"{what}: {exc}", fix) from None
+    if proc.returncode != 0:
+        detail = " ".join((proc.stderr or proc.stdout).split())[:300]
+        raise Failed(f"{what} exited {proc.returncode}: {detail}", fix)
+    return proc.stdout
+
+
+class Doctor:
+    """The checks, in the order a site sets things up."""
+
+    def __init__(self, config: Config, *, image: str, account: Account | None = None) -> None:
+        self.config = config
+        self.image = image
+        self.account = account or service_account(config)
+
+    def checks(self) -> list[tuple[str, Callable[[], str]]]:
+        checks = [
+            ("database", self.database),
+            ("work dir", self.work_dir),
+            ("image cache", self.image_cache),
+            ("metrics dir", self.metrics_dir),
+            ("file dirs", self.file_dirs),
+            ("slurm", self.slurm),
+            ("sacct", self.sacct),
+            ("apptainer", self.apptainer),
+        ]
+        if self.config.site.run_as_owner:
+            checks.append(("sudo rule", self.sudo_rule))
+        return checks
+
+    def run(self) -> Iterator[Result]:
+        for name, check in self.checks():
+            try:
+                yield Result(name, True, check())
+            except Failed as exc:
+                yield Result(name, False, str(exc), exc.fix)
+
+    # ------------------------------------------------------------------------------ checks
+    def database(self) -> str:
+        from bridge.job.staging import redact
+        from bridge.store import Store
+
+        url = redact(self.config.database_url)
+        fix = f"check `database` ({url}): the server must be up and the account may write it"
+        try:
+            store = Store.from_url(self.config.database_url)
+            with store.db.connection_context():
+                if not store.db.table_exists("tasks"):
+                    raise Failed(f"{url} has no tables", "run `tes-bridge init-db`")
+                # A write that changes nothing, rolled back: the database takes writes.
+                with store.db.atomic() as transaction:
+                    store._sql("UPDATE bridge_meta SET value = value WHERE key = 'schema_version'")
+                    transaction.rollback()
+        except Failed:
+            raise
+        except Exception as exc:
+            raise Failed(f"{url}: {' '.join(str(exc).split())[:300]}", fix) from None
+        return f"{url} reachable and writable"
+
+    def _reach(self, path: Path) -> None:
+        blocked = _reachable(self.account, path)
+        if blocked is not None:
+            raise Failed(
+                f"{self.account.name} cannot reach {path}: {blocked} is not searchable",
+                f"chmod o+x {blocked} (or give {self.account.name} a group that may search it)",
+            )
+
+    def _writable_dir(self, path: Path, key: str) -> None:
+        name = self.account.name
+        if not path.is_dir():
+            raise Failed(
+                f"{path} does not exist",
+                f"create it, owned by {name} (`install -d -o {name} {path}`), or set {key}",
+            )
+        self._reach(path)
+        if not may(self.account, path, 3):
+            raise Failed(f"{name} cannot write {path}", f"`chown {name} {path}` (or set {key})")
+
+    def work_dir(self) -> str:
+        work = self.config.work_dir
+        self._writable_dir(work, "job.work_dir")
+        mode = stat.S_IMODE(work.stat().st_mode)
+        if self.config.site.run_as_owner:
+            # Owners create their task directories here; nobody may list or remove others'.
+            if mode != 0o1733:
+                raise Failed(
+                    f"{work} has mode {mode:o}; site mode needs 1733",
+                    f"chmod 1733 {work} (owners create their task directories in it)",
+                )
+        elif mode & 0o002 and not mode & stat.S_ISVTX:
+            raise Failed(f"{work} is writable by everyone", f"chmod o-w {work}")
+        self._try_write(work)
+        return f"{work} writable by {self.account.name} (mode {mode:o})"
+
+    def _try_write(self, directory: Path) -> None:
+        if self.account.uid != os.geteuid():
+            return  # another account's write cannot be tried from here: the mode bits said ok
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".check-"):
+                pass
+        except OSError as exc:
+            message = f"cannot write in {directory}: {exc.strerror}"
+            raise Failed(message, "check its filesystem (full, read-only?)") from None
+
+    def image_cache(self) -> str:
+        cache = self.config.image_cache_dir
+        if not cache.exists():
+            # The poller creates it; its parent must let it.
+            self._writable_dir(cache.parent, "container.cache_dir")
+            return f"{cache} will be created by the poller"
+        self._writable_dir(cache, "container.cache_dir")
+        return f"{cache} writable by {self.account.name}"
+
+    def metrics_dir(self) -> str:
+        if not self.config.metrics.enabled:
+            return "metrics are off (metrics.enabled = false)"
+        directory = self.config.state_dir / "metrics"
+        if not directory.exists():
+            self._writable_dir(directory.parent, "state_dir")
+            return f"{directory} will be created by serve"
+        self._writable_dir(directory, "metrics.enabled = false to do without")
+        return f"{directory} writable by {self.account.name}"
+
+    def file_dirs(self) -> str:
+        dirs = self.config.file_dirs
+        for path in dirs:
+            key = (
+                "storage.shared_dirs"
+                if path in self.config.storage.shared_dirs
+                else ("storage.allowed_dirs")
+            )
+            if not path.is_dir():
+                raise Failed(
+                    f"{path} ({key}) does not exist",
+                    f"create it on the shared filesystem, or remove it from {key}",
+                )
+            self._reach(path)
+            if not may(self.account, path, 5):
+                raise Failed(
+                    f"{self.account.name} cannot read {path} ({key})",
+                    f"let {self.account.name} read and search it (group or o+rx)",
+                )
+        return ", ".join(str(d) for d in dirs) + " present" if dirs else "none configured"
+
+    def slurm(self) -> str:
+        sinfo = self.config.slurm.sinfo
+        out = _command(
+            [sinfo, "-h", "-o", "%P %a"],
+            self.config.slurm.command_timeout,
+            "sinfo",
+            "is slurmctld up and this host a Slurm client (SLURM_CONF, munge)? "
+            "set the path in [slurm] sinfo if sinfo lives elsewhere",
+        )
+        partitions = [line.split()[0].rstrip("*") for line in out.splitlines() if line.strip()]
+        if not partitions:
+            raise Failed("sinfo lists no partition", "configure a partition in slurm.conf")
+        return "slurmctld answers; partitions: " + ", ".join(partitions)
+
+    def sacct(self) -> str:
+        _command(
+            [self.config.slurm.sacct, "-n", "-X", "-S", "now-1hours", "-o", "JobID"],
+            self.config.slurm.command_timeout,
+            "sacct",
+            "the poller needs job accounting: set AccountingStorageType=accounting_storage/"
+            "slurmdbd in slurm.conf with slurmdbd running, or the path in [slurm] sacct",
+        )
+        return "job accounting answers"
+
+    def apptainer(self) -> str:
+        from bridge.images import ImageCache, ImagePullError
+
+        container = self.config.container
+        runtime = shutil.which(container.runtime)
+        if runtime is None:
+            raise Failed(
+                f"{container.runtime} not found on PATH",
+                "install Apptainer, or set container.runtime to its path",
+            )
+        with contextlib.ExitStack() as stack:
+            config = self.config
+            if self.account.uid != os.geteuid():
+                # Files this process made in the service's cache would not be the service's.
+                scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="tes-check-"))
+                cached = container.model_copy(update={"cache_dir": Path(scratch)})
+                config = config.model_copy(update={"container": cached})
+            cache = ImageCache(config, max_workers=1)
+            stack.callback(cache.close)
+            try:
+                sif = cache.pull(self.image)
+            except ImagePullError as exc:
+                raise Failed(
+                    f"cannot get image {self.image}: {exc}",
+                    "check container.default_registry and insecure_registries, or give a "
+                    "reachable image with --image",
+                ) from None
+            self._run_image(runtime, sif)
+        return f"{container.runtime} ran {self.image}"
+
+    def _run_image(self, runtime: str, sif: Path) -> None:
+        container = self.config.container
+        argv = [
+            runtime,
+            *container.global_flags,
+            "exec",
+            *container.exec_flags,
+            *container.extra_flags,
+            *container.isolation_flags,
+            str(sif),
+            "true",
+        ]
+        _command(
+            argv,
+            container.pull_timeout_seconds,
+            f"{container.runtime} exec {self.image}",
+            "check container.exec_flags/extra_flags (e.g. --userns where setuid is not "
+            "installed) and that user namespaces are enabled",
+        )
+
+    def sudo_rule(self) -> str:
+        sudo = self.config.site.sudo
+        listing = [sudo, "-n", "-l"]
+        if os.geteuid() == 0:
+            listing += ["-U", self.account.name]
+        fix = (
+            f"install deploy/sudoers.tes-bridge as /etc/sudoers.d/tes-bridge (mode 0440) with "
+            f"the paths of this host, for {self.account.name}"
+        )
+        out = _command(listing, self.config.slurm.command_timeout, "sudo -l", fix)
+        # The rule's regular expressions escape `.` and the like: compare without backslashes.
+        plain = out.replace("\\", "")
+        python, work = self.config.job.python, self.config.work_dir
+        wanted = {
+            "sbatch": "sbatch --parsable",
+            "scancel": "scancel",
+            f"{python} -m bridge.job adopt --work-dir {work}": (
+                f"{python} ^-m bridge.job adopt --work-dir {work} "
+            ),
+            f"{python} -m bridge.job read-records --work-dir {work}": (
+                f"{python} ^-m bridge.job read-records --work-dir {work} "
+            ),
+        }
+        missing = [shown for shown, text in wanted.items() if text not in plain]
+        if missing:
+            raise Failed(
+                f"the sudo rules of {self.account.name} allow no {'; no '.join(missing)} "
+                "(job.python and job.work_dir must be the rule's paths)",
+                fix,
+            )
+        compact = out.replace(" ", "")
+        if "(root)" in compact or "(ALL)" in compact:
+            raise Failed(f"{self.account.name} may run commands as root", fix)
+        return f"{self.account.name} may run sbatch, scancel and bridge.job as task owners"
