@@ -27,7 +27,7 @@ from typing import Any, TypeGuard
 import jinja2
 
 import bridge
-from bridge import tes
+from bridge import backend_params, tes
 from bridge.config import Config
 from bridge.job.layout import (
     LayoutError,
@@ -86,34 +86,31 @@ def parse_task(task: dict[str, Any] | TesTask) -> TesTask:
 # --------------------------------------------------------------------------- validation
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_TIME_LIMIT = re.compile(
-    r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
-    r"|\d+-\d{1,2}:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$"
-)
-_GRES = re.compile(r"^[A-Za-z0-9_:,.-]+$")
-_CONSTRAINT = re.compile(r"^[A-Za-z0-9_&|,.()\[\]*:!-]+$")
 #: Characters sbatch reads in an `#SBATCH` value without surprises (for the task directory).
 _SBATCH_PATH = re.compile(r"^/[A-Za-z0-9_./+,:=@~-]*$")
 
 #: Where each `#SBATCH` option of a task comes from, in the order they are written (after
 #: --job-name, --output, --chdir and --no-requeue; before slurm.extra_directives):
 #:
-#:   key          option             value
-#:   partition    --partition        backend_parameters.partition, else resources.zones (each
-#:                                   checked against slurm.partitions), else
-#:                                   slurm.preemptible_partition for a preemptible task, else
-#:                                   slurm.default_partition
-#:   qos          --qos              backend_parameters.qos, else slurm.preemptible_qos for a
-#:                                   preemptible task
-#:   account      --account          backend_parameters.account
-#:   time_limit   --time             backend_parameters.time_limit, else slurm.default_time_limit
-#:   cpu_cores    --cpus-per-task    resources.cpu_cores (0: no request)
-#:   ram_gb       --mem              resources.ram_gb in MB, rounded up (0: no request)
-#:   disk_gb      --tmp              resources.disk_gb in MB, per slurm.disk_request
-#:   gres         --gres             backend_parameters.gres
-#:   gpus         --gpus             backend_parameters.gpus
-#:   constraint   --constraint       backend_parameters.constraint
-#:   reservation  --reservation      backend_parameters.reservation
+#:   key            option             value
+#:   partition      --partition        backend_parameters.partition, else resources.zones (each
+#:                                     checked against slurm.partitions), else
+#:                                     slurm.preemptible_partition for a preemptible task, else
+#:                                     slurm.default_partition
+#:   qos            --qos              backend_parameters.qos, else slurm.preemptible_qos for a
+#:                                     preemptible task
+#:   account        --account          backend_parameters.account
+#:   time_limit     --time             the tighter of backend_parameters.time (or time_limit)
+#:                                     and max_time (hours), else slurm.default_time, else
+#:                                     slurm.max_time (see backend_params.time_limit)
+#:   cpu_cores      --cpus-per-task    resources.cpu_cores rounded up (0: no request)
+#:   ram_gb         --mem              resources.ram_gb in MB, rounded up (0: no request)
+#:   disk_gb        --tmp              resources.disk_gb in MB, per slurm.disk_request
+#:   gres           --gres             backend_parameters.gres
+#:   gpus           --gpus             backend_parameters.gpus
+#:   gpus_per_task  --gpus-per-task    backend_parameters.gpus_per_task
+#:   constraint     --constraint       backend_parameters.constraint
+#:   reservation    --reservation      backend_parameters.reservation
 SBATCH_OPTIONS: dict[str, str] = {
     "partition": "--partition",
     "qos": "--qos",
@@ -124,22 +121,14 @@ SBATCH_OPTIONS: dict[str, str] = {
     "disk_gb": "--tmp",
     "gres": "--gres",
     "gpus": "--gpus",
+    "gpus_per_task": "--gpus-per-task",
     "constraint": "--constraint",
     "reservation": "--reservation",
 }
 
-#: backend_parameters key -> the pattern its value must match (it goes into an `#SBATCH` line,
-#: which sbatch parses with its own rules).
-BACKEND_PARAMETERS: dict[str, re.Pattern[str]] = {
-    "partition": _NAME,
-    "account": _NAME,
-    "qos": _NAME,
-    "time_limit": _TIME_LIMIT,
-    "gres": _GRES,
-    "gpus": _GRES,
-    "constraint": _CONSTRAINT,
-    "reservation": _NAME,
-}
+#: Variables Slurm sets for a job's GPUs, passed into the executors of a task that asks for
+#: GPUs (the runtime's --cleanenv drops the job's environment).
+GPU_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS")
 
 #: Container paths that cannot be bind targets: the runtime owns them.
 _RESERVED = ("/proc", "/sys", "/dev")
@@ -210,21 +199,25 @@ def disk_directive(
     return f"{SBATCH_OPTIONS['disk_gb']}={megabytes}"
 
 
-def _backend_values(resources: ResourcesModel) -> dict[str, str]:
-    """The supported backend parameters, each checked against its pattern."""
-    values: dict[str, str] = {}
-    for key, value in (resources.backend_parameters or {}).items():
-        key = key.lower()
-        if key not in BACKEND_PARAMETERS:
-            continue  # the API already dropped keys the deployment does not support
-        if not BACKEND_PARAMETERS[key].fullmatch(value):
-            raise RenderError(f"resources.backend_parameters.{key}: invalid value {value!r}")
-        values[key] = value
+def _backend_values(resources: ResourcesModel, config: Config) -> dict[str, str]:
+    """The supported backend parameters, each checked against its pattern, the time limit
+    under `time_limit`."""
+    try:
+        values = backend_params.checked_values(
+            resources.backend_parameters, config.backend_parameters.supported
+        )
+        limit = backend_params.time_limit(resources.backend_parameters, config)
+    except backend_params.ParameterError as exc:
+        raise RenderError(str(exc)) from None
+    for key in ("time", "time_limit", "max_time"):
+        values.pop(key, None)
+    if limit is not None:
+        values["time_limit"] = limit.option
     return values
 
 
 def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Config) -> None:
-    """Fill in partition, qos and time limit from the TES fields and the configuration."""
+    """Fill in partition and qos from the TES fields and the configuration."""
     preemptible = resources.preemptible is True
     if "partition" in values:
         values["partition"] = _partition(
@@ -242,8 +235,6 @@ def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Co
         values["partition"] = config.slurm.default_partition
     if "qos" not in values and preemptible and config.slurm.preemptible_qos:
         values["qos"] = config.slurm.preemptible_qos
-    if "time_limit" not in values and config.slurm.default_time_limit:
-        values["time_limit"] = config.slurm.default_time_limit
 
 
 def _resource_values(
@@ -251,7 +242,8 @@ def _resource_values(
 ) -> None:
     """Fill in cpu_cores, ram_gb and disk_gb as sbatch wants them."""
     if resources.cpu_cores:  # 0 (which TES allows) means "no request", like an absent value
-        values["cpu_cores"] = str(resources.cpu_cores)
+        # TES 1.2 allows a fraction of a core; Slurm counts whole CPUs.
+        values["cpu_cores"] = str(math.ceil(resources.cpu_cores))
     mem = _megabytes(resources.ram_gb)
     if mem is not None:
         values["ram_gb"] = str(mem)
@@ -277,7 +269,7 @@ def sbatch_directives(
             f"the task directory {task_dir!r} holds characters sbatch cannot take in a "
             "directive; choose a plainer job.work_dir"
         )
-    values = _backend_values(typed.resources)
+    values = _backend_values(typed.resources, config)
     _with_defaults(values, typed.resources, config)
     _resource_values(values, typed.resources, config, tmp_disk)
     directives = [
@@ -579,6 +571,8 @@ class _RuntimeFlags:
     binds: list[str]
     scratch_targets: list[str]
     after_scratch: list[str]
+    #: container.gpu_flag for a task that asks for GPUs, else nothing.
+    gpu: list[str]
 
 
 def _call(
@@ -590,6 +584,7 @@ def _call(
         [runtime, *config.container.global_flags, "exec", *config.container.exec_flags],
         config.container.isolation_flags,
         config.container.extra_flags,
+        flags.gpu,
     ]
     groups += [flags.binds[i : i + 2] for i in range(0, len(flags.binds), 2)]
     if executor.workdir is not None:
@@ -683,10 +678,12 @@ def render_script(
     layout = TaskLayout(task_dir)
     directives = sbatch_directives(typed, config=config, layout=layout, tmp_disk=tmp_disk)
     plan = plan or compute_binds(typed, config=config, layout=layout)
+    gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(
         binds=bind_args(plan.binds),
         scratch_targets=plan.scratch_targets,
         after_scratch=bind_args(plan.after_scratch),
+        gpu=[config.container.gpu_flag] if gpus else [],
     )
     context = {
         "directives": directives,
@@ -699,6 +696,8 @@ def render_script(
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
         "scratch_mountpoints": plan.scratch_mountpoints,
+        "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],
+        "env_prefix": _env_prefix(config.container.runtime),
         "executors": [
             _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
             for i, ex in enumerate(typed.model.executors)

@@ -10,7 +10,7 @@ from typing import Any
 
 import falcon
 
-from bridge import __version__
+from bridge import __version__, backend_params
 from bridge.config import Config
 from bridge.openapi import openapi_document
 from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
@@ -86,6 +86,10 @@ class Tasks:
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )
+            # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
+            problems = backend_params.check_task(task.document, self.config)
+            if problems:
+                raise TaskValidationError(problems)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
         record = self.store.create_task(

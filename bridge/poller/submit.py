@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bridge import backend_params
+from bridge.config import Config
 from bridge.images import ImagePullError
 from bridge.naming import job_name
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (
+    TIME_LIMIT_KEY,
     attempt_log,
     copy_logs,
     failure_logs,
@@ -56,6 +59,16 @@ class _Wait(Exception):
 
 class _Fail(Exception):
     """The task cannot run: SYSTEM_ERROR with this message."""
+
+
+def _time_limit(document: dict[str, Any], config: Config) -> str | None:
+    """The job's --time and where it came from, for the message of a TIMEOUT."""
+    params = (document.get("resources") or {}).get("backend_parameters")
+    try:
+        limit = backend_params.time_limit(params, config)
+    except backend_params.ParameterError:
+        return None  # the render refused it already
+    return limit.describe() if limit else None
 
 
 def disk_gb(document: dict[str, Any]) -> float:
@@ -215,7 +228,11 @@ class Submitter:
         logs = task.logs or []
         entry = attempt_log(logs, attempt)
         set_condition(entry, None)
-        entry.setdefault("metadata", {})["slurm_job_id"] = job_id
+        metadata = entry.setdefault("metadata", {})
+        metadata["slurm_job_id"] = job_id
+        limit = _time_limit(document, self.ctx.config)
+        if limit:
+            metadata[TIME_LIMIT_KEY] = limit
         canceled = self.ctx.store.record_job(task.id, job_id, logs=logs)
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
         if canceled:
