@@ -275,6 +275,22 @@ class _PollerQueries:
         )
         return [_record(row, True) for row in rows]
 
+    def jobs_in_flight_by_owner(self) -> dict[str | None, int]:
+        """How many tasks of each owner have (or may have) a job in Slurm: one GROUP BY over
+        what `tasks_in_flight` reads (admission control)."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        rows = (
+            TaskRow.select(TaskRow.owner, peewee.fn.COUNT(TaskRow.seq).alias("jobs"))
+            .where(
+                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .group_by(TaskRow.owner)
+            .tuples()
+        )
+        pairs: list[tuple[str | None, int]] = list(rows)  # type: ignore[arg-type]
+        return {owner: int(jobs) for owner, jobs in pairs}
+
     def interrupted_submissions(self) -> list[TaskRecord]:
         """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
         active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]

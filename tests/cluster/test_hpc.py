@@ -1,0 +1,113 @@
+"""What HPC sites ask for, on the real cluster: time limits that end jobs with a message naming
+the limit, fractional CPUs, admission control; sacct shows what Slurm was asked."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bridge.naming import job_name
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+
+def sacct(job_id: str, fields: str) -> dict[str, str]:
+    """The job line of `sacct -j JOB -o FIELDS`."""
+    out = subprocess.run(
+        ["sacct", "-P", "-n", "-X", "-j", job_id, "-o", fields],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    values = out.splitlines()[0].split("|")
+    return dict(zip(fields.split(","), values, strict=True))
+
+
+def system_logs(task: dict[str, Any]) -> str:
+    return "\n".join(line for log in task.get("logs", []) for line in log.get("system_logs", []))
+
+
+def test_a_task_over_its_time_limit_ends_naming_the_limit(bridge_service: BridgeService) -> None:
+    # Slurm counts limits in minutes (0:00:05 is one minute), checks them about every 30 s and
+    # gives KillWait (10 s here) between SIGTERM and SIGKILL.
+    task = bridge_service.run(
+        {
+            "executors": [{"image": "alpine", "command": ["sleep", "300"]}],
+            "resources": {"backend_parameters": {"time": "0:00:05"}},
+        },
+        timeout=240,
+    )
+    assert task["state"] == "EXECUTOR_ERROR", task
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    logs = system_logs(task)
+    assert (
+        f"Slurm job {job_id} ended in state TIMEOUT (exit code 0): the job reached its time limit "
+        "(--time=0:00:05, from resources.backend_parameters.time)"
+    ) in logs, logs
+    facts = sacct(job_id, "Timelimit,State,ElapsedRaw")
+    assert facts["Timelimit"] == "00:01:00", facts
+    assert facts["State"] == "TIMEOUT", facts
+    assert 60 <= int(facts["ElapsedRaw"]) < 200, facts
+
+
+def test_max_time_in_hours_is_the_jobs_time_limit(bridge_service: BridgeService) -> None:
+    task = bridge_service.run(
+        {
+            "executors": [{"image": "alpine", "command": ["true"]}],
+            "resources": {"backend_parameters": {"max_time": "1.5"}, "cpu_cores": 0.5},
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert task["resources"]["cpu_cores"] == 1
+    facts = sacct(task["logs"][0]["metadata"]["slurm_job_id"], "Timelimit,ReqCPUS")
+    assert facts == {"Timelimit": "01:30:00", "ReqCPUS": "1"}, facts
+
+
+@pytest.fixture(scope="module")
+def admission_service(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    service = start_bridge_service(
+        local_cluster, tmp_path_factory.mktemp("admission"), slurm_toml="max_jobs_in_flight = 2"
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_max_jobs_in_flight_bounds_the_jobs_in_squeue(admission_service: BridgeService) -> None:
+    ids = [
+        admission_service.create(
+            {"executors": [{"image": "alpine", "command": ["sleep", "4"]}], "name": f"a{i}"}
+        )
+        for i in range(6)
+    ]
+    names = ",".join(job_name(task_id) for task_id in ids)
+    most = 0
+    saw_waiting = False
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        # A job that recorded its outcome may linger COMPLETING while the next one starts:
+        # the limit counts the jobs whose tasks are not finished.
+        states = "PENDING,CONFIGURING,RUNNING,SUSPENDED"
+        out = subprocess.run(
+            ["squeue", "-h", "-n", names, "-t", states, "-o", "%i"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        most = max(most, len(out.split()))
+        tasks = [admission_service.get(task_id) for task_id in ids]
+        saw_waiting = saw_waiting or any(
+            "slurm.max_jobs_in_flight = 2" in system_logs(t) for t in tasks
+        )
+        if all(t["state"] in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR") for t in tasks):
+            break
+        time.sleep(0.3)
+    assert [t["state"] for t in tasks] == ["COMPLETE"] * 6, tasks
+    assert most == 2, most
+    assert saw_waiting
+    for task in tasks:  # the condition line went when the task moved on
+        assert "max_jobs_in_flight" not in system_logs(task)
