@@ -15,6 +15,7 @@ import falcon
 from bridge.auth import Authenticator, AuthError, build_authenticator
 from bridge.config import Config, load_config
 from bridge.resources import (
+    Capabilities,
     LegacyServiceInfo,
     OpenAPI,
     RequestError,
@@ -168,6 +169,7 @@ def create_app(
     tasks = Tasks(config, store)
     task = Task(store)
     service_info = ServiceInfo(config, store)
+    capabilities = Capabilities(config, store)
     openapi = OpenAPI(config)
     # The literal `service-info` segment wins over `{task_id}` in Falcon's router.
     app.add_route("/v1/tasks/service-info", LegacyServiceInfo(config, store))
@@ -177,6 +179,7 @@ def create_app(
         app.add_route(f"{prefix}/tasks/{{task_id}}", task)
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
         app.add_route(f"{prefix}/openapi.json", openapi)
+        app.add_route(f"{prefix}/capabilities", capabilities)
     return app
 
 

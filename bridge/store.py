@@ -101,6 +101,11 @@ class MetaRow(_Model):
 MODELS = (TaskRow, TagRow, MetaRow)
 
 
+#: The meta key of what the poller last read of the cluster for `GET /capabilities` (JSON:
+#: read_at, partitions, runtime_version; see bridge.poller.capabilities).
+CAPABILITIES_KEY = "capabilities"
+
+
 class InvalidPageToken(ValueError):
     pass
 
@@ -232,6 +237,11 @@ class _Part:
     def meta(self, key: str) -> str | None:
         row = MetaRow.get_or_none(MetaRow.key == key)
         return None if row is None else row.value
+
+    def put_meta(self, key: str, value: str) -> None:
+        MetaRow.insert(key=key, value=value).on_conflict(
+            conflict_target=[MetaRow.key], update={MetaRow.value: value}
+        ).execute()
 
     @staticmethod
     def _columns(full: bool) -> list[peewee.Field]:

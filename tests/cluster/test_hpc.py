@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import requests
 
 from bridge.naming import job_name
 from tests.fixtures.service import BridgeService, start_bridge_service
@@ -111,3 +112,27 @@ def test_max_jobs_in_flight_bounds_the_jobs_in_squeue(admission_service: BridgeS
     assert saw_waiting
     for task in tasks:  # the condition line went when the task moved on
         assert "max_jobs_in_flight" not in system_logs(task)
+
+
+def test_capabilities_show_the_clusters_partitions(bridge_service: BridgeService) -> None:
+    lines = subprocess.run(
+        ["sinfo", "-h", "-a", "-N", "-o", "%P|%N|%c"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    expected: dict[str, set[str]] = {}
+    for line in lines:
+        partition, node, _ = line.split("|")
+        expected.setdefault(partition.rstrip("*"), set()).add(node)
+    deadline = time.monotonic() + 60
+    while True:
+        doc = requests.get(f"{bridge_service.api}/capabilities", timeout=10).json()
+        if doc["partitions"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    shown = {p["name"]: set(p["nodes"]) for p in doc["partitions"]}
+    assert shown == expected, doc
+    assert all(p["cpus"] > 0 and p["max_memory_mb_per_node"] > 0 for p in doc["partitions"])
+    version = subprocess.run(
+        [doc["container"]["runtime"], "--version"], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    assert doc["container"]["version"] == version
+    assert {"time", "max_time", "gpus"} <= {p["key"] for p in doc["backend_parameters"]}
