@@ -111,6 +111,31 @@ class BackendParametersConfig(_Section):
     supported: list[str] = Field(default_factory=lambda: list(SLURM_BACKEND_PARAMETERS))
 
 
+class SiteRule(_Section):
+    """Site hooks for a class of tasks (`[[slurm.rules]]`, the first that matches wins): every
+    condition given must hold."""
+
+    #: The partition the task asks for (backend_parameters.partition, zones, or
+    #: slurm.default_partition) is one of these.
+    partition: list[str] | None = None
+    #: The task asks for GPUs (true) or does not (false).
+    gpu: bool | None = None
+    #: The task's owner is a member of one of these Unix groups.
+    owner_group: list[str] | None = None
+    #: `#SBATCH` options written after the task's own (so they win), without the prefix.
+    directives: list[str] = Field(default_factory=list)
+    #: Shell text run after slurm.prologue (e.g. `module load cuda`).
+    prologue: str = ""
+
+    @field_validator("directives")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        for line in value:
+            if "\n" in line or "\r" in line:
+                raise ValueError(f"{line!r} spans several lines")
+        return value
+
+
 class SlurmConfig(_Section):
     sbatch: str = "sbatch"
     squeue: str = "squeue"
@@ -145,6 +170,9 @@ class SlurmConfig(_Section):
     tmp_disk_refresh_seconds: float = Field(default=600.0, gt=0)
     #: Extra `#SBATCH` lines, written as given (without the `#SBATCH` prefix).
     extra_directives: list[str] = Field(default_factory=list)
+    #: Site hooks per class of task: the first rule that matches adds its directives and
+    #: prologue (see SiteRule).
+    rules: list[SiteRule] = Field(default_factory=list)
     #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).
     prologue: str = ""
     epilogue: str = ""

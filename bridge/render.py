@@ -12,10 +12,12 @@ field, which the poller records as a SYSTEM_ERROR.
 from __future__ import annotations
 
 import csv
+import grp
 import io
 import json
 import math
 import os
+import pwd
 import re
 import shlex
 from collections.abc import Iterable
@@ -28,7 +30,7 @@ import jinja2
 
 import bridge
 from bridge import backend_params, tes
-from bridge.config import Config
+from bridge.config import Config, SiteRule
 from bridge.job.layout import (
     LayoutError,
     TaskLayout,
@@ -253,15 +255,48 @@ def _resource_values(
         values["disk_gb"] = tmp.partition("=")[2]
 
 
+def _unix_groups(user: str) -> set[str]:
+    """The Unix groups of `user` (none for an unknown user)."""
+    try:
+        gid = pwd.getpwnam(user).pw_gid
+        return {grp.getgrgid(g).gr_name for g in os.getgrouplist(user, gid)}
+    except (KeyError, OSError):
+        return set()
+
+
+def site_rule(
+    typed: TesTask, partition: str | None, config: Config, owner: str | None
+) -> SiteRule | None:
+    """The first of `slurm.rules` whose every condition holds for the task, if any."""
+    gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
+    groups: set[str] | None = None
+    for rule in config.slurm.rules:
+        if rule.gpu is not None and rule.gpu != gpus:
+            continue
+        if rule.partition is not None and not (
+            partition and set(partition.split(",")) <= set(rule.partition)
+        ):
+            continue
+        if rule.owner_group is not None:
+            if groups is None:
+                groups = _unix_groups(owner) if owner else set()
+            if not groups & set(rule.owner_group):
+                continue
+        return rule
+    return None
+
+
 def sbatch_directives(
     task: dict[str, Any] | TesTask,
     *,
     config: Config,
     layout: TaskLayout,
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> list[str]:
-    """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
-    the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
+    """The `#SBATCH` options (without the prefix), site directives last: those of the first
+    matching `slurm.rules` (for `owner`'s groups), then `slurm.extra_directives`. `tmp_disk` is
+    what the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
     typed = parse_task(task)
     task_dir = str(layout.task_dir)
     if not _SBATCH_PATH.fullmatch(task_dir):
@@ -280,6 +315,9 @@ def sbatch_directives(
         "--no-requeue",
     ]
     directives += [f"{opt}={values[key]}" for key, opt in SBATCH_OPTIONS.items() if key in values]
+    rule = site_rule(typed, values.get("partition"), config, owner)
+    if rule is not None:
+        directives.extend(rule.directives)
     directives.extend(config.slurm.extra_directives)
     for line in directives:
         if "\n" in line or "\r" in line:
@@ -671,12 +709,20 @@ def render_script(
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
     plan: BindPlan | None = None,
+    owner: str | None = None,
 ) -> str:
     """The job script for `task`; raises RenderError when a task value cannot be used.
-    `plan`: the task's `compute_binds`, when the caller has it already."""
+    `plan`: the task's `compute_binds`, when the caller has it already; `owner`: the task's
+    owner (for `slurm.rules` on Unix groups)."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
-    directives = sbatch_directives(typed, config=config, layout=layout, tmp_disk=tmp_disk)
+    directives = sbatch_directives(
+        typed, config=config, layout=layout, tmp_disk=tmp_disk, owner=owner
+    )
+    partition = next(
+        (d.partition("=")[2] for d in directives if d.startswith("--partition=")), None
+    )
+    rule = site_rule(typed, partition, config, owner)
     plan = plan or compute_binds(typed, config=config, layout=layout)
     gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(
@@ -691,7 +737,7 @@ def render_script(
         "python": config.job.python,
         "runtime": config.container.runtime,
         "job_module": JOB_MODULE,
-        "prologue": config.slurm.prologue,
+        "prologue": config.slurm.prologue + ("\n" + rule.prologue if rule else ""),
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
@@ -741,6 +787,7 @@ def prepare_task_dir(
     config: Config,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> Path:
     """Create `<work_dir>/<task id>/` with task.json, job-config.json and job.sh.
 
@@ -748,7 +795,9 @@ def prepare_task_dir(
     """
     typed = parse_task(task)
     layout = TaskLayout(config.work_dir / typed.id)
-    files = task_files(typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
+    files = task_files(
+        typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk, owner=owner
+    )
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
@@ -766,6 +815,7 @@ def task_files(
     config: Config,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> dict[str, str]:
     """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
 
@@ -781,6 +831,7 @@ def task_files(
         image_paths=image_paths,
         tmp_disk=tmp_disk,
         plan=plan,
+        owner=owner,
     )
     settings = job_settings(
         typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, plan=plan

@@ -276,7 +276,7 @@ class Submitter:
         try:
             if self.owners is not None and not owner:
                 raise _Fail("this task has no owner; in site mode tasks run only as their owner")
-            script = self._prepare(document, owner, image_paths, stats)
+            script = self._prepare(document, owner, image_paths, stats, task_owner=task.owner)
         except _Fail as exc:
             self._fail(task, str(exc))
             return False
@@ -330,8 +330,11 @@ class Submitter:
         owner: str | None,
         image_paths: dict[str, str],
         stats: CycleStats,
+        *,
+        task_owner: str | None = None,
     ) -> Path:
-        """The task directory and its job script; raises _Fail or _Wait."""
+        """The task directory and its job script; raises _Fail or _Wait. `owner`: who writes
+        it (site mode), `task_owner`: whose groups `slurm.rules` look at."""
         tmp_disk = None
         if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
             try:
@@ -344,7 +347,11 @@ class Submitter:
             if owner and self.owners is not None:
                 return self.owners.adopt(owner, document, image_paths, tmp_disk)
             return prepare_task_dir(
-                document, config=self.ctx.config, image_paths=image_paths, tmp_disk=tmp_disk
+                document,
+                config=self.ctx.config,
+                image_paths=image_paths,
+                tmp_disk=tmp_disk,
+                owner=task_owner,
             )
         except OSError as exc:
             if exc.errno not in TRANSIENT_ERRNOS:

@@ -18,13 +18,19 @@ pytestmark = pytest.mark.cluster
 
 
 def sacct(job_id: str, fields: str) -> dict[str, str]:
-    """The job line of `sacct -j JOB -o FIELDS`."""
-    out = subprocess.run(
-        ["sacct", "-P", "-n", "-X", "-j", job_id, "-o", fields],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    values = out.splitlines()[0].split("|")
-    return dict(zip(fields.split(","), values, strict=True))
+    """The job line of `sacct -j JOB -o FIELDS`, once slurmdbd has the job's own record (right
+    after a job ends it may hold only a placeholder with empty fields)."""
+    for _ in range(30):
+        out = subprocess.run(
+            ["sacct", "-P", "-n", "-X", "-j", job_id, "-o", fields],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        lines = out.splitlines()
+        values = dict(zip(fields.split(","), lines[0].split("|"), strict=True)) if lines else {}
+        if values and all(values.values()):
+            return values
+        time.sleep(1)
+    return values
 
 
 def system_logs(task: dict[str, Any]) -> str:
@@ -136,3 +142,29 @@ def test_capabilities_show_the_clusters_partitions(bridge_service: BridgeService
     ).stdout.split()[-1]
     assert doc["container"]["version"] == version
     assert {"time", "max_time", "gpus"} <= {p["key"] for p in doc["backend_parameters"]}
+
+
+@pytest.fixture(scope="module")
+def rules_service(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    rules = (
+        'rules = [{ gpu = true, directives = ["--time=1"] }, '
+        '{ gpu = false, directives = ["--time=7"], prologue = "echo site rule prologue ran" }]'
+    )
+    service = start_bridge_service(
+        local_cluster, tmp_path_factory.mktemp("rules"), slurm_toml=rules
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_a_site_rule_adds_its_directives_and_prologue(rules_service: BridgeService) -> None:
+    task = rules_service.run({"executors": [{"image": "alpine", "command": ["true"]}]})
+    assert task["state"] == "COMPLETE", task
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    assert sacct(job_id, "Timelimit") == {"Timelimit": "00:07:00"}
+    output = (rules_service.work_dir / task["id"] / f"slurm-{job_id}.out").read_text()
+    assert "site rule prologue ran" in output

@@ -3,6 +3,9 @@ and runtime flags, with hostile values refused naming the field."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +13,9 @@ import pytest
 
 from bridge import backend_params
 from bridge.config import ConfigError, load_config
-from bridge.render import RenderError
-from tests.unit.test_render import bash_syntax_ok, directives, make_task, render
+from bridge.job.layout import TaskLayout
+from bridge.render import RenderError, sbatch_directives
+from tests.unit.test_render import bash_syntax_ok, directives, make_config, make_task, render
 
 
 def params(**values: str) -> dict[str, Any]:
@@ -153,3 +157,62 @@ def test_hostile_gpu_values_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(RenderError, match=rf"resources\.backend_parameters\.{key}"):
         render(tmp_path, make_task(resources=params(**{key: value})))
+
+
+def test_gpu_variables_reach_the_runtime_only_when_slurm_set_them(tmp_path: Path) -> None:
+    script = render(tmp_path, make_task(resources=params(gpus="2")))
+    function = re.search(r"^pass_gpu_environment\(\) \{\n.*?^\}\n", script, re.M | re.S)
+    assert function is not None
+    shell = function.group(0) + "pass_gpu_environment\nenv | grep ^APPTAINERENV_ | sort\n"
+    env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1", "SLURM_JOB_GPUS": "2,3"}
+    out = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True).stdout
+    assert out.split() == [
+        "APPTAINERENV_CUDA_VISIBLE_DEVICES=0,1",
+        "APPTAINERENV_SLURM_JOB_GPUS=2,3",
+    ]
+
+
+RULES = [
+    {"gpu": True, "directives": ["--partition=gpu", "--qos=gpu"], "prologue": "module load cuda"},
+    {"partition": ["debug"], "directives": ["--time=30"]},
+    {"owner_group": ["root"], "directives": ["--comment=admins"]},
+]
+
+
+def prologue_of(script: str) -> str:
+    return script.split("site_prologue() {", 1)[1].split("}", 1)[0]
+
+
+def test_site_rules_first_match_wins(tmp_path: Path) -> None:
+    slurm = {"rules": RULES, "default_partition": "main"}
+    gpu = render(tmp_path, make_task(resources=params(gpus="1", partition="debug")), slurm=slurm)
+    found = directives(gpu)
+    # After the task's own options, so they win (sbatch takes the last of a repeated option).
+    assert found.index("--partition=gpu") > found.index("--partition=debug")
+    assert "--qos=gpu" in found and "--time=30" not in found
+    assert "module load cuda" in prologue_of(gpu)
+    debug = render(tmp_path, make_task(resources=params(partition="debug")), slurm=slurm)
+    assert directives(debug)[-1] == "--time=30" and "cuda" not in debug
+    plain = render(tmp_path, make_task(), slurm=slurm)
+    assert not {"--time=30", "--qos=gpu", "--comment=admins"} & set(directives(plain))
+
+
+def test_site_rules_on_the_owners_groups(tmp_path: Path) -> None:
+    config = make_config(tmp_path, slurm={"rules": RULES[2:]})
+    layout = TaskLayout(config.work_dir / "task-1")
+    for owner, expected in (
+        ("root", True),
+        ("nobody", False),
+        ("no-such-user", False),
+        (None, False),
+    ):
+        found = sbatch_directives(make_task(), config=config, layout=layout, owner=owner)
+        assert ("--comment=admins" in found) is expected, owner
+
+
+def test_a_site_rule_directive_on_two_lines_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="several lines"):
+        load_config(
+            environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+            overrides={"slurm.rules": [{"directives": ["--x\n#SBATCH --uid=0"]}]},
+        )
