@@ -297,7 +297,17 @@ def sbatch_directives(
     """The `#SBATCH` options (without the prefix), site directives last: those of the first
     matching `slurm.rules` (for `owner`'s groups), then `slurm.extra_directives`. `tmp_disk` is
     what the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
-    typed = parse_task(task)
+    return _directives_and_rule(parse_task(task), config, layout, tmp_disk, owner)[0]
+
+
+def _directives_and_rule(
+    typed: TesTask,
+    config: Config,
+    layout: TaskLayout,
+    tmp_disk: TmpDisk | None,
+    owner: str | None,
+) -> tuple[list[str], SiteRule | None]:
+    """The `#SBATCH` options and the site rule they took (its prologue goes into the script)."""
     task_dir = str(layout.task_dir)
     if not _SBATCH_PATH.fullmatch(task_dir):
         raise RenderError(
@@ -322,7 +332,7 @@ def sbatch_directives(
     for line in directives:
         if "\n" in line or "\r" in line:
             raise RenderError(f"slurm.extra_directives: {line!r} spans several lines")
-    return directives
+    return directives, rule
 
 
 # --------------------------------------------------------------------------- bind mounts
@@ -716,13 +726,7 @@ def render_script(
     owner (for `slurm.rules` on Unix groups)."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
-    directives = sbatch_directives(
-        typed, config=config, layout=layout, tmp_disk=tmp_disk, owner=owner
-    )
-    partition = next(
-        (d.partition("=")[2] for d in directives if d.startswith("--partition=")), None
-    )
-    rule = site_rule(typed, partition, config, owner)
+    directives, rule = _directives_and_rule(typed, config, layout, tmp_disk, owner)
     plan = plan or compute_binds(typed, config=config, layout=layout)
     gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(

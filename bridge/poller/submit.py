@@ -227,10 +227,11 @@ class Submitter:
             return
         store = self.ctx.store
         tasks = store.tasks_to_submit(now=self.ctx.clock(), limit=MAX_SUBMISSIONS_PER_CYCLE)
-        admission = Admission(self.ctx) if tasks else None
+        if not tasks:
+            return
+        admission = Admission(self.ctx)
         for index, task in enumerate(tasks):
             try:
-                assert admission is not None
                 waiting = admission.refusal(task.owner)
                 if waiting and admission.full:
                     # Every task behind it waits for the same jobs to end: say so, stop here.

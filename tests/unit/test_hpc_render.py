@@ -216,3 +216,15 @@ def test_a_site_rule_directive_on_two_lines_is_a_config_error(tmp_path: Path) ->
             environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
             overrides={"slurm.rules": [{"directives": ["--x\n#SBATCH --uid=0"]}]},
         )
+
+
+def test_the_rule_that_sets_the_partition_also_gives_the_prologue(tmp_path: Path) -> None:
+    # The first rule does not match the task as it asks (no partition); the second one sends it
+    # to `gpu`, which must not make the first one match for the prologue.
+    rules = [
+        {"partition": ["gpu"], "prologue": "echo another rule"},
+        {"gpu": True, "directives": ["--partition=gpu"], "prologue": "module load cuda"},
+    ]
+    script = render(tmp_path, make_task(resources=params(gpus="1")), slurm={"rules": rules})
+    assert "module load cuda" in prologue_of(script)
+    assert "another rule" not in script
