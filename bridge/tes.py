@@ -221,17 +221,28 @@ Gigabytes = Annotated[float, Field(ge=0, le=MAX_GIGABYTES), BeforeValidator(_non
 def _cpu_cores(value: Any) -> Any:
     # TES 1.2 allows a fraction of a core (rounded up for Slurm); an integral value stays an
     # integer so that 1.1 clients (py-tes wants an int) read their task back.
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_CPU_CORES  # also NaN
+    ):
         raise ValueError(f"must be a non-negative number, at most {MAX_CPU_CORES}")
     if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_CPU_CORES:
         return int(value)
     return value
 
 
+#: Constraints on each member, so that the OpenAPI schema says minimum and maximum.
+CpuCores = Annotated[
+    Annotated[int, Field(ge=0, le=MAX_CPU_CORES)] | Annotated[float, Field(ge=0, le=MAX_CPU_CORES)],
+    BeforeValidator(_cpu_cores),
+]
+
+
 class ResourcesModel(_Document):
-    cpu_cores: (
-        Annotated[int | float, Field(ge=0, le=MAX_CPU_CORES), BeforeValidator(_cpu_cores)] | None
-    ) = Field(default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores"))
+    cpu_cores: CpuCores | None = Field(
+        default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores")
+    )
     preemptible: StrictBool | None = None
     ram_gb: Gigabytes | None = Field(default=None, validation_alias=AliasChoices("ram_gb", "ramGb"))
     disk_gb: Gigabytes | None = Field(

@@ -178,3 +178,11 @@ def test_capabilities_need_the_same_authentication(tmp_path, sqlite_store, htpas
         "/ga4gh/tes/v1/capabilities", headers={"Authorization": f"Basic {raw}"}
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_the_openapi_document_bounds_a_fractional_cpu_cores(client) -> None:
+    schemas = client.simulate_get("/ga4gh/tes/v1/openapi.json").json["components"]["schemas"]
+    members = schemas["ResourcesModel"]["properties"]["cpu_cores"]["anyOf"]
+    numbers = [m for m in members if m["type"] in ("integer", "number")]
+    assert {m["type"] for m in numbers} == {"integer", "number"}
+    assert all(m["minimum"] == 0 and m["maximum"] == 65533 for m in numbers)
