@@ -16,6 +16,7 @@ from bridge.auth import Authenticator, AuthError, build_authenticator
 from bridge.config import Config, load_config
 from bridge.metrics_api import MetricsResource, RequestMetrics
 from bridge.resources import (
+    Capabilities,
     LegacyServiceInfo,
     OpenAPI,
     RequestError,
@@ -179,6 +180,7 @@ def create_app(
     task = Task(store)
     output = TaskOutput(config, store)
     service_info = ServiceInfo(config, store)
+    capabilities = Capabilities(config, store)
     openapi = OpenAPI(config)
     # The literal `service-info` segment wins over `{task_id}` in Falcon's router.
     app.add_route("/v1/tasks/service-info", LegacyServiceInfo(config, store))
@@ -189,6 +191,7 @@ def create_app(
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
         app.add_route(f"{prefix}/tasks/{{task_id}}/output", output)
         app.add_route(f"{prefix}/openapi.json", openapi)
+        app.add_route(f"{prefix}/capabilities", capabilities)
     add_ui_routes(app)
     if config.metrics.enabled and not config.metrics.bind:
         app.add_route("/metrics", MetricsResource(store.count_by_state))

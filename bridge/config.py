@@ -13,9 +13,10 @@ import os
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -25,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from bridge.backend_params import DEFAULT_SUPPORTED, parse_time
+
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
 ENV_DATABASE = "TES_BRIDGE_DATABASE"
 ENV_STATE_DIR = "TES_BRIDGE_STATE_DIR"
@@ -32,17 +35,18 @@ ENV_WORK_DIR = "TES_BRIDGE_WORK_DIR"
 
 DEFAULT_STATE_DIR = Path("/var/lib/tes-bridge")
 
-#: The backend_parameters keys the Slurm backend understands (see bridge.render).
-SLURM_BACKEND_PARAMETERS = [
-    "partition",
-    "account",
-    "qos",
-    "time_limit",
-    "gres",
-    "gpus",
-    "constraint",
-    "reservation",
-]
+#: The backend_parameters keys the Slurm backend understands (see bridge.backend_params).
+SLURM_BACKEND_PARAMETERS = list(DEFAULT_SUPPORTED)
+
+
+def _slurm_time(value: str | None) -> str | None:
+    if value is not None:
+        parse_time(value)  # a ValueError names the formats
+    return value
+
+
+#: A time limit in one of Slurm's formats (`1-00:00:00`, `90`, `UNLIMITED`).
+SlurmTime = Annotated[str | None, AfterValidator(_slurm_time)]
 
 
 class ConfigError(Exception):
@@ -107,6 +111,31 @@ class BackendParametersConfig(_Section):
     supported: list[str] = Field(default_factory=lambda: list(SLURM_BACKEND_PARAMETERS))
 
 
+class SiteRule(_Section):
+    """Site hooks for a class of tasks (`[[slurm.rules]]`, the first that matches wins): every
+    condition given must hold."""
+
+    #: The partition the task asks for (backend_parameters.partition, zones, or
+    #: slurm.default_partition) is one of these.
+    partition: list[str] | None = None
+    #: The task asks for GPUs (true) or does not (false).
+    gpu: bool | None = None
+    #: The task's owner is a member of one of these Unix groups.
+    owner_group: list[str] | None = None
+    #: `#SBATCH` options written after the task's own (so they win), without the prefix.
+    directives: list[str] = Field(default_factory=list)
+    #: Shell text run after slurm.prologue (e.g. `module load cuda`).
+    prologue: str = ""
+
+    @field_validator("directives")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        for line in value:
+            if "\n" in line or "\r" in line:
+                raise ValueError(f"{line!r} spans several lines")
+        return value
+
+
 class SlurmConfig(_Section):
     sbatch: str = "sbatch"
     squeue: str = "squeue"
@@ -121,7 +150,19 @@ class SlurmConfig(_Section):
     default_partition: str | None = None
     preemptible_partition: str | None = None
     preemptible_qos: str | None = None
-    default_time_limit: str | None = None
+    #: sbatch --time for tasks that ask for none (backend_parameters time or max_time);
+    #: unset: the partition's own limit. `default_time_limit` is the older name.
+    default_time: SlurmTime = Field(
+        default=None, validation_alias=AliasChoices("default_time", "default_time_limit")
+    )
+    #: The largest time limit a task may ask for: a larger one is refused (400); tasks that ask
+    #: for none get this one when default_time is unset.
+    max_time: SlurmTime = None
+    #: Admission control: at most this many jobs of this service in Slurm at once (queued or
+    #: running), and at most max_jobs_per_owner of one owner; the other tasks stay QUEUED,
+    #: saying why. 0: no limit.
+    max_jobs_in_flight: int = Field(default=0, ge=0)
+    max_jobs_per_owner: int = Field(default=0, ge=0)
     #: What a task's `resources.disk_gb` becomes. auto: `--tmp` (MB, rounded up) only where
     #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
     #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.
@@ -129,6 +170,9 @@ class SlurmConfig(_Section):
     tmp_disk_refresh_seconds: float = Field(default=600.0, gt=0)
     #: Extra `#SBATCH` lines, written as given (without the `#SBATCH` prefix).
     extra_directives: list[str] = Field(default_factory=list)
+    #: Site hooks per class of task: the first rule that matches adds its directives and
+    #: prologue (see SiteRule).
+    rules: list[SiteRule] = Field(default_factory=list)
     #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).
     prologue: str = ""
     epilogue: str = ""
@@ -140,6 +184,16 @@ class SlurmConfig(_Section):
     #: slurmctld may still act on a request it already received; only then is the task
     #: submitted again when no job of its name exists. About twice Slurm's MessageTimeout.
     submit_settle: float = Field(default=20.0, ge=0)
+    #: How long the partitions read for the capabilities document (one sinfo) are kept.
+    capabilities_refresh_seconds: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> SlurmConfig:
+        if self.default_time and self.max_time:
+            default, maximum = parse_time(self.default_time), parse_time(self.max_time)
+            if maximum is not None and (default is None or default > maximum):
+                raise ValueError(f"default_time {self.default_time} is above max_time")
+        return self
 
 
 class ContainerConfig(_Section):
@@ -179,6 +233,9 @@ class ContainerConfig(_Section):
     #: An image or tag that does not exist is not looked up again for this long; tasks using it
     #: fail at once. Transient failures (registry down, full disk) are retried with back-off.
     pull_failure_ttl: float = Field(default=30.0, ge=0)
+    #: The flag that gives executors of a task that asks for GPUs the host's GPU libraries:
+    #: `--nv` (NVIDIA) or `--rocm` (AMD).
+    gpu_flag: Literal["--nv", "--rocm"] = "--nv"
     #: Directories whose `.sif` files tasks may name as an absolute image path; empty: none.
     local_image_dirs: list[Path] = Field(default_factory=list)
 

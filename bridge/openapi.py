@@ -193,6 +193,27 @@ def openapi_document(config: Config) -> dict[str, Any]:
                     "responses": {"200": {"description": "GA4GH service-info with TES fields"}},
                 }
             },
+            "/capabilities": {
+                "get": {
+                    "operationId": "GetCapabilities",
+                    "description": (
+                        "An extension, shaped after task-execution-schemas PR #244: each "
+                        "partition's nodes, CPUs, memory, time limit and GPUs (read by the "
+                        "poller with one sinfo, again after "
+                        "slurm.capabilities_refresh_seconds), the supported backend_parameters "
+                        "with their patterns, the time limits, admission limits and the "
+                        "container runtime. Not part of service-info: strict TES 1.1 clients "
+                        "refuse unknown keys there."
+                    ),
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "default": errors["default"],
+                    },
+                }
+            },
             "/tasks": {
                 "get": {
                     "operationId": "ListTasks",

@@ -12,10 +12,12 @@ field, which the poller records as a SYSTEM_ERROR.
 from __future__ import annotations
 
 import csv
+import grp
 import io
 import json
 import math
 import os
+import pwd
 import re
 import shlex
 from collections.abc import Iterable
@@ -27,8 +29,8 @@ from typing import Any, TypeGuard
 import jinja2
 
 import bridge
-from bridge import tes
-from bridge.config import Config
+from bridge import backend_params, tes
+from bridge.config import Config, SiteRule
 from bridge.job.layout import (
     LayoutError,
     TaskLayout,
@@ -86,34 +88,31 @@ def parse_task(task: dict[str, Any] | TesTask) -> TesTask:
 # --------------------------------------------------------------------------- validation
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_TIME_LIMIT = re.compile(
-    r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
-    r"|\d+-\d{1,2}:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$"
-)
-_GRES = re.compile(r"^[A-Za-z0-9_:,.-]+$")
-_CONSTRAINT = re.compile(r"^[A-Za-z0-9_&|,.()\[\]*:!-]+$")
 #: Characters sbatch reads in an `#SBATCH` value without surprises (for the task directory).
 _SBATCH_PATH = re.compile(r"^/[A-Za-z0-9_./+,:=@~-]*$")
 
 #: Where each `#SBATCH` option of a task comes from, in the order they are written (after
 #: --job-name, --output, --chdir and --no-requeue; before slurm.extra_directives):
 #:
-#:   key          option             value
-#:   partition    --partition        backend_parameters.partition, else resources.zones (each
-#:                                   checked against slurm.partitions), else
-#:                                   slurm.preemptible_partition for a preemptible task, else
-#:                                   slurm.default_partition
-#:   qos          --qos              backend_parameters.qos, else slurm.preemptible_qos for a
-#:                                   preemptible task
-#:   account      --account          backend_parameters.account
-#:   time_limit   --time             backend_parameters.time_limit, else slurm.default_time_limit
-#:   cpu_cores    --cpus-per-task    resources.cpu_cores (0: no request)
-#:   ram_gb       --mem              resources.ram_gb in MB, rounded up (0: no request)
-#:   disk_gb      --tmp              resources.disk_gb in MB, per slurm.disk_request
-#:   gres         --gres             backend_parameters.gres
-#:   gpus         --gpus             backend_parameters.gpus
-#:   constraint   --constraint       backend_parameters.constraint
-#:   reservation  --reservation      backend_parameters.reservation
+#:   key            option             value
+#:   partition      --partition        backend_parameters.partition, else resources.zones (each
+#:                                     checked against slurm.partitions), else
+#:                                     slurm.preemptible_partition for a preemptible task, else
+#:                                     slurm.default_partition
+#:   qos            --qos              backend_parameters.qos, else slurm.preemptible_qos for a
+#:                                     preemptible task
+#:   account        --account          backend_parameters.account
+#:   time_limit     --time             the tighter of backend_parameters.time (or time_limit)
+#:                                     and max_time (hours), else slurm.default_time, else
+#:                                     slurm.max_time (see backend_params.time_limit)
+#:   cpu_cores      --cpus-per-task    resources.cpu_cores rounded up (0: no request)
+#:   ram_gb         --mem              resources.ram_gb in MB, rounded up (0: no request)
+#:   disk_gb        --tmp              resources.disk_gb in MB, per slurm.disk_request
+#:   gres           --gres             backend_parameters.gres
+#:   gpus           --gpus             backend_parameters.gpus
+#:   gpus_per_task  --gpus-per-task    backend_parameters.gpus_per_task
+#:   constraint     --constraint       backend_parameters.constraint
+#:   reservation    --reservation      backend_parameters.reservation
 SBATCH_OPTIONS: dict[str, str] = {
     "partition": "--partition",
     "qos": "--qos",
@@ -124,22 +123,14 @@ SBATCH_OPTIONS: dict[str, str] = {
     "disk_gb": "--tmp",
     "gres": "--gres",
     "gpus": "--gpus",
+    "gpus_per_task": "--gpus-per-task",
     "constraint": "--constraint",
     "reservation": "--reservation",
 }
 
-#: backend_parameters key -> the pattern its value must match (it goes into an `#SBATCH` line,
-#: which sbatch parses with its own rules).
-BACKEND_PARAMETERS: dict[str, re.Pattern[str]] = {
-    "partition": _NAME,
-    "account": _NAME,
-    "qos": _NAME,
-    "time_limit": _TIME_LIMIT,
-    "gres": _GRES,
-    "gpus": _GRES,
-    "constraint": _CONSTRAINT,
-    "reservation": _NAME,
-}
+#: Variables Slurm sets for a job's GPUs, passed into the executors of a task that asks for
+#: GPUs (the runtime's --cleanenv drops the job's environment).
+GPU_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS")
 
 #: Container paths that cannot be bind targets: the runtime owns them.
 _RESERVED = ("/proc", "/sys", "/dev")
@@ -211,21 +202,25 @@ def disk_directive(
     return f"{SBATCH_OPTIONS['disk_gb']}={megabytes}"
 
 
-def _backend_values(resources: ResourcesModel) -> dict[str, str]:
-    """The supported backend parameters, each checked against its pattern."""
-    values: dict[str, str] = {}
-    for key, value in (resources.backend_parameters or {}).items():
-        key = key.lower()
-        if key not in BACKEND_PARAMETERS:
-            continue  # the API already dropped keys the deployment does not support
-        if not BACKEND_PARAMETERS[key].fullmatch(value):
-            raise RenderError(f"resources.backend_parameters.{key}: invalid value {value!r}")
-        values[key] = value
+def _backend_values(resources: ResourcesModel, config: Config) -> dict[str, str]:
+    """The supported backend parameters, each checked against its pattern, the time limit
+    under `time_limit`."""
+    try:
+        values = backend_params.checked_values(
+            resources.backend_parameters, config.backend_parameters.supported
+        )
+        limit = backend_params.time_limit(resources.backend_parameters, config)
+    except backend_params.ParameterError as exc:
+        raise RenderError(str(exc)) from None
+    for key in ("time", "time_limit", "max_time"):
+        values.pop(key, None)
+    if limit is not None:
+        values["time_limit"] = limit.option
     return values
 
 
 def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Config) -> None:
-    """Fill in partition, qos and time limit from the TES fields and the configuration."""
+    """Fill in partition and qos from the TES fields and the configuration."""
     preemptible = resources.preemptible is True
     if "partition" in values:
         values["partition"] = _partition(
@@ -243,8 +238,6 @@ def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Co
         values["partition"] = config.slurm.default_partition
     if "qos" not in values and preemptible and config.slurm.preemptible_qos:
         values["qos"] = config.slurm.preemptible_qos
-    if "time_limit" not in values and config.slurm.default_time_limit:
-        values["time_limit"] = config.slurm.default_time_limit
 
 
 def _resource_values(
@@ -252,7 +245,8 @@ def _resource_values(
 ) -> None:
     """Fill in cpu_cores, ram_gb and disk_gb as sbatch wants them."""
     if resources.cpu_cores:  # 0 (which TES allows) means "no request", like an absent value
-        values["cpu_cores"] = str(resources.cpu_cores)
+        # TES 1.2 allows a fraction of a core; Slurm counts whole CPUs.
+        values["cpu_cores"] = str(math.ceil(resources.cpu_cores))
     mem = _megabytes(resources.ram_gb)
     if mem is not None:
         values["ram_gb"] = str(mem)
@@ -262,23 +256,66 @@ def _resource_values(
         values["disk_gb"] = tmp.partition("=")[2]
 
 
+def _unix_groups(user: str) -> set[str]:
+    """The Unix groups of `user` (none for an unknown user)."""
+    try:
+        gid = pwd.getpwnam(user).pw_gid
+        return {grp.getgrgid(g).gr_name for g in os.getgrouplist(user, gid)}
+    except (KeyError, OSError):
+        return set()
+
+
+def site_rule(
+    typed: TesTask, partition: str | None, config: Config, owner: str | None
+) -> SiteRule | None:
+    """The first of `slurm.rules` whose every condition holds for the task, if any."""
+    gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
+    groups: set[str] | None = None
+    for rule in config.slurm.rules:
+        if rule.gpu is not None and rule.gpu != gpus:
+            continue
+        if rule.partition is not None and not (
+            partition and set(partition.split(",")) <= set(rule.partition)
+        ):
+            continue
+        if rule.owner_group is not None:
+            if groups is None:
+                groups = _unix_groups(owner) if owner else set()
+            if not groups & set(rule.owner_group):
+                continue
+        return rule
+    return None
+
+
 def sbatch_directives(
     task: dict[str, Any] | TesTask,
     *,
     config: Config,
     layout: TaskLayout,
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> list[str]:
-    """The `#SBATCH` options (without the prefix), site directives last. `tmp_disk` is what
-    the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
-    typed = parse_task(task)
+    """The `#SBATCH` options (without the prefix), site directives last: those of the first
+    matching `slurm.rules` (for `owner`'s groups), then `slurm.extra_directives`. `tmp_disk` is
+    what the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
+    return _directives_and_rule(parse_task(task), config, layout, tmp_disk, owner)[0]
+
+
+def _directives_and_rule(
+    typed: TesTask,
+    config: Config,
+    layout: TaskLayout,
+    tmp_disk: TmpDisk | None,
+    owner: str | None,
+) -> tuple[list[str], SiteRule | None]:
+    """The `#SBATCH` options and the site rule they took (its prologue goes into the script)."""
     task_dir = str(layout.task_dir)
     if not _SBATCH_PATH.fullmatch(task_dir):
         raise RenderError(
             f"the task directory {task_dir!r} holds characters sbatch cannot take in a "
             "directive; choose a plainer job.work_dir"
         )
-    values = _backend_values(typed.resources)
+    values = _backend_values(typed.resources, config)
     _with_defaults(values, typed.resources, config)
     _resource_values(values, typed.resources, config, tmp_disk)
     directives = [
@@ -289,11 +326,14 @@ def sbatch_directives(
         "--no-requeue",
     ]
     directives += [f"{opt}={values[key]}" for key, opt in SBATCH_OPTIONS.items() if key in values]
+    rule = site_rule(typed, values.get("partition"), config, owner)
+    if rule is not None:
+        directives.extend(rule.directives)
     directives.extend(config.slurm.extra_directives)
     for line in directives:
         if "\n" in line or "\r" in line:
             raise RenderError(f"slurm.extra_directives: {line!r} spans several lines")
-    return directives
+    return directives, rule
 
 
 # --------------------------------------------------------------------------- bind mounts
@@ -576,6 +616,8 @@ class _RuntimeFlags:
     binds: list[str]
     scratch_targets: list[str]
     after_scratch: list[str]
+    #: container.gpu_flag for a task that asks for GPUs, else nothing.
+    gpu: list[str]
 
 
 def _call(
@@ -587,6 +629,7 @@ def _call(
         [runtime, *config.container.global_flags, "exec", *config.container.exec_flags],
         config.container.isolation_flags,
         config.container.extra_flags,
+        flags.gpu,
     ]
     groups += [flags.binds[i : i + 2] for i in range(0, len(flags.binds), 2)]
     if executor.workdir is not None:
@@ -673,17 +716,21 @@ def render_script(
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
     plan: BindPlan | None = None,
+    owner: str | None = None,
 ) -> str:
     """The job script for `task`; raises RenderError when a task value cannot be used.
-    `plan`: the task's `compute_binds`, when the caller has it already."""
+    `plan`: the task's `compute_binds`, when the caller has it already; `owner`: the task's
+    owner (for `slurm.rules` on Unix groups)."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
-    directives = sbatch_directives(typed, config=config, layout=layout, tmp_disk=tmp_disk)
+    directives, rule = _directives_and_rule(typed, config, layout, tmp_disk, owner)
     plan = plan or compute_binds(typed, config=config, layout=layout)
+    gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(
         binds=bind_args(plan.binds),
         scratch_targets=plan.scratch_targets,
         after_scratch=bind_args(plan.after_scratch),
+        gpu=[config.container.gpu_flag] if gpus else [],
     )
     context = {
         "directives": directives,
@@ -691,12 +738,14 @@ def render_script(
         "python": config.job.python,
         "runtime": config.container.runtime,
         "job_module": JOB_MODULE,
-        "prologue": config.slurm.prologue,
+        "prologue": config.slurm.prologue + ("\n" + rule.prologue if rule else ""),
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
+        "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],
+        "env_prefix": _env_prefix(config.container.runtime),
         "executors": [
             _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
             for i, ex in enumerate(typed.model.executors)
@@ -740,6 +789,7 @@ def prepare_task_dir(
     config: Config,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> Path:
     """Create `<work_dir>/<task id>/` with task.json, job-config.json and job.sh.
 
@@ -747,7 +797,9 @@ def prepare_task_dir(
     """
     typed = parse_task(task)
     layout = TaskLayout(config.work_dir / typed.id)
-    files = task_files(typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk)
+    files = task_files(
+        typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk, owner=owner
+    )
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
@@ -765,6 +817,7 @@ def task_files(
     config: Config,
     image_paths: dict[str, str],
     tmp_disk: TmpDisk | None = None,
+    owner: str | None = None,
 ) -> dict[str, str]:
     """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
 
@@ -780,6 +833,7 @@ def task_files(
         image_paths=image_paths,
         tmp_disk=tmp_disk,
         plan=plan,
+        owner=owner,
     )
     settings = job_settings(
         typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, plan=plan

@@ -6,17 +6,18 @@ The API never runs a Slurm command: a cancel is recorded in the store and the po
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import falcon
 
-from bridge import __version__
+from bridge import __version__, backend_params
 from bridge.config import Config
 from bridge.job.output import OutputChunk, chunk_to_json
 from bridge.metrics import TASKS_CREATED
 from bridge.openapi import openapi_document
 from bridge.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
-from bridge.store import InvalidPageToken, Store, TaskFilter, TaskRecord
+from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
 from bridge.tes import (
     Limits,
     TaskValidationError,
@@ -89,6 +90,10 @@ class Tasks:
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )
+            # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
+            problems = backend_params.check_task(task.document, self.config)
+            if problems:
+                raise TaskValidationError(problems)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
         record = self.store.create_task(
@@ -325,6 +330,57 @@ class ServiceInfo:
         }
         result.update({k: v for k, v in optional.items() if v})
         return result
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = self.document()
+
+
+class Capabilities:
+    """`/capabilities` (an extension shaped after task-execution-schemas PR #244): what a
+    client may ask for and what the partitions offer, as the poller last read them."""
+
+    def __init__(self, config: Config, store: Store):
+        self.config = config
+        self.store = store
+
+    def document(self) -> dict[str, Any]:
+        slurm = self.config.slurm
+        supported = {key.lower() for key in self.config.backend_parameters.supported}
+        cluster = json.loads(self.store.meta(CAPABILITIES_KEY) or "{}")
+        return {
+            "tes_version": "1.1.0",
+            "read_at": cluster.get("read_at"),
+            "partitions": cluster.get("partitions", []),
+            "resources": {
+                "cpu_cores": "a number; a fraction (TES 1.2) is rounded up to whole CPUs",
+                "ram_gb": "a number; rounded up to whole MB",
+                "disk_gb": f"a number; rounded up to whole MB (slurm.disk_request = "
+                f"{slurm.disk_request})",
+                "preemptible": bool(slurm.preemptible_partition or slurm.preemptible_qos),
+                "zones": "partition names"
+                + (f": {', '.join(slurm.partitions)}" if slurm.partitions else ""),
+            },
+            "backend_parameters": [
+                {
+                    "key": key,
+                    "pattern": parameter.pattern.pattern,
+                    "sbatch_option": parameter.option,
+                    "description": parameter.description,
+                }
+                for key, parameter in backend_params.BACKEND_PARAMETERS.items()
+                if key in supported
+            ],
+            "time_limit": {"default": slurm.default_time, "maximum": slurm.max_time},
+            "admission": {
+                "max_jobs_in_flight": slurm.max_jobs_in_flight or None,
+                "max_jobs_per_owner": slurm.max_jobs_per_owner or None,
+            },
+            "container": {
+                "runtime": os.path.basename(self.config.container.runtime),
+                "version": cluster.get("runtime_version"),
+                "gpu_flag": self.config.container.gpu_flag,
+            },
+        }
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = self.document()

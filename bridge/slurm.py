@@ -453,6 +453,93 @@ def parse_sinfo_tmp_disk(text: str) -> TmpDisk:
     return TmpDisk(smallest_by_partition=low, largest_by_partition=high, default_partition=default)
 
 
+#: `sinfo -N` fields, one line per node and partition: partition (`*` on the default), node,
+#: CPUs, memory (MB), the partition's time limit, GRES, TmpDisk (MB), availability, node state.
+SINFO_PARTITIONS_FORMAT = "%P|%N|%c|%m|%l|%G|%d|%a|%T"
+_SINFO_PARTITIONS_NFIELDS = SINFO_PARTITIONS_FORMAT.count("|") + 1
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What a partition offers, summed over its nodes (the capabilities document)."""
+
+    name: str
+    default: bool
+    available: bool
+    nodes: tuple[str, ...]
+    cpus: int
+    max_cpus_per_node: int
+    max_memory_mb_per_node: int
+    #: Slurm's spelling: `infinite`, `1-00:00:00`.
+    max_time: str
+    #: GRES name (and type) -> count over the partition's nodes: {"gpu": 4, "gpu:a100": 4}.
+    gres: dict[str, int]
+    min_tmp_disk_mb: int
+
+    @property
+    def gpus(self) -> int:
+        return self.gres.get("gpu", 0)
+
+    @property
+    def gpu_types(self) -> dict[str, int]:
+        return {k.split(":", 1)[1]: n for k, n in self.gres.items() if k.startswith("gpu:")}
+
+
+def _gres_counts(text: str) -> dict[str, int]:
+    """`gpu:a100:2(S:0-1),shard:8` -> {"gpu": 2, "gpu:a100": 2, "shard": 8}."""
+    counts: dict[str, int] = {}
+    if _opt(text) is None:
+        return counts
+    for item in re.sub(r"\([^)]*\)", "", text).split(","):
+        parts = item.strip().split(":")
+        if not parts[0]:
+            continue
+        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        names = [parts[0]] + ([f"{parts[0]}:{parts[1]}"] if len(parts) == 3 else [])
+        for name in names:
+            counts[name] = counts.get(name, 0) + count
+    return counts
+
+
+def parse_sinfo_partitions(text: str) -> list[Partition]:
+    """`sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT`, in the order sinfo lists partitions."""
+    rows: dict[str, list[list[str]]] = {}
+    default: str | None = None
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != _SINFO_PARTITIONS_NFIELDS or not fields[0]:
+            continue
+        name = fields[0]
+        if name.endswith("*"):
+            name = default = name[:-1]
+        rows.setdefault(name, []).append(fields)
+    partitions = []
+    for name, lines in rows.items():
+        by_node = {f[1]: f for f in lines}  # a node listed twice (two states) counts once
+        cpus = [int(f[2]) for f in by_node.values() if f[2].isdigit()]
+        memory = [int(f[3]) for f in by_node.values() if f[3].isdigit()]
+        tmp = [int(f[6]) for f in by_node.values() if f[6].isdigit()]
+        gres: dict[str, int] = {}
+        for f in by_node.values():
+            for key, count in _gres_counts(f[5]).items():
+                gres[key] = gres.get(key, 0) + count
+        partitions.append(
+            Partition(
+                name=name,
+                default=name == default,
+                available=lines[0][7] == "up",
+                nodes=tuple(sorted(by_node)),
+                cpus=sum(cpus),
+                max_cpus_per_node=max(cpus, default=0),
+                max_memory_mb_per_node=max(memory, default=0),
+                max_time=lines[0][4],
+                gres=gres,
+                min_tmp_disk_mb=min(tmp, default=0),
+            )
+        )
+    return partitions
+
+
 _MAX_LIST_CHARS = 100_000
 
 
@@ -506,6 +593,8 @@ class SlurmBackend(Protocol):
     def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]: ...
 
     def tmp_disk(self) -> TmpDisk: ...
+
+    def partitions(self) -> list[Partition]: ...
 
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None: ...
 
@@ -707,6 +796,13 @@ class SlurmClient:
         if proc.returncode != 0:
             raise self._fail(proc, "reading the partitions' TmpDisk")
         return parse_sinfo_tmp_disk(proc.stdout)
+
+    def partitions(self) -> list[Partition]:
+        """Every partition's nodes, CPUs, memory, time limit and GRES, in one call."""
+        proc = self._run([self.sinfo, "-h", "-a", "-N", "-o", SINFO_PARTITIONS_FORMAT])
+        if proc.returncode != 0:
+            raise self._fail(proc, "reading the partitions")
+        return parse_sinfo_partitions(proc.stdout)
 
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""

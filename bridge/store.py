@@ -102,6 +102,11 @@ class MetaRow(_Model):
 MODELS = (TaskRow, TagRow, MetaRow)
 
 
+#: The meta key of what the poller last read of the cluster for `GET /capabilities` (JSON:
+#: read_at, partitions, runtime_version; see bridge.poller.capabilities).
+CAPABILITIES_KEY = "capabilities"
+
+
 class InvalidPageToken(ValueError):
     pass
 
@@ -234,6 +239,11 @@ class _Part:
         row = MetaRow.get_or_none(MetaRow.key == key)
         return None if row is None else row.value
 
+    def put_meta(self, key: str, value: str) -> None:
+        MetaRow.insert(key=key, value=value).on_conflict(
+            conflict_target=[MetaRow.key], update={MetaRow.value: value}
+        ).execute()
+
     @staticmethod
     def _columns(full: bool) -> list[peewee.Field]:
         if full:
@@ -275,6 +285,22 @@ class _PollerQueries:
             .order_by(TaskRow.seq)
         )
         return [_record(row, True) for row in rows]
+
+    def jobs_in_flight_by_owner(self) -> dict[str | None, int]:
+        """How many tasks of each owner have (or may have) a job in Slurm: one GROUP BY over
+        what `tasks_in_flight` reads (admission control)."""
+        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
+        rows = (
+            TaskRow.select(TaskRow.owner, peewee.fn.COUNT(TaskRow.seq).alias("jobs"))
+            .where(
+                (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
+                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            )
+            .group_by(TaskRow.owner)
+            .tuples()
+        )
+        pairs: list[tuple[str | None, int]] = list(rows)  # type: ignore[arg-type]
+        return {owner: int(jobs) for owner, jobs in pairs}
 
     def interrupted_submissions(self) -> list[TaskRecord]:
         """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""

@@ -218,9 +218,30 @@ def _non_negative_number(value: Any) -> Any:
 Gigabytes = Annotated[float, Field(ge=0, le=MAX_GIGABYTES), BeforeValidator(_non_negative_number)]
 
 
+def _cpu_cores(value: Any) -> Any:
+    # TES 1.2 allows a fraction of a core (rounded up for Slurm); an integral value stays an
+    # integer so that 1.1 clients (py-tes wants an int) read their task back.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_CPU_CORES  # also NaN
+    ):
+        raise ValueError(f"must be a non-negative number, at most {MAX_CPU_CORES}")
+    if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_CPU_CORES:
+        return int(value)
+    return value
+
+
+#: Constraints on each member, so that the OpenAPI schema says minimum and maximum.
+CpuCores = Annotated[
+    Annotated[int, Field(ge=0, le=MAX_CPU_CORES)] | Annotated[float, Field(ge=0, le=MAX_CPU_CORES)],
+    BeforeValidator(_cpu_cores),
+]
+
+
 class ResourcesModel(_Document):
-    cpu_cores: Annotated[int, Field(ge=0, le=MAX_CPU_CORES), BeforeValidator(_integral)] | None = (
-        Field(default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores"))
+    cpu_cores: CpuCores | None = Field(
+        default=None, validation_alias=AliasChoices("cpu_cores", "cpuCores")
     )
     preemptible: StrictBool | None = None
     ram_gb: Gigabytes | None = Field(default=None, validation_alias=AliasChoices("ram_gb", "ramGb"))
@@ -253,7 +274,7 @@ _FIELD_MESSAGES = {
     "env": "must be an object whose values are strings",
     "tags": "must be an object whose values are strings",
     "backend_parameters": "must be an object whose values are strings",
-    "cpu_cores": f"must be a non-negative integer, at most {MAX_CPU_CORES}",
+    "cpu_cores": f"must be a non-negative number, at most {MAX_CPU_CORES}",
     "type": "must be FILE or DIRECTORY",
 }
 
@@ -604,6 +625,10 @@ def render_task(
     for key, value in document.items():
         if view is View.BASIC and key == "inputs":
             value = [{k: v for k, v in item.items() if k != "content"} for item in value]
+        elif key == "resources" and isinstance(value.get("cpu_cores"), float):
+            # TES 1.1 clients (py-tes) refuse a fractional cpu_cores in any task they read:
+            # responses give the whole CPUs the job asks for; the stored task keeps the fraction.
+            value = {**value, "cpu_cores": math.ceil(value["cpu_cores"])}
         task[key] = value
     if logs:
         task["logs"] = [_render_task_log(entry, view) for entry in logs]

@@ -21,6 +21,8 @@ Logs = list[dict[str, Any]]
 #: How long a job may be unknown to both squeue and sacct before the task is failed
 #: (slurmdbd can lag behind slurmctld for a moment after a job ends).
 MISSING_JOB_GRACE = 120.0
+#: The attempt's metadata key for the --time its job was given and where it came from.
+TIME_LIMIT_KEY = "slurm_time_limit"
 #: How ImageCache.problem() lines start (replaced while the trouble lasts, dropped after).
 IMAGE_NOTE = "pulling image "
 #: system_logs lines that describe a passing condition. A task has at most one: a new one
@@ -56,8 +58,10 @@ def decide(
     attempt: int,
     retries: int,
     current: State,
+    time_limit: str | None = None,
 ) -> Decision:
-    """The TES state of a task from what Slurm says of its job and what the job recorded."""
+    """The TES state of a task from what Slurm says of its job and what the job recorded.
+    `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY)."""
     if records.outcome is not None:
         # The script writes its outcome last: the task is done, whatever Slurm says yet.
         return Decision(OUTCOME_STATES[records.outcome])
@@ -65,10 +69,12 @@ def decide(
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
-    return _decide_ended(job, records, attempt, retries)
+    return _decide_ended(job, records, attempt, retries, time_limit)
 
 
-def _decide_ended(job: JobInfo, records: JobRecords, attempt: int, retries: int) -> Decision:
+def _decide_ended(
+    job: JobInfo, records: JobRecords, attempt: int, retries: int, time_limit: str | None
+) -> Decision:
     """The job ended without recording an outcome: the script itself was stopped."""
     ended = f"Slurm job {job.job_id} ended in state {job.state}"
     if job.exit_code is not None:
@@ -81,7 +87,10 @@ def _decide_ended(job: JobInfo, records: JobRecords, attempt: int, retries: int)
     if job.state == "CANCELLED":
         return Decision(State.CANCELED, [f"{ended}: canceled outside tes-bridge"])
     if job.state in ("TIMEOUT", "OUT_OF_MEMORY"):
-        why = "reached its time limit" if job.state == "TIMEOUT" else "ran out of memory"
+        why = "ran out of memory"
+        if job.state == "TIMEOUT":
+            limit = time_limit or "no --time was asked: the partition's own limit"
+            why = f"reached its time limit ({limit})"
         # An executor that runs too long or too big is the task's failure; staging is not.
         state = State.EXECUTOR_ERROR if in_executor else State.SYSTEM_ERROR
         return Decision(state, [f"{ended}: the job {why}"])

@@ -9,6 +9,7 @@ from bridge import metrics
 from bridge.job.records import JobRecords, read_records
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import (
+    TIME_LIMIT_KEY,
     add_system_logs,
     attempt_log,
     copy_logs,
@@ -126,12 +127,16 @@ class Follower:
         job_pending = job is not None and not job.ended and job.tes_state == State.QUEUED.value
         records = self._job_records(task, job_pending)
         current = State(task.state)
+        entries = task.logs or []
+        attempt = entries[task.attempt - 1] if 0 < task.attempt <= len(entries) else {}
+        asked = attempt.get("metadata") or {}
         decision = decide(
             job=job,
             records=records,
             attempt=task.attempt,
             retries=self.ctx.config.slurm.retries,
             current=current,
+            time_limit=asked.get(TIME_LIMIT_KEY),
         )
         if job is None and records.outcome is None:
             since = self._missing_since.setdefault(task.job_id, now)

@@ -17,6 +17,7 @@ from bridge.config import Config
 from bridge.images import ImageCache
 from bridge.job.layout import TaskLayout
 from bridge.poller.cancel import Canceller
+from bridge.poller.capabilities import CapabilitiesReader
 from bridge.poller.cleanup import Cleaner
 from bridge.poller.context import CycleStats, ImageSource, PollerContext
 from bridge.poller.follow import Follower
@@ -59,6 +60,7 @@ class Poller:
         self.canceller = Canceller(self.ctx)
         self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)
         self.follower = Follower(self.ctx, self.owners)
+        self.capabilities = CapabilitiesReader(self.ctx)
         self.cleaner = Cleaner(self.ctx, images, self.owners)
         #: The newest task seen by a cycle or a quick check.
         self._newest_seq: int | None = None
@@ -95,6 +97,7 @@ class Poller:
             self.canceller.carry_out([t for t in in_flight if t.cancel_pending], stats)
             self._cancels_seen = self.store.cancels_pending()
             self.cleaner.maybe_clean()
+            self.capabilities.maybe_refresh()
         stats.seconds = time.perf_counter() - started
         return stats
 

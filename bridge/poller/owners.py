@@ -61,7 +61,9 @@ class OwnerRunner:
     ) -> Path:
         """The task directory, rendered here and written by the owner (so it is the owner's
         and private); returns its job script."""
-        files = task_files(document, config=self.config, image_paths=image_paths, tmp_disk=tmp_disk)
+        files = task_files(
+            document, config=self.config, image_paths=image_paths, tmp_disk=tmp_disk, owner=owner
+        )
         task_dir: Path = self.config.work_dir / str(document["id"])
         self.run(owner, ["adopt", "--task-dir", str(task_dir)], json.dumps(files))
         return task_dir / "job.sh"

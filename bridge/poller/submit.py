@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bridge import backend_params
+from bridge.config import Config
 from bridge.images import ImagePullError
 from bridge.naming import job_name
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (
+    TIME_LIMIT_KEY,
     attempt_log,
     copy_logs,
     failure_logs,
@@ -39,11 +42,29 @@ TRANSIENT_ERRNOS = frozenset(
 _NEVER_CONNECTED = re.compile(
     r"Unable to contact slurm controller|Connection refused|Munge encode failed", re.I
 )
+#: sbatch refusing a job for one of Slurm's limits: no job was created, and the refusal clears
+#: when earlier jobs end. A submit limit of the user's QOS or association (MaxSubmitJobs:
+#: "sbatch: error: QOSMaxSubmitJobPerUserLimit" then "Batch job submission failed: Job violates
+#: accounting/QOS policy (job submit limit, ...)"), or slurmctld's MaxJobCount ("Slurm
+#: temporarily unable to accept job, sleeping and retrying", then "Resource temporarily
+#: unavailable" once sbatch gives up).
+_LIMIT_REFUSED = re.compile(
+    r"MaxSubmitJob|Job violates accounting/QOS policy|temporarily unable to accept job"
+    r"|Resource temporarily unavailable",
+    re.I,
+)
 #: After sbatch refuses a `--tmp`, TmpDisk is read again if the last read is older than this
 #: (at most one sinfo per this many seconds, however many tasks are refused).
 TMP_DISK_RECHECK = 30.0
 #: sbatch's words for a `--tmp` no node can give (tests/data/slurm/sbatch-too-much-tmp.txt).
 _TMP_REFUSED = "Temporary disk specification can not be satisfied"
+
+
+def _slurm_reason(stderr: str) -> str:
+    """sbatch's error lines, without its prefix and its retry notices, joined."""
+    lines = [line.strip().removeprefix("sbatch: error: ") for line in stderr.splitlines()]
+    kept = [line for line in lines if line and "sleeping and retrying" not in line]
+    return "; ".join(dict.fromkeys(kept)) or "no message"
 
 
 class _Wait(Exception):
@@ -56,6 +77,16 @@ class _Wait(Exception):
 
 class _Fail(Exception):
     """The task cannot run: SYSTEM_ERROR with this message."""
+
+
+def _time_limit(document: dict[str, Any], config: Config) -> str | None:
+    """The job's --time and where it came from, for the message of a TIMEOUT."""
+    params = (document.get("resources") or {}).get("backend_parameters")
+    try:
+        limit = backend_params.time_limit(params, config)
+    except backend_params.ParameterError:
+        return None  # the render refused it already
+    return limit.describe() if limit else None
 
 
 def disk_gb(document: dict[str, Any]) -> float:
@@ -138,6 +169,43 @@ class TmpDiskCache:
         return hint + "; ask for less disk_gb, or for a partition with larger TmpDisk"
 
 
+class Admission:
+    """Admission control: `slurm.max_jobs_in_flight` jobs of this service in Slurm at most, and
+    `slurm.max_jobs_per_owner` of one owner; counted from the store once per submission round
+    (a task whose job ended is counted until the poller has seen it end: never more)."""
+
+    def __init__(self, ctx: PollerContext) -> None:
+        cfg = ctx.config.slurm
+        self.max_total = cfg.max_jobs_in_flight
+        self.max_owner = cfg.max_jobs_per_owner
+        self.by_owner = (
+            ctx.store.jobs_in_flight_by_owner() if self.max_total or self.max_owner else {}
+        )
+        self.total = sum(self.by_owner.values())
+
+    @property
+    def full(self) -> bool:
+        return bool(self.max_total) and self.total >= self.max_total
+
+    def refusal(self, owner: str | None) -> str | None:
+        """Why a task of `owner` waits (a condition line), or None when it may be submitted."""
+        if self.full:
+            return (
+                f"waiting: {self.total} jobs of this service are in Slurm, the most it submits "
+                f"at once (slurm.max_jobs_in_flight = {self.max_total})"
+            )
+        if self.max_owner and self.by_owner.get(owner, 0) >= self.max_owner:
+            return (
+                f"waiting: {self.by_owner.get(owner, 0)} jobs of this task's owner are in Slurm, "
+                f"the most one owner may have (slurm.max_jobs_per_owner = {self.max_owner})"
+            )
+        return None
+
+    def add(self, owner: str | None) -> None:
+        self.total += 1
+        self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
+
+
 class Submitter:
     def __init__(
         self,
@@ -159,10 +227,22 @@ class Submitter:
             return
         store = self.ctx.store
         tasks = store.tasks_to_submit(now=self.ctx.clock(), limit=MAX_SUBMISSIONS_PER_CYCLE)
+        if not tasks:
+            return
+        admission = Admission(self.ctx)
         for index, task in enumerate(tasks):
             try:
+                waiting = admission.refusal(task.owner)
+                if waiting and admission.full:
+                    # Every task behind it waits for the same jobs to end: say so, stop here.
+                    self._tell_waiting(tasks[index:], waiting)
+                    break
+                if waiting:
+                    self._tell_waiting([task], waiting)
+                    continue
                 if self._submit(task, stats):
                     stats.submitted += 1
+                    admission.add(task.owner)
             except Exception as exc:  # one broken task must not stop the others
                 reason = unavailable_reason(exc)
                 if reason:
@@ -197,7 +277,7 @@ class Submitter:
         try:
             if self.owners is not None and not owner:
                 raise _Fail("this task has no owner; in site mode tasks run only as their owner")
-            script = self._prepare(document, owner, image_paths, stats)
+            script = self._prepare(document, owner, image_paths, stats, task_owner=task.owner)
         except _Fail as exc:
             self._fail(task, str(exc))
             return False
@@ -215,7 +295,11 @@ class Submitter:
         logs = task.logs or []
         entry = attempt_log(logs, attempt)
         set_condition(entry, None)
-        entry.setdefault("metadata", {})["slurm_job_id"] = job_id
+        metadata = entry.setdefault("metadata", {})
+        metadata["slurm_job_id"] = job_id
+        limit = _time_limit(document, self.ctx.config)
+        if limit:
+            metadata[TIME_LIMIT_KEY] = limit
         canceled = self.ctx.store.record_job(task.id, job_id, logs=logs)
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
         if canceled:
@@ -247,8 +331,11 @@ class Submitter:
         owner: str | None,
         image_paths: dict[str, str],
         stats: CycleStats,
+        *,
+        task_owner: str | None = None,
     ) -> Path:
-        """The task directory and its job script; raises _Fail or _Wait."""
+        """The task directory and its job script; raises _Fail or _Wait. `owner`: who writes
+        it (site mode), `task_owner`: whose groups `slurm.rules` look at."""
         tmp_disk = None
         if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
             try:
@@ -261,7 +348,11 @@ class Submitter:
             if owner and self.owners is not None:
                 return self.owners.adopt(owner, document, image_paths, tmp_disk)
             return prepare_task_dir(
-                document, config=self.ctx.config, image_paths=image_paths, tmp_disk=tmp_disk
+                document,
+                config=self.ctx.config,
+                image_paths=image_paths,
+                tmp_disk=tmp_disk,
+                owner=task_owner,
             )
         except OSError as exc:
             if exc.errno not in TRANSIENT_ERRNOS:
@@ -298,16 +389,32 @@ class Submitter:
             self._fail(task, message, attempt=attempt)
             return None
         except SlurmError as exc:
+            if _LIMIT_REFUSED.search(exc.stderr):
+                # Refused for a limit: no job exists, it is submitted again after the back-off.
+                reason = (
+                    f"waiting: Slurm refused the job for a limit ({_slurm_reason(exc.stderr)}); "
+                    "submitted again when earlier jobs have ended"
+                )
+                # sbatch gave its answer; one killed at its time-out may have got a job at last.
+                maybe = None if exc.returncode is not None else self._maybe_started()
+                self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe))
+                log.warning("sbatch for task %s refused for a limit: %s", task.id, exc)
+                return None
             # Maybe the job exists anyway (a time-out): recovery looks for it by name. This
             # sbatch has ended (its process group was killed on a time-out), so only the
             # settle time is left to wait: the submission's start is moved back accordingly.
             maybe_started_at: float | None = None
             if not _NEVER_CONNECTED.search(exc.stderr):
-                maybe_started_at = self.ctx.clock() - self.ctx.config.slurm.command_timeout
+                maybe_started_at = self._maybe_started()
             reason = f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off"
             self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe_started_at))
             log.warning("sbatch for task %s failed: %s", task.id, exc)
             return None
+
+    def _maybe_started(self) -> float:
+        """When an sbatch that ended without an answer may have started: its own time-out ago
+        (only the settle time is left to wait before the task is submitted again)."""
+        return self.ctx.clock() - self.ctx.config.slurm.command_timeout
 
     def _wait(
         self,

@@ -325,7 +325,7 @@ def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[s
             "path_prefix",
         ),
         ({"resources": {"cpu_cores": -1}, **ECHO}, "resources.cpu_cores", "non-negative"),
-        ({"resources": {"cpu_cores": 1.5}, **ECHO}, "resources.cpu_cores", "non-negative"),
+        ({"resources": {"cpu_cores": "2"}, **ECHO}, "resources.cpu_cores", "non-negative"),
         ({"resources": {"ram_gb": -0.5}, **ECHO}, "resources.ram_gb", "non-negative"),
         ({"resources": {"disk_gb": "10"}, **ECHO}, "resources.disk_gb", "number"),
         ({"resources": {"zones": "a"}, **ECHO}, "resources.zones", "array"),

@@ -22,9 +22,11 @@ from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.slurm import (
     JobInfo,
+    Partition,
     SlurmRejected,
     SlurmUnavailable,
     TmpDisk,
+    parse_sinfo_partitions,
     parse_sinfo_tmp_disk,
 )
 from bridge.store import Store
@@ -67,6 +69,9 @@ class FakeSlurm:
         #: What `sinfo -h -a -o '%P|%d'` prints (None: sinfo cannot reach slurmctld).
         self.sinfo: str | None = "main*|102400\n"
         self.scripts: list[str] = []
+        #: What `sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT` prints.
+        self.sinfo_partitions = "main*|n1|2|4000|infinite|(null)|0|up|idle\n"
+        self.partition_reads = 0
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -116,6 +121,16 @@ class FakeSlurm:
                 "unreachable", argv=["sinfo"], returncode=1, stdout="", stderr="Unable to contact"
             )
         return parse_sinfo_tmp_disk(self.sinfo)
+
+    def partitions(self) -> list[Partition]:
+        # Counted apart from `calls`: the capabilities are read once a minute, whatever the
+        # test, and the tests above count the calls of the steps they drive.
+        self.partition_reads += 1
+        if self.unavailable:
+            raise SlurmUnavailable(
+                "unreachable", argv=["sinfo"], returncode=1, stdout="", stderr="Unable to contact"
+            )
+        return parse_sinfo_partitions(self.sinfo_partitions)
 
     def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
         self._check("squeue")

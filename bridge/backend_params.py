@@ -1,0 +1,198 @@
+"""What a task asks of Slurm beyond TES 1.1: its backend_parameters, its time limit, its GPUs.
+
+The API checks a posted task's parameters here (`check_task`: a 400 naming the field), the
+renderer turns them into sbatch options (`time_limit`, `gpu_request`) and the capabilities
+document lists them with their patterns (`BACKEND_PARAMETERS`). Values go into `#SBATCH` lines,
+which sbatch parses with its own rules, so each must match a strict pattern.
+Knows nothing of HTTP, the store or the poller.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bridge.config import Config
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+#: Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+#: days-hours:minutes, days-hours:minutes:seconds (sbatch(1)); UNLIMITED/INFINITE for none.
+_TIME = re.compile(
+    r"^(?:(?P<m1>\d{1,9})(?::(?P<s1>\d{1,2}))?"
+    r"|(?P<h2>\d{1,9}):(?P<m2>\d{1,2}):(?P<s2>\d{1,2})"
+    r"|(?P<d>\d{1,6})-(?P<h3>\d{1,2})(?::(?P<m3>\d{1,2})(?::(?P<s3>\d{1,2}))?)?"
+    r"|(?i:UNLIMITED|INFINITE))$"
+)
+#: Hours as a decimal number (max_time, after task-execution-schemas PR #141).
+_HOURS = re.compile(r"^(?:\d{1,7}(?:\.\d{1,6})?|\.\d{1,6})$")
+_GRES = re.compile(r"^[A-Za-z0-9_:,.-]+$")
+#: --gpus and --gpus-per-task: `count` or `type:count`.
+_GPUS = re.compile(r"^(?:[A-Za-z0-9_.-]+:)?[1-9][0-9]{0,3}$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_&|,.()\[\]*:!-]+$")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    pattern: re.Pattern[str]
+    #: The sbatch option it becomes (the capabilities document and the docs' table).
+    option: str
+    description: str
+
+
+#: backend_parameters key -> what its value must match and the sbatch option it becomes.
+BACKEND_PARAMETERS: dict[str, Parameter] = {
+    "partition": Parameter(_NAME, "--partition", "Slurm partition (one of slurm.partitions)"),
+    "account": Parameter(_NAME, "--account", "Slurm account"),
+    "qos": Parameter(_NAME, "--qos", "quality of service"),
+    "time": Parameter(_TIME, "--time", "time limit in a Slurm format, e.g. 1-12:00:00"),
+    "time_limit": Parameter(_TIME, "--time", "older name of `time`"),
+    "max_time": Parameter(_HOURS, "--time", "time limit in hours, e.g. 1.5"),
+    "gres": Parameter(_GRES, "--gres", "generic resources, e.g. gpu:a100:2"),
+    "gpus": Parameter(_GPUS, "--gpus", "GPUs for the job: count or type:count"),
+    "gpus_per_task": Parameter(_GPUS, "--gpus-per-task", "GPUs per task: count or type:count"),
+    "constraint": Parameter(_CONSTRAINT, "--constraint", "node features"),
+    "reservation": Parameter(_NAME, "--reservation", "Slurm reservation"),
+}
+
+#: The keys accepted unless `backend_parameters.supported` says otherwise.
+DEFAULT_SUPPORTED = list(BACKEND_PARAMETERS)
+#: Keys whose presence asks for GPUs (the executors then get container.gpu_flag).
+GPU_KEYS = ("gpus", "gpus_per_task")
+
+
+class ParameterError(ValueError):
+    """A parameter cannot be used; `field` is its path in the task."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def parse_time(text: str) -> int | None:
+    """Seconds of a Slurm time limit; None for UNLIMITED/INFINITE; ValueError if malformed.
+
+    Slurm counts limits in whole minutes: a limit with seconds is rounded up by slurmctld."""
+    match = _TIME.fullmatch(text)
+    if not match:
+        raise ValueError(
+            f"{text!r} is not a Slurm time (minutes, minutes:seconds, hours:minutes:seconds, "
+            "days-hours, days-hours:minutes or days-hours:minutes:seconds)"
+        )
+    g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+    if not g:
+        return None  # UNLIMITED, INFINITE
+    if "m1" in g:
+        return g["m1"] * 60 + g.get("s1", 0)
+    if "h2" in g:
+        return g["h2"] * 3600 + g["m2"] * 60 + g["s2"]
+    return g["d"] * 86400 + g["h3"] * 3600 + g.get("m3", 0) * 60 + g.get("s3", 0)
+
+
+def format_time(seconds: int) -> str:
+    """`days-hours:minutes:seconds`, which sbatch and sacct both read."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    #: The --time value; None: UNLIMITED.
+    seconds: int | None
+    #: Where it comes from, for messages: `resources.backend_parameters.time`, `slurm.default_time`.
+    source: str
+    #: The value as written, when it was written in a Slurm format.
+    text: str | None = None
+
+    @property
+    def option(self) -> str:
+        if self.text is not None:
+            return self.text
+        return "UNLIMITED" if self.seconds is None else format_time(self.seconds)
+
+    def describe(self) -> str:
+        return f"--time={self.option}, from {self.source}"
+
+
+def _lowered(params: Mapping[str, str] | None) -> dict[str, str]:
+    return {key.lower(): value for key, value in (params or {}).items()}
+
+
+def time_limit(params: Mapping[str, str] | None, config: Config) -> TimeLimit | None:
+    """The task's --time: the tighter of backend_parameters `time` (or `time_limit`) and
+    `max_time` (hours, rounded up to a second), else slurm.default_time; None: the partition's
+    own limit. Raises ParameterError above slurm.max_time."""
+    values = _lowered(params)
+    where = "resources.backend_parameters"
+    asked: list[TimeLimit] = []
+    for key in ("time", "time_limit"):
+        if key in values:
+            try:
+                asked.append(TimeLimit(parse_time(values[key]), f"{where}.{key}", values[key]))
+            except ValueError as exc:
+                raise ParameterError(f"{where}.{key}", str(exc)) from None
+    if "max_time" in values:
+        if not _HOURS.fullmatch(values["max_time"]) or float(values["max_time"]) <= 0:
+            raise ParameterError(f"{where}.max_time", "must be a positive number of hours")
+        asked.append(TimeLimit(math.ceil(float(values["max_time"]) * 3600), f"{where}.max_time"))
+    limits = [t for t in asked if t.seconds is not None] or asked
+    chosen = min(limits, key=lambda t: t.seconds or 0) if limits else None
+    if chosen is None and config.slurm.default_time:
+        default = config.slurm.default_time
+        chosen = TimeLimit(parse_time(default), "slurm.default_time", default)
+    maximum = parse_time(config.slurm.max_time) if config.slurm.max_time else None
+    if maximum is not None:
+        if chosen is None:
+            return TimeLimit(maximum, "slurm.max_time", config.slurm.max_time)
+        if chosen.seconds is None or chosen.seconds > maximum:
+            raise ParameterError(
+                chosen.source,
+                f"asks for {chosen.option}; this server allows at most "
+                f"{config.slurm.max_time} (slurm.max_time)",
+            )
+    if chosen is not None and chosen.seconds == 0:
+        raise ParameterError(chosen.source, "must be more than 0 (0 would mean no limit)")
+    return chosen
+
+
+def wants_gpus(params: Mapping[str, str] | None) -> bool:
+    """Whether the task asks for GPUs (`gpus`, `gpus_per_task`, or a `gres` of gpu)."""
+    values = _lowered(params)
+    gres = values.get("gres", "")
+    return any(k in values for k in GPU_KEYS) or any(
+        item.split(":")[0] == "gpu" for item in gres.split(",")
+    )
+
+
+def checked_values(params: Mapping[str, str] | None, supported: list[str]) -> dict[str, str]:
+    """The supported parameters, lower-cased keys, each checked against its pattern."""
+    allowed = {key.lower() for key in supported}
+    values: dict[str, str] = {}
+    for key, value in _lowered(params).items():
+        if key not in allowed or key not in BACKEND_PARAMETERS:
+            continue
+        if not BACKEND_PARAMETERS[key].pattern.fullmatch(value):
+            raise ParameterError(
+                f"resources.backend_parameters.{key}",
+                f"invalid value {value!r} ({BACKEND_PARAMETERS[key].description})",
+            )
+        values[key] = value
+    return values
+
+
+def check_task(document: Mapping[str, Any], config: Config) -> list[tuple[str, str]]:
+    """The problems of a stored task's backend_parameters, as (field, message) for a 400."""
+    resources = document.get("resources") or {}
+    params = resources.get("backend_parameters")
+    try:
+        checked_values(params, config.backend_parameters.supported)
+        time_limit(params, config)
+    except ParameterError as exc:
+        return [(exc.field, exc.message)]
+    return []

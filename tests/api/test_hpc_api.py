@@ -1,0 +1,188 @@
+"""What the API says of HPC requests: a 400 naming the backend parameter, the time limit within
+slurm.max_time, fractional cpu_cores that 1.1 clients still read, the capabilities document."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tes
+from falcon import testing
+
+from bridge.app import create_app
+from bridge.config import load_config
+from bridge.poller import Poller
+from bridge.slurm import SlurmClient, parse_sinfo_partitions
+from tests.fixtures.auth import PASSWORDS
+from tests.unit.test_poller import FakeImages, FakeSlurm
+
+ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hi"]}]}
+
+
+def with_params(**values: str) -> dict[str, Any]:
+    return {**ECHO, "resources": {"backend_parameters": values}}
+
+
+def errors_of(client: testing.TestClient, body: dict[str, Any]) -> dict[str, str]:
+    result = client.simulate_post("/ga4gh/tes/v1/tasks", json=body)
+    assert result.status_code == 400, result.text
+    return {e["field"]: e["message"] for e in result.json["errors"]}
+
+
+@pytest.fixture
+def limited(tmp_path, store) -> testing.TestClient:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"slurm.max_time": "1-00:00:00", "slurm.default_time": "1:00:00"},
+    )
+    return testing.TestClient(create_app(config, store=store))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("time", "soon"),
+        ("time", "10\n#SBATCH --uid=0"),
+        ("time_limit", "1:2:3:4"),
+        ("max_time", "-1"),
+        ("max_time", "0"),
+        ("gpus", "0"),
+        ("gpus", "2 --uid=0"),
+        ("gpus_per_task", "a:b:1"),
+        ("gres", "gpu;id"),
+        ("partition", "a b"),
+        ("qos", "$(id)"),
+    ],
+)
+def test_a_bad_backend_parameter_is_a_400_naming_it(client, key: str, value: str) -> None:
+    errors = errors_of(client, with_params(**{key: value}))
+    assert f"resources.backend_parameters.{key}" in errors, errors
+
+
+def test_a_time_above_the_maximum_is_a_400_naming_the_limit(limited) -> None:
+    errors = errors_of(limited, with_params(time="1-00:01:00"))
+    assert "slurm.max_time" in errors["resources.backend_parameters.time"]
+    errors = errors_of(limited, with_params(max_time="24.5"))
+    assert "at most 1-00:00:00" in errors["resources.backend_parameters.max_time"]
+    errors = errors_of(limited, with_params(time="UNLIMITED"))
+    assert "resources.backend_parameters.time" in errors
+    ok = limited.simulate_post("/ga4gh/tes/v1/tasks", json=with_params(max_time="24"))
+    assert ok.status_code == 200, ok.text
+
+
+def test_fractional_cpu_cores_are_stored_and_read_back_by_py_tes(client, store) -> None:
+    body = {**ECHO, "resources": {"cpu_cores": 0.5, "ram_gb": 0.25}}
+    created = client.simulate_post("/ga4gh/tes/v1/tasks", json=body)
+    assert created.status_code == 200, created.text
+    task_id = created.json["id"]
+    record = store.get_task(task_id)
+    assert record.document["resources"]["cpu_cores"] == 0.5  # kept as sent
+    for view in ("BASIC", "FULL"):
+        got = client.simulate_get(f"/ga4gh/tes/v1/tasks/{task_id}", params={"view": view})
+        assert got.json["resources"]["cpu_cores"] == 1
+        parsed = tes.client.unmarshal(json.dumps(got.json), tes.Task)
+        assert parsed.resources.cpu_cores == 1
+    listed = client.simulate_get("/ga4gh/tes/v1/tasks", params={"view": "BASIC"})
+    tes.client.unmarshal(json.dumps(listed.json), tes.ListTasksResponse)
+
+
+# ------------------------------------------------------------------------------ capabilities
+
+DATA = Path(__file__).parents[1] / "data" / "slurm"
+#: Two partitions with GPUs, as sinfo -N prints them (written by hand: the local cluster has no
+#: GRES; the format is the captured one of sinfo-partitions.txt).
+GPU_SINFO = (
+    "gpu|g1|64|512000|2-00:00:00|gpu:a100:4(S:0-1)|800000|up|mixed\n"
+    "gpu|g2|64|512000|2-00:00:00|gpu:h100:2(S:0),shard:8|800000|up|idle\n"
+    "cpu*|c1|128|256000|infinite|(null)|0|up|idle\n"
+    "cpu*|c1|128|256000|infinite|(null)|0|up|idle\n"
+    "cpu*|c2|96|192000|infinite|(null)|100|up|allocated\n"
+)
+
+
+def test_sinfo_partitions_parse_nodes_cpus_memory_time_and_gpus() -> None:
+    captured = parse_sinfo_partitions((DATA / "sinfo-partitions.txt").read_text())
+    assert [p.name for p in captured] == ["main"] and captured[0].default
+    assert captured[0].cpus > 0 and captured[0].max_memory_mb_per_node > 0
+    assert captured[0].gres == {} and captured[0].max_time == "infinite"
+    gpu, cpu = parse_sinfo_partitions(GPU_SINFO)
+    assert gpu.nodes == ("g1", "g2") and not gpu.default and gpu.max_time == "2-00:00:00"
+    assert gpu.gpus == 6 and gpu.gpu_types == {"a100": 4, "h100": 2}
+    assert gpu.gres["shard"] == 8
+    assert cpu.default and cpu.nodes == ("c1", "c2") and cpu.cpus == 224
+    assert cpu.max_cpus_per_node == 128 and cpu.min_tmp_disk_mb == 0
+
+
+def test_partitions_are_one_sinfo_call(tmp_path: Path) -> None:
+    from tests.unit.test_slurm import calls, replay
+
+    client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-partitions.txt"))
+    assert client.partitions()[0].name == "main"
+    assert calls(tmp_path, "sinfo") == ["-h -a -N -o %P|%N|%c|%m|%l|%G|%d|%a|%T"]
+
+
+def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
+    runtime = tmp_path / "apptainer"
+    runtime.write_text("#!/bin/sh\necho 'apptainer version 9.8.7'\n")
+    runtime.chmod(0o755)
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={
+            "slurm.max_time": "2-00:00:00",
+            "slurm.max_jobs_in_flight": 100,
+            "container.runtime": str(runtime),
+            "backend_parameters.supported": ["time", "gpus"],
+        },
+    )
+    fake = FakeSlurm()
+    fake.sinfo_partitions = GPU_SINFO
+    poller = Poller(config, sqlite_store, slurm_client=fake, images=FakeImages())
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    empty = client.simulate_get("/ga4gh/tes/v1/capabilities").json
+    assert empty["partitions"] == [] and empty["read_at"] is None
+    poller.cycle()
+    poller.cycle()
+    assert fake.partition_reads == 1  # kept for slurm.capabilities_refresh_seconds
+    for prefix in ("/ga4gh/tes/v1", "/v1"):
+        doc = client.simulate_get(f"{prefix}/capabilities").json
+        gpu = doc["partitions"][0]
+        assert gpu["name"] == "gpu" and gpu["gpus"] == 6
+        assert gpu["gpu_types"] == {"a100": 4, "h100": 2} and gpu["nodes"] == ["g1", "g2"]
+        assert gpu["max_time"] == "2-00:00:00" and gpu["max_cpus_per_node"] == 64
+        assert [p["key"] for p in doc["backend_parameters"]] == ["time", "gpus"]
+        assert doc["backend_parameters"][1]["sbatch_option"] == "--gpus"
+        assert re.fullmatch(doc["backend_parameters"][1]["pattern"], "a100:2")
+        assert doc["time_limit"] == {"default": None, "maximum": "2-00:00:00"}
+        assert doc["admission"] == {"max_jobs_in_flight": 100, "max_jobs_per_owner": None}
+        assert doc["container"] == {"runtime": "apptainer", "version": "9.8.7", "gpu_flag": "--nv"}
+    info = client.simulate_get("/ga4gh/tes/v1/service-info").json
+    assert "partitions" not in json.dumps(info)  # strict 1.1 clients refuse unknown keys
+    paths = client.simulate_get("/ga4gh/tes/v1/openapi.json").json["paths"]
+    assert "/capabilities" in paths
+
+
+def test_capabilities_need_the_same_authentication(tmp_path, sqlite_store, htpasswd) -> None:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"auth.mode": "basic", "auth.htpasswd_file": str(htpasswd)},
+    )
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    assert client.simulate_get("/ga4gh/tes/v1/capabilities").status_code == 401
+    user, password = next(iter(PASSWORDS.items()))
+    raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+    ok = client.simulate_get(
+        "/ga4gh/tes/v1/capabilities", headers={"Authorization": f"Basic {raw}"}
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_openapi_document_bounds_a_fractional_cpu_cores(client) -> None:
+    schemas = client.simulate_get("/ga4gh/tes/v1/openapi.json").json["components"]["schemas"]
+    members = schemas["ResourcesModel"]["properties"]["cpu_cores"]["anyOf"]
+    numbers = [m for m in members if m["type"] in ("integer", "number")]
+    assert {m["type"] for m in numbers} == {"integer", "number"}
+    assert all(m["minimum"] == 0 and m["maximum"] == 65533 for m in numbers)

@@ -1,0 +1,170 @@
+"""What HPC sites ask for, on the real cluster: time limits that end jobs with a message naming
+the limit, fractional CPUs, admission control; sacct shows what Slurm was asked."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from bridge.naming import job_name
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+
+def sacct(job_id: str, fields: str) -> dict[str, str]:
+    """The job line of `sacct -j JOB -o FIELDS`, once slurmdbd has the job's own record (right
+    after a job ends it may hold only a placeholder with empty fields)."""
+    for _ in range(30):
+        out = subprocess.run(
+            ["sacct", "-P", "-n", "-X", "-j", job_id, "-o", fields],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        lines = out.splitlines()
+        values = dict(zip(fields.split(","), lines[0].split("|"), strict=True)) if lines else {}
+        if values and all(values.values()):
+            return values
+        time.sleep(1)
+    return values
+
+
+def system_logs(task: dict[str, Any]) -> str:
+    return "\n".join(line for log in task.get("logs", []) for line in log.get("system_logs", []))
+
+
+def test_a_task_over_its_time_limit_ends_naming_the_limit(bridge_service: BridgeService) -> None:
+    # Slurm counts limits in minutes (0:00:05 is one minute), checks them about every 30 s and
+    # gives KillWait (10 s here) between SIGTERM and SIGKILL.
+    task = bridge_service.run(
+        {
+            "executors": [{"image": "alpine", "command": ["sleep", "300"]}],
+            "resources": {"backend_parameters": {"time": "0:00:05"}},
+        },
+        timeout=240,
+    )
+    assert task["state"] == "EXECUTOR_ERROR", task
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    logs = system_logs(task)
+    assert (
+        f"Slurm job {job_id} ended in state TIMEOUT (exit code 0): the job reached its time limit "
+        "(--time=0:00:05, from resources.backend_parameters.time)"
+    ) in logs, logs
+    facts = sacct(job_id, "Timelimit,State,ElapsedRaw")
+    assert facts["Timelimit"] == "00:01:00", facts
+    assert facts["State"] == "TIMEOUT", facts
+    assert 60 <= int(facts["ElapsedRaw"]) < 200, facts
+
+
+def test_max_time_in_hours_is_the_jobs_time_limit(bridge_service: BridgeService) -> None:
+    task = bridge_service.run(
+        {
+            "executors": [{"image": "alpine", "command": ["true"]}],
+            "resources": {"backend_parameters": {"max_time": "1.5"}, "cpu_cores": 0.5},
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert task["resources"]["cpu_cores"] == 1
+    facts = sacct(task["logs"][0]["metadata"]["slurm_job_id"], "Timelimit,ReqCPUS")
+    assert facts == {"Timelimit": "01:30:00", "ReqCPUS": "1"}, facts
+
+
+@pytest.fixture(scope="module")
+def admission_service(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    service = start_bridge_service(
+        local_cluster, tmp_path_factory.mktemp("admission"), slurm_toml="max_jobs_in_flight = 2"
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_max_jobs_in_flight_bounds_the_jobs_in_squeue(admission_service: BridgeService) -> None:
+    ids = [
+        admission_service.create(
+            {"executors": [{"image": "alpine", "command": ["sleep", "4"]}], "name": f"a{i}"}
+        )
+        for i in range(6)
+    ]
+    names = ",".join(job_name(task_id) for task_id in ids)
+    most = 0
+    saw_waiting = False
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        # A job that recorded its outcome may linger COMPLETING while the next one starts:
+        # the limit counts the jobs whose tasks are not finished.
+        states = "PENDING,CONFIGURING,RUNNING,SUSPENDED"
+        out = subprocess.run(
+            ["squeue", "-h", "-n", names, "-t", states, "-o", "%i"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        most = max(most, len(out.split()))
+        tasks = [admission_service.get(task_id) for task_id in ids]
+        saw_waiting = saw_waiting or any(
+            "slurm.max_jobs_in_flight = 2" in system_logs(t) for t in tasks
+        )
+        if all(t["state"] in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR") for t in tasks):
+            break
+        time.sleep(0.3)
+    assert [t["state"] for t in tasks] == ["COMPLETE"] * 6, tasks
+    assert most == 2, most
+    assert saw_waiting
+    for task in tasks:  # the condition line went when the task moved on
+        assert "max_jobs_in_flight" not in system_logs(task)
+
+
+def test_capabilities_show_the_clusters_partitions(bridge_service: BridgeService) -> None:
+    lines = subprocess.run(
+        ["sinfo", "-h", "-a", "-N", "-o", "%P|%N|%c"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    expected: dict[str, set[str]] = {}
+    for line in lines:
+        partition, node, _ = line.split("|")
+        expected.setdefault(partition.rstrip("*"), set()).add(node)
+    deadline = time.monotonic() + 60
+    while True:
+        doc = requests.get(f"{bridge_service.api}/capabilities", timeout=10).json()
+        if doc["partitions"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    shown = {p["name"]: set(p["nodes"]) for p in doc["partitions"]}
+    assert shown == expected, doc
+    assert all(p["cpus"] > 0 and p["max_memory_mb_per_node"] > 0 for p in doc["partitions"])
+    version = subprocess.run(
+        [doc["container"]["runtime"], "--version"], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    assert doc["container"]["version"] == version
+    assert {"time", "max_time", "gpus"} <= {p["key"] for p in doc["backend_parameters"]}
+
+
+@pytest.fixture(scope="module")
+def rules_service(
+    local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    rules = (
+        'rules = [{ gpu = true, directives = ["--time=1"] }, '
+        '{ gpu = false, directives = ["--time=7"], prologue = "echo site rule prologue ran" }]'
+    )
+    service = start_bridge_service(
+        local_cluster, tmp_path_factory.mktemp("rules"), slurm_toml=rules
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_a_site_rule_adds_its_directives_and_prologue(rules_service: BridgeService) -> None:
+    task = rules_service.run({"executors": [{"image": "alpine", "command": ["true"]}]})
+    assert task["state"] == "COMPLETE", task
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    assert sacct(job_id, "Timelimit") == {"Timelimit": "00:07:00"}
+    output = (rules_service.work_dir / task["id"] / f"slurm-{job_id}.out").read_text()
+    assert "site rule prologue ran" in output

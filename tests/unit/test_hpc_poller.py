@@ -1,0 +1,162 @@
+"""Admission control, refusals for Slurm's limits and the time-limit message, with the fake
+Slurm of test_poller (the real cluster runs them in tests/cluster/test_hpc.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import load_config
+from bridge.poller import Poller, decide
+from bridge.slurm import JobInfo, SlurmUnavailable
+from bridge.store import Store
+from bridge.tes import State
+from tests.unit.test_poller import ECHO, FakeImages, FakeSlurm, job, records
+
+#: What sbatch prints when refused for a limit. The first two are Slurm's own words for a
+#: QOS or association submit limit (ESLURM_ACCOUNTING_POLICY after the limit's name) and for
+#: MaxJobCount (EAGAIN, after sbatch's own retries); this cluster enforces neither, so they
+#: cannot be produced on it at run time.
+LIMIT_REFUSALS = [
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit\n"
+    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+    "(job submit limit, user's size and/or time limits)\n",
+    "sbatch: error: MaxSubmitJobsPerAccount\n"
+    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+    "(job submit limit, user's size and/or time limits)\n",
+    "sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying\n"
+    "sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying\n"
+    "sbatch: error: Batch job submission failed: Resource temporarily unavailable\n",
+]
+
+
+class LimitedSlurm(FakeSlurm):
+    """Refuses sbatch with `refusal` while it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusal: str | None = None
+
+    def submit(self, script: Path, **kw: Any) -> str:
+        if self.refusal:
+            self.calls.append("sbatch")
+            raise SlurmUnavailable(
+                "refused", argv=["sbatch"], returncode=1, stdout="", stderr=self.refusal
+            )
+        return super().submit(script, **kw)
+
+
+def make_poller(tmp_path: Path, store: Store, **slurm: Any) -> tuple[Poller, LimitedSlurm]:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={f"slurm.{k}": v for k, v in slurm.items()},
+    )
+    fake = LimitedSlurm()
+    return Poller(config, store, slurm_client=fake, images=FakeImages()), fake
+
+
+def condition(store: Store, task_id: str) -> list[str]:
+    task = store.get_task(task_id)
+    assert task is not None
+    return [line for log in task.logs or [] for line in log.get("system_logs", [])]
+
+
+def finish(store: Store, job_id: str) -> None:
+    for task in store.tasks_in_flight():
+        if task.job_id == job_id:
+            store.update_task(task.id, state="COMPLETE")
+
+
+def test_max_jobs_in_flight_keeps_the_rest_queued_saying_why(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=2)
+    tasks = [sqlite_store.create_task(ECHO) for _ in range(5)]
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 2
+    waiting = [t for t in tasks if not sqlite_store.get_task(t.id).job_id]
+    assert len(waiting) == 3
+    for task in waiting:
+        assert condition(sqlite_store, task.id) == [
+            "waiting: 2 jobs of this service are in Slurm, the most it submits at once "
+            "(slurm.max_jobs_in_flight = 2)"
+        ]
+        assert sqlite_store.get_task(task.id).state == "QUEUED"
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 2
+    finish(sqlite_store, "100")
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 3
+    submitted = sqlite_store.get_task(waiting[0].id)
+    assert submitted.job_id and not any(
+        line.startswith("waiting:") for line in condition(sqlite_store, submitted.id)
+    )
+
+
+def test_max_jobs_per_owner_lets_other_owners_through(tmp_path, sqlite_store):
+    poller, _ = make_poller(tmp_path, sqlite_store, max_jobs_per_owner=1)
+    alice = [sqlite_store.create_task(ECHO, owner="alice") for _ in range(3)]
+    bob = sqlite_store.create_task(ECHO, owner="bob")
+    poller.cycle()
+    assert sqlite_store.get_task(alice[0].id).job_id
+    assert sqlite_store.get_task(bob.id).job_id
+    for task in alice[1:]:
+        assert not sqlite_store.get_task(task.id).job_id
+        assert condition(sqlite_store, task.id) == [
+            "waiting: 1 jobs of this task's owner are in Slurm, the most one owner may have "
+            "(slurm.max_jobs_per_owner = 1)"
+        ]
+
+
+@pytest.mark.parametrize("refusal", LIMIT_REFUSALS)
+def test_a_refusal_for_a_limit_waits_and_is_submitted_again(tmp_path, sqlite_store, refusal):
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    task = sqlite_store.create_task(ECHO)
+    fake.refusal = refusal
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == "QUEUED" and not record.job_id and not record.submit_started_at
+    lines = condition(sqlite_store, task.id)
+    assert len(lines) == 1 and lines[0].startswith(
+        "waiting: Slurm refused the job for a limit ("
+    ), lines
+    assert "sleeping and retrying" not in lines[0]
+    fake.refusal = None
+    poller.clock = lambda: 1e12  # after the back-off
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.job_id and record.state == "QUEUED"
+    assert not any(line.startswith("waiting:") for line in condition(sqlite_store, task.id))
+    assert fake.calls.count("find") == 0  # no job was looked for: none can exist
+
+
+def ended(state: str) -> JobInfo:
+    return job(state=state, exit_code=0, signal=None)
+
+
+def test_a_timeout_names_the_limit_and_where_it_came_from():
+    decision = decide(
+        job=ended("TIMEOUT"),
+        records=records(phase="running 0"),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+        time_limit="--time=0:00:05, from resources.backend_parameters.time",
+    )
+    assert decision.state is State.EXECUTOR_ERROR
+    assert decision.messages == [
+        "Slurm job 1 ended in state TIMEOUT (exit code 0): the job reached its time limit "
+        "(--time=0:00:05, from resources.backend_parameters.time)"
+    ]
+    decision = decide(
+        job=ended("TIMEOUT"), records=records(), attempt=1, retries=2, current=State.RUNNING
+    )
+    assert "no --time was asked: the partition's own limit" in decision.messages[0]
+
+
+def test_the_submitted_attempt_records_its_time_limit(tmp_path, sqlite_store):
+    poller, _ = make_poller(tmp_path, sqlite_store, default_time="2:00:00")
+    task = sqlite_store.create_task(ECHO)
+    poller.cycle()
+    metadata = sqlite_store.get_task(task.id).logs[0]["metadata"]
+    assert metadata["slurm_time_limit"] == "--time=2:00:00, from slurm.default_time"
