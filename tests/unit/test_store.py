@@ -9,6 +9,7 @@ import pytest
 
 from bridge.store import (
     SCHEMA_VERSION,
+    JobDecision,
     MetaRow,
     Store,
     SubmissionFailure,
@@ -205,6 +206,34 @@ def test_transitions_change_only_a_task_in_the_state_they_expect(store: Store):
     assert not store.note(task.id, [])
     assert store.amend_final_logs(task.id, [{"logs": [], "outputs": []}])
     assert store.get_task(task.id).state == State.SYSTEM_ERROR.value
+
+
+def test_a_batch_of_decisions_changes_what_one_by_one_would_in_one_transaction(store: Store):
+    tasks = [store.create_task(ECHO) for _ in range(5)]
+    for i, task in enumerate(tasks):
+        store.mark_submitting(task.id, attempt=1, now=5.0)
+        store.record_job(task.id, str(i))
+    store.fail(tasks[4].id, [])
+    logs = [{"logs": [], "outputs": [], "system_logs": ["pending"]}]
+    batch = [
+        JobDecision(tasks[0].id, "0", state=State.RUNNING, logs=logs),
+        JobDecision(tasks[1].id, "1", resubmit=True, state=State.QUEUED),
+        JobDecision(tasks[2].id, "2", state=State.SYSTEM_ERROR, cancel_job=True),
+        JobDecision(tasks[3].id, "other", state=State.RUNNING),  # another job: unchanged
+        JobDecision(tasks[4].id, "4", state=State.COMPLETE),  # terminal: unchanged
+        JobDecision(tasks[0].id, "0"),  # nothing to change
+    ]
+    assert store.apply_decisions(batch) == 3
+    got = [store.get_task(t.id) for t in tasks]
+    assert (got[0].state, got[0].logs) == ("RUNNING", logs)
+    assert (got[1].state, got[1].job_id, got[1].submit_started_at) == ("QUEUED", None, None)
+    assert (got[2].state, got[2].cancel_pending) == ("SYSTEM_ERROR", True)
+    assert [g.state for g in got[3:]] == ["QUEUED", "SYSTEM_ERROR"]
+    # One transaction: a decision that cannot be written undoes the whole batch.
+    bad = JobDecision(tasks[3].id, "3", logs=[{"not json": object()}])
+    with pytest.raises(TypeError):
+        store.apply_decisions([JobDecision(tasks[3].id, "3", state=State.RUNNING), bad])
+    assert store.get_task(tasks[3].id).state == "QUEUED"
 
 
 def test_job_recorded_for_a_task_canceled_during_its_sbatch_is_marked_for_scancel(store: Store):
