@@ -783,11 +783,22 @@ class Store(_PollerQueries, _Transitions, _Listing):
     def get_task(
         self, task_id: str, *, owner: str | None = None, full: bool = True
     ) -> TaskRecord | None:
+        if not full:
+            return self._get_minimal(task_id, owner)
         query = TaskRow.select(*self._columns(full)).where(TaskRow.id == task_id)
         if owner is not None:
             query = query.where(TaskRow.owner == owner)
         row = query.first()
         return None if row is None else _record(row, full)
+
+    def _get_minimal(self, task_id: str, owner: str | None) -> TaskRecord | None:
+        """`seq`, `id` and `state` through the unique index on `id`, with a cached statement:
+        engines poll every task in flight this way once a second, and peewee building the
+        SELECT cost three times as much as running it. Never reads the document."""
+        sql = _minimal_sql(owner is not None, self.db)
+        params = [task_id] if owner is None else [task_id, owner]
+        row = self.db.execute_sql(sql, params).fetchone()  # type: ignore[no-untyped-call]
+        return None if row is None else TaskRecord(seq=row[0], id=row[1], state=row[2])
 
 
 _TASK_FIELDS = [f for f in TaskRow._meta.sorted_fields if f.name != "seq"]
@@ -801,6 +812,16 @@ def _insert_sql(
     row = "(" + ", ".join([db.param] * len(columns)) + ")"
     names = ", ".join(f'"{c}"' for c in columns)
     return f'INSERT INTO "{model._meta.table_name}" ({names}) VALUES ' + ", ".join([row] * rows)
+
+
+@functools.lru_cache(maxsize=8)
+def _minimal_sql(by_owner: bool, db: peewee.Database) -> str:
+    p = db.param
+    owner = f' AND "owner" = {p}' if by_owner else ""
+    return (
+        f'SELECT "seq", "id", "state" FROM "{TaskRow._meta.table_name}" '
+        f'WHERE "id" = {p}{owner} LIMIT 1'
+    )
 
 
 @functools.lru_cache(maxsize=64)

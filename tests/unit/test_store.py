@@ -14,6 +14,8 @@ from bridge.store import (
     Store,
     SubmissionFailure,
     TaskFilter,
+    TaskRecord,
+    TaskRow,
     _prefix_successor,
 )
 from bridge.tes import State
@@ -273,3 +275,26 @@ def test_a_lost_job_is_forgotten_so_the_task_is_submitted_again(store: Store):
     record = store.get_task(task.id)
     assert (record.state, record.job_id, record.submit_started_at) == ("QUEUED", None, None)
     assert not store.apply_decision(task.id, job_id="7")  # nothing to change
+
+
+def test_minimal_get_returns_what_the_peewee_query_returned(store: Store):
+    """get_task(full=False) runs a cached statement; it must agree with the query it replaced."""
+
+    def by_peewee(task_id: str, owner: str | None) -> TaskRecord | None:
+        query = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state).where(TaskRow.id == task_id)
+        if owner is not None:
+            query = query.where(TaskRow.owner == owner)
+        row = query.first()
+        return None if row is None else TaskRecord(seq=row.seq, id=row.id, state=row.state)
+
+    mine = store.create_task(ECHO, owner="alice")
+    anyone = store.create_task(ECHO)
+    store.cancel_task(anyone.id)
+    cases = [
+        (mine.id, None), (mine.id, "alice"), (mine.id, "bob"), (anyone.id, None),
+        (anyone.id, "alice"), ("no-such-task", None), ("no-such-task", "alice"), ("", None),
+    ]  # fmt: skip
+    for task_id, owner in cases:
+        assert store.get_task(task_id, owner=owner, full=False) == by_peewee(task_id, owner)
+    assert store.get_task(anyone.id, full=False).state == "CANCELED"
+    assert store.get_task(mine.id, owner="bob", full=False) is None
