@@ -84,8 +84,11 @@ class Follower:
                 decisions.append(self._decide(task, job))
             except Exception:
                 log.exception("updating task %s failed unexpectedly", task.id)
-        for start in range(0, len(decisions), DECISION_BATCH):
-            stats.updated += self._apply(decisions[start : start + DECISION_BATCH])
+            if len(decisions) == DECISION_BATCH:  # written as they come: a batch's logs at most
+                stats.updated += self._apply(decisions)
+                decisions = []
+        if decisions:
+            stats.updated += self._apply(decisions)
         self._refresh_facts(refresh, accounting)
 
     def _apply(self, batch: list[JobDecision]) -> int:
