@@ -6,7 +6,9 @@ import importlib
 import sys
 import time
 
-NAMES = ["create", "listing", "poll", "memory", "staging", "e2e", "validation", "slowloris"]
+NAMES = [
+    "create", "listing", "poll", "memory", "staging", "e2e", "validation", "slowloris", "engines",
+]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
-"""The framework ceiling for `POST /tasks`: a trivial Falcon endpoint that parses the JSON body
-and answers an id, served by gunicorn with the same worker count and class as the bridge.
+"""The framework ceiling for `POST /tasks` (a trivial Falcon endpoint that parses the JSON body
+and answers an id) and `GET /tasks/{id}` (answers the id and a fixed
+state), served by gunicorn with the same worker count as the bridge.
 
     gunicorn -w 2 bench.ceiling:app
 """
@@ -18,6 +19,11 @@ class Tasks:
         resp.media = {"id": str(uuid.uuid4())}
 
 
+class Task:
+    def on_get(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
+        resp.media = {"id": task_id, "state": "RUNNING"}
+
+
 class ServiceInfo:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = {"name": "ceiling"}
@@ -25,4 +31,5 @@ class ServiceInfo:
 
 app = falcon.App()
 app.add_route("/ga4gh/tes/v1/tasks", Tasks())
+app.add_route("/ga4gh/tes/v1/tasks/{task_id}", Task())
 app.add_route("/ga4gh/tes/v1/service-info", ServiceInfo())

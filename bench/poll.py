@@ -117,9 +117,11 @@ def main() -> dict[str, object]:
     for r in results.values():
         first = r["first_cycle"]
         rows.append([r["source"], r["active_jobs"], first["commands"], first["seconds"],
-                     r["steady_commands_max"], r["steady_seconds_median"]])  # fmt: skip
+                     r["steady_commands_max"], r["steady_seconds_median"],
+                     f"{first['seconds'] / r['steady_seconds_median']:.2f}x"])  # fmt: skip
     print(f"poll cycle, {STORED} tasks stored (SQLite); steady = median of {CYCLES} cycles")
-    table(["Slurm", "active jobs", "1st: cmds", "1st: s", "steady: cmds", "steady: s"], rows)
+    header = ["Slurm", "active jobs", "1st: cmds", "1st: s", "steady: cmds", "steady: s"]
+    table([*header, "1st / steady"], rows)
     write_result("poll", {"stored_tasks": STORED, **results})
     return results
 

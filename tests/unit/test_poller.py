@@ -524,6 +524,28 @@ def test_polling_costs_at_most_two_slurm_calls_whatever_the_number_of_jobs(env):
     assert states == {"QUEUED", "SYSTEM_ERROR"}  # no records were written by the fake jobs
 
 
+def test_updates_are_batched_and_a_bad_one_costs_only_its_own(env, monkeypatch, caplog):
+    poller, store, slurm, _ = env
+    monkeypatch.setattr("bridge.poller.follow.DECISION_BATCH", 2)
+    tasks = [store.create_task(ECHO) for _ in range(5)]
+    poller.cycle()
+    for info in list(slurm.jobs.values()):
+        slurm.jobs[info.job_id] = replace(info, state="RUNNING", reason=None)
+    apply_one = store._apply_decision
+
+    def failing(decision, now):
+        if decision.task_id == tasks[2].id:
+            raise ValueError("cannot be written")
+        return apply_one(decision, now)
+
+    monkeypatch.setattr(store, "_apply_decision", failing)
+    stats = poller.cycle()
+    assert stats.updated == 4
+    states = [store.get_task(t.id).state for t in tasks]
+    assert states == ["INITIALIZING", "INITIALIZING", "QUEUED", "INITIALIZING", "INITIALIZING"]
+    assert f"updating task {tasks[2].id} failed unexpectedly" in caplog.text
+
+
 def test_unreachable_slurm_pauses_all_submissions_for_the_back_off(env):
     poller, store, slurm, _ = env
     tasks = [store.create_task(ECHO) for _ in range(5)]

@@ -9,10 +9,13 @@ import pytest
 
 from bridge.store import (
     SCHEMA_VERSION,
+    JobDecision,
     MetaRow,
     Store,
     SubmissionFailure,
     TaskFilter,
+    TaskRecord,
+    TaskRow,
     _prefix_successor,
 )
 from bridge.tes import State
@@ -207,6 +210,34 @@ def test_transitions_change_only_a_task_in_the_state_they_expect(store: Store):
     assert store.get_task(task.id).state == State.SYSTEM_ERROR.value
 
 
+def test_a_batch_of_decisions_changes_what_one_by_one_would_in_one_transaction(store: Store):
+    tasks = [store.create_task(ECHO) for _ in range(5)]
+    for i, task in enumerate(tasks):
+        store.mark_submitting(task.id, attempt=1, now=5.0)
+        store.record_job(task.id, str(i))
+    store.fail(tasks[4].id, [])
+    logs = [{"logs": [], "outputs": [], "system_logs": ["pending"]}]
+    batch = [
+        JobDecision(tasks[0].id, "0", state=State.RUNNING, logs=logs),
+        JobDecision(tasks[1].id, "1", resubmit=True, state=State.QUEUED),
+        JobDecision(tasks[2].id, "2", state=State.SYSTEM_ERROR, cancel_job=True),
+        JobDecision(tasks[3].id, "other", state=State.RUNNING),  # another job: unchanged
+        JobDecision(tasks[4].id, "4", state=State.COMPLETE),  # terminal: unchanged
+        JobDecision(tasks[0].id, "0"),  # nothing to change
+    ]
+    assert store.apply_decisions(batch) == 3
+    got = [store.get_task(t.id) for t in tasks]
+    assert (got[0].state, got[0].logs) == ("RUNNING", logs)
+    assert (got[1].state, got[1].job_id, got[1].submit_started_at) == ("QUEUED", None, None)
+    assert (got[2].state, got[2].cancel_pending) == ("SYSTEM_ERROR", True)
+    assert [g.state for g in got[3:]] == ["QUEUED", "SYSTEM_ERROR"]
+    # One transaction: a decision that cannot be written undoes the whole batch.
+    bad = JobDecision(tasks[3].id, "3", logs=[{"not json": object()}])
+    with pytest.raises(TypeError):
+        store.apply_decisions([JobDecision(tasks[3].id, "3", state=State.RUNNING), bad])
+    assert store.get_task(tasks[3].id).state == "QUEUED"
+
+
 def test_job_recorded_for_a_task_canceled_during_its_sbatch_is_marked_for_scancel(store: Store):
     task = store.create_task(ECHO)
     assert store.mark_submitting(task.id, attempt=1, now=5.0)
@@ -244,3 +275,26 @@ def test_a_lost_job_is_forgotten_so_the_task_is_submitted_again(store: Store):
     record = store.get_task(task.id)
     assert (record.state, record.job_id, record.submit_started_at) == ("QUEUED", None, None)
     assert not store.apply_decision(task.id, job_id="7")  # nothing to change
+
+
+def test_minimal_get_returns_what_the_peewee_query_returned(store: Store):
+    """get_task(full=False) runs a cached statement; it must agree with the query it replaced."""
+
+    def by_peewee(task_id: str, owner: str | None) -> TaskRecord | None:
+        query = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state).where(TaskRow.id == task_id)
+        if owner is not None:
+            query = query.where(TaskRow.owner == owner)
+        row = query.first()
+        return None if row is None else TaskRecord(seq=row.seq, id=row.id, state=row.state)
+
+    mine = store.create_task(ECHO, owner="alice")
+    anyone = store.create_task(ECHO)
+    store.cancel_task(anyone.id)
+    cases = [
+        (mine.id, None), (mine.id, "alice"), (mine.id, "bob"), (anyone.id, None),
+        (anyone.id, "alice"), ("no-such-task", None), ("no-such-task", "alice"), ("", None),
+    ]  # fmt: skip
+    for task_id, owner in cases:
+        assert store.get_task(task_id, owner=owner, full=False) == by_peewee(task_id, owner)
+    assert store.get_task(anyone.id, full=False).state == "CANCELED"
+    assert store.get_task(mine.id, owner="bob", full=False) is None
