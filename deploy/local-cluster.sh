@@ -62,8 +62,8 @@ SLURM_CONF_FILE=$SLURM_ETC/slurm.conf
 SLURMDBD_CONF_FILE=$SLURM_ETC/slurmdbd.conf
 MUNGE_SOCKET=$RUN/munge/munge.socket
 MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
-# The compute nodes' shared filesystem (with several nodes): work directories, image caches and
-# data that jobs read and write go here; everything else of the login node's stays private.
+# The compute nodes' shared filesystem: work directories, image caches and data that jobs read
+# and write go here; with several nodes, everything else of the login node's stays private.
 SHARED=$STATE_DIR/shared
 NODES_DIR=$STATE_DIR/nodes
 NODE_COUNT_FILE=$STATE_DIR/nodes.count
@@ -452,9 +452,9 @@ prepare_dirs() {
   for f in "${LOGFILE[munged]}:munge" "${LOGFILE[mysqld]}:mysql"; do
     [[ -e ${f%:*} ]] || install -m 640 -o "${f#*:}" -g "${f#*:}" /dev/null "${f%:*}"
   done
+  # Sticky and world-writable, as a site's scratch: service accounts make their own dirs.
+  install -d -m 1777 "$SHARED"
   if ((NODE_COUNT >= 2)); then
-    # Sticky and world-writable, as a site's scratch: service accounts make their own dirs.
-    install -d -m 1777 "$SHARED"
     local node
     for node in "${NODES[@]}"; do
       install -d -m 755 "$NODES_DIR/$node" "$STATE_DIR/slurmd/$node"
@@ -873,7 +873,7 @@ SLURM_CONF=$SLURM_CONF_FILE
 LOCAL_CLUSTER_PARTITION=$PARTITION
 LOCAL_CLUSTER_NODE=${NODES[0]}
 LOCAL_CLUSTER_NODES=$(IFS=,; echo "${NODES[*]}")
-LOCAL_CLUSTER_SHARED_DIR=$( ((NODE_COUNT >= 2)) && echo "$SHARED")
+LOCAL_CLUSTER_SHARED_DIR=$SHARED
 LOCAL_CLUSTER_REGISTRY=$REGISTRY
 LOCAL_CLUSTER_APPTAINER=$APPTAINER
 LOCAL_CLUSTER_APPTAINER_FLAGS=$APPTAINER_FLAGS
