@@ -4,10 +4,11 @@
 #   deploy/test.sh [PYTEST ARGS...]     (as root)
 #
 # It installs the system packages (PostgreSQL for the store tests; curl), brings up the local
-# Slurm cluster with Apptainer and an image registry (deploy/local-cluster.sh up), creates a
-# virtual environment in .venv with the package and its test dependencies, checks the code with
-# ruff (lint, format, complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
-# that need the cluster or PostgreSQL fail when those are missing.
+# Slurm cluster with two compute nodes, Apptainer and an image registry (deploy/local-cluster.sh
+# up --nodes 2), creates a virtual environment in .venv with the package and its test
+# dependencies, checks the code with ruff (lint, format, complexity) and mypy --strict, and runs
+# pytest. Nothing is skipped: tests that need the cluster or PostgreSQL fail when those are
+# missing.
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,7 +33,8 @@ if ! dpkg -s postgresql curl python3-venv sudo >/dev/null 2>&1; then
 fi
 
 step "local Slurm cluster, Apptainer and registry"
-deploy/local-cluster.sh up
+# Two compute nodes, each in its own mount namespace: tasks run as on separate hosts.
+deploy/local-cluster.sh up --nodes 2
 
 step "Python environment (.venv)"
 python=${PYTHON:-python3}
