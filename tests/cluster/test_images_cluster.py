@@ -109,8 +109,9 @@ def black_hole() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def sif_dir(local_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A site's directory of local images, holding the cluster's alpine SIF."""
-    directory = tmp_path_factory.mktemp("sifs")
+    """A site's directory of local images, holding the cluster's alpine SIF (on the shared
+    filesystem: the jobs run it on the compute nodes)."""
+    directory = local_cluster.shared_path("sifs")
     shutil.copy(local_cluster.state_dir / "cache" / "images" / "alpine.sif", directory)
     (directory / "alpine.sif").chmod(0o644)
     return directory
