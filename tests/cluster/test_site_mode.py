@@ -333,11 +333,11 @@ def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):
     output = out_dir / "uid.txt"
     assert output.read_text().strip() == uid
     assert output.stat().st_uid == int(uid)
-    info = os.stat(site.root / "work" / task_id)
+    info = os.stat(site.work_dir / task_id)
     assert info.st_uid == int(uid) and stat.S_IMODE(info.st_mode) == 0o700
     # Other users cannot list the work directory; neither they nor the service account can
     # enter the task directory.
-    work = site.root / "work"
+    work = site.work_dir
     assert as_user("tesbob", "ls", str(work)).returncode != 0
     for other in ("tesbob", "tesbridge"):
         assert as_user(other, "ls", str(work / task_id)).returncode != 0
