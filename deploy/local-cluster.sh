@@ -552,10 +552,22 @@ start_slurmd() {
   slurmd </dev/null >>"$LOGS/slurmd.out" 2>&1 || daemon_failed slurmd "exited at start"
 }
 
-# A compute node: its slurmd in a mount namespace of its own (see node_namespace).
+# The shared filesystem as a mount of its own, shared: what is mounted under it later (as an
+# NFS server's export would show it) appears on every compute node too.
+share_shared_dir() {
+  if ! mountpoint -q "$SHARED"; then
+    mount --bind "$SHARED" "$SHARED"
+  fi
+  mount --make-shared "$SHARED"
+}
+
+# A compute node: its slurmd in a mount namespace of its own (see node_namespace). Slave
+# propagation: mounts on the login node under the shared directory reach the node, nothing the
+# node mounts reaches the login node (the root filesystem here is private anyway).
 start_node() {
   local node=$1
-  unshare --mount --propagation private -- "$SCRIPT" _node "$node" \
+  share_shared_dir
+  unshare --mount --propagation slave -- "$SCRIPT" _node "$node" \
     </dev/null >>"$LOGS/slurmd-$node.out" 2>&1 || daemon_failed "slurmd-$node" "exited at start"
 }
 

@@ -52,6 +52,29 @@ def several_nodes(local_cluster: LocalCluster) -> None:
     )
 
 
+# ------------------------------------------------------------------------ the cluster script
+
+
+def test_up_after_kill_9_of_a_nodes_slurmd_brings_it_back_within_seconds(
+    local_cluster: LocalCluster, restore_nodes: None
+) -> None:
+    node = local_cluster.nodes[-1]
+    pid_file = local_cluster.state_dir / "run" / f"slurmd-{node}.pid"
+    old = int(pid_file.read_text())
+    os.kill(old, signal.SIGKILL)
+    started = time.monotonic()
+    local_cluster.up()
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, elapsed
+    status = local_cluster.run_script("status").stdout
+    line = next(line for line in status.splitlines() if line.split()[:1] == [f"slurmd-{node}"])
+    assert " running " in line and str(old) not in line, line
+    state = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, check=True
+    )
+    assert state.stdout.strip() in {"idle", "mixed", "allocated"}, state.stdout
+
+
 # --------------------------------------------------------------------------- the nodes' views
 
 
@@ -90,7 +113,13 @@ def test_each_node_has_its_own_tmp_and_not_the_login_nodes(
         assert not any(name.startswith("pytest-of-") for name in listing), listing
         assert (shared_tmp_path / f"login-{node}.txt").read_text() == "hidden\n"
         assert (shared_tmp_path / f"usr-{node}.txt").read_text() == "read-only\n"
-    assert sacct_nodes(list(ids.values())) == {job: node for node, job in ids.items()}
+    expected = {job: node for node, job in ids.items()}
+    deadline = time.monotonic() + 30  # slurmdbd may lag behind the jobs' end
+    while (found := sacct_nodes(list(ids.values()))) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert found == expected
+    for node, job in ids.items():
+        (local_cluster.state_dir / "nodes" / node / "tmp" / f"mark-{node}-{job}").unlink()
 
 
 @pytest.fixture(scope="module")
