@@ -244,9 +244,10 @@ def test_service_info_lists_what_this_deployment_stages(staging_service):
 
 
 def test_bad_credentials_are_a_system_error_that_leaks_nothing(
-    local_cluster, storage_servers, tmp_path_factory
+    local_cluster, storage_servers, tmp_path_factory, request
 ):
     root = local_cluster.shared_path("bad-credentials")
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
     wrong = root / "aws-credentials"
     wrong.write_text(
         f"[tes-test]\naws_access_key_id = {storage_servers.s3_key}\n"
