@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster (munge, slurmctld, slurmd, slurmdbd + MariaDB), Apptainer and a
-# local OCI registry with test images, for development and CI of tes-slurm-bridge.
+# A real Slurm cluster (munge, slurmctld, slurmd, slurmdbd + MariaDB), Apptainer and a local OCI
+# registry with test images, on one machine, for development and CI of tes-slurm-bridge.
 #
-#   deploy/local-cluster.sh up [--quiet]     install what is missing, start what is not running
-#   deploy/local-cluster.sh status           what runs (pids) and where the logs are
-#   deploy/local-cluster.sh down [DAEMON..]  stop what `up` started (all, or the named daemons)
+#   deploy/local-cluster.sh up [--quiet] [--nodes N]  install what is missing, start what is not
+#                                            running; N compute nodes (default: as last time, else 1)
+#   deploy/local-cluster.sh status           what runs (pids), every node, where the logs are
+#   deploy/local-cluster.sh down [DAEMON..]  stop what `up` started (all, or the named daemons,
+#                                            e.g. slurmd or slurmd-node2)
+#
+# With one node, this machine is the login node and the compute node (node name: the host name).
+# With N >= 2, nodes node1..nodeN are each their own slurmd (Slurm's multiple-slurmd mode, one
+# port per node) in its own mount namespace, seeing what a site's compute node sees: its own /tmp
+# and /var/tmp (STATE/nodes/<node>/), node-local scratch, /usr, /opt and this checkout read-only,
+# and the shared filesystem STATE/shared read-write. The login node's /tmp and /var/tmp (where
+# the tests keep the bridge's database and config) are not visible there. Slurm jobs inherit the
+# namespace of their node's slurmd.
 #
 # Run as root on Debian 12. Daemons are started directly (no systemd) and tracked by the pid files
 # in one state directory, so `down` stops exactly what `up` started. Settings (environment):
@@ -16,6 +26,10 @@
 #   LOCAL_CLUSTER_OVERSUBSCRIBE  jobs that may share one core   (4)
 #   LOCAL_CLUSTER_APPTAINER_LIBDIR  private glibc for Apptainer (/opt/tes-bridge/apptainer-libc)
 #   LOCAL_CLUSTER_DEBIAN_MIRROR  Debian mirror (default: the one in the machine's apt sources)
+#   LOCAL_CLUSTER_SLURMCTLD_PORT, LOCAL_CLUSTER_SLURMDBD_PORT  (6817, 6819)
+#   LOCAL_CLUSTER_SLURMD_PORT  slurmd's port with one node; node I of several listens on this
+#                              + 20 + I                       (6818)
+#   LOCAL_CLUSTER_NODE_READONLY  read-only on compute nodes (/usr /opt and this checkout)
 set -Eeuo pipefail
 
 STATE_DIR=${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}
@@ -25,9 +39,15 @@ MYSQL_PORT=${LOCAL_CLUSTER_MYSQL_PORT:-13306}
 OVERSUBSCRIBE=${LOCAL_CLUSTER_OVERSUBSCRIBE:-4}
 APPTAINER_LIBDIR=${LOCAL_CLUSTER_APPTAINER_LIBDIR:-/opt/tes-bridge/apptainer-libc}
 APPTAINER_SUITE=${LOCAL_CLUSTER_APPTAINER_SUITE:-sid}
+SLURMCTLD_PORT=${LOCAL_CLUSTER_SLURMCTLD_PORT:-6817}
+SLURMDBD_PORT=${LOCAL_CLUSTER_SLURMDBD_PORT:-6819}
+SLURMD_PORT=${LOCAL_CLUSTER_SLURMD_PORT:-6818}
 CLUSTER_NAME=local
 PARTITION=main
-IMAGES_SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/images
+SCRIPT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
+REPO=$(cd "$(dirname "$SCRIPT")/.." && pwd)
+IMAGES_SRC=$REPO/deploy/images
+NODE_READONLY=${LOCAL_CLUSTER_NODE_READONLY:-/usr /opt $REPO}
 # Bump when the way images are built changes, so cached images are rebuilt.
 IMAGE_RECIPE_VERSION=1
 
@@ -42,6 +62,11 @@ SLURM_CONF_FILE=$SLURM_ETC/slurm.conf
 SLURMDBD_CONF_FILE=$SLURM_ETC/slurmdbd.conf
 MUNGE_SOCKET=$RUN/munge/munge.socket
 MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
+# The compute nodes' shared filesystem: work directories, image caches and data that jobs read
+# and write go here; with several nodes, everything else of the login node's stays private.
+SHARED=$STATE_DIR/shared
+NODES_DIR=$STATE_DIR/nodes
+NODE_COUNT_FILE=$STATE_DIR/nodes.count
 # The daemons live in sbin, which a non-login root shell (CI, cron) may lack on its PATH.
 export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 export SLURM_CONF=$SLURM_CONF_FILE
@@ -51,7 +76,7 @@ APT_GET=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
 PACKAGES=(munge slurm-wlm slurmdbd slurm-client mariadb-server docker-registry skopeo umoci
   mmdebstrap patchelf squashfs-tools squashfuse fuse2fs uidmap curl ca-certificates)
 
-# Stop order; `up` starts them in reverse.
+# Stop order; `up` starts them in reverse. With several nodes, slurmd is slurmd-<node> each.
 DAEMONS=(slurmd slurmctld slurmdbd mysqld munged registry)
 declare -A PIDFILE=(
   [munged]=$RUN/munge/munged.pid [mysqld]=$RUN/mysqld/mysqld.pid [slurmdbd]=$RUN/slurmdbd.pid
@@ -64,7 +89,36 @@ declare -A LOGFILE=(
   [slurmctld]=$LOGS/slurmctld.log [slurmd]=$LOGS/slurmd.log [registry]=$LOGS/registry.log)
 
 QUIET=0
+WANT_NODES=""
 T0=$SECONDS
+NODE_COUNT=1
+NODES=()
+
+# Several compute nodes: one slurmd daemon entry per node, in place of the single slurmd.
+use_nodes() {
+  NODE_COUNT=$1
+  NODES=()
+  ((NODE_COUNT >= 2)) || { NODES=("$(hostname -s)"); return 0; }
+  local i name
+  DAEMONS=()
+  for ((i = 1; i <= NODE_COUNT; i++)); do
+    name=node$i
+    NODES+=("$name")
+    DAEMONS+=("slurmd-$name")
+    PIDFILE[slurmd-$name]=$RUN/slurmd-$name.pid
+    EXE[slurmd-$name]=slurmd
+    LOGFILE[slurmd-$name]=$LOGS/slurmd-$name.log
+  done
+  DAEMONS+=(slurmctld slurmdbd mysqld munged registry)
+}
+
+# The node count of the running configuration (1 when none was chosen yet).
+configured_nodes() {
+  local n=1
+  [[ -s $NODE_COUNT_FILE ]] && n=$(<"$NODE_COUNT_FILE")
+  [[ $n =~ ^[0-9]+$ ]] && ((n >= 1)) || n=1
+  echo "$n"
+}
 
 log() { ((QUIET)) || printf '[%3ds] %s\n' "$((SECONDS - T0))" "$*"; }
 die() {
@@ -243,10 +297,41 @@ node_hardware() {
   NODE_TMPFS=/tmp
   local tmp_mb
   tmp_mb=$(df -Pm "$NODE_TMPFS" | awk 'NR == 2 {print $2}')
+  if ((NODE_COUNT >= 2)); then
+    # The nodes' /tmp are directories under the state directory.
+    local nodes_mb
+    nodes_mb=$(df -Pm "$STATE_DIR" | awk 'NR == 2 {print $2}')
+    ((nodes_mb < tmp_mb)) && tmp_mb=$nodes_mb
+  fi
   TMP_DISK=$((tmp_mb / 2))
   ((TMP_DISK > 102400)) && TMP_DISK=102400
   # Jobs without --mem get a share small enough that OVERSUBSCRIBE jobs per CPU fit.
   DEF_MEM_PER_CPU=$((REAL_MEMORY / (CPUS * OVERSUBSCRIBE)))
+}
+
+slurmd_paths() {
+  if ((NODE_COUNT == 1)); then
+    printf '%s\n' "SlurmdPort=$SLURMD_PORT" "SlurmdSpoolDir=$STATE_DIR/slurmd" \
+      "SlurmdPidFile=${PIDFILE[slurmd]}" "SlurmdLogFile=${LOGFILE[slurmd]}"
+  else
+    # %n: the node's name; each slurmd keeps its own spool, pid file and log.
+    printf '%s\n' "SlurmdSpoolDir=$STATE_DIR/slurmd/%n" "SlurmdPidFile=$RUN/slurmd-%n.pid" \
+      "SlurmdLogFile=$LOGS/slurmd-%n.log"
+    # Notice a killed slurmd within seconds (default 300 s): its jobs end NODE_FAIL and requeue.
+    printf '%s\n' "SlurmdTimeout=10"
+  fi
+}
+
+node_lines() {
+  local topo=$1 i
+  if ((NODE_COUNT == 1)); then
+    echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
+    return
+  fi
+  # Every node declares the machine's CPUs and memory (over-committed: they share one machine).
+  for ((i = 1; i <= NODE_COUNT; i++)); do
+    echo "NodeName=node$i NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + 20 + i)) CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
+  done
 }
 
 slurm_conf() {
@@ -255,9 +340,10 @@ slurm_conf() {
     topo=" SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS"
   cat <<EOF
 $MARKER
-# Single-node test cluster; state, logs and pid files live in $STATE_DIR.
+# Test cluster with $NODE_COUNT compute node(s); state, logs and pid files live in $STATE_DIR.
 ClusterName=$CLUSTER_NAME
 SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldPort=$SLURMCTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -268,11 +354,9 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 ReturnToService=2
 StateSaveLocation=$STATE_DIR/slurmctld
-SlurmdSpoolDir=$STATE_DIR/slurmd
 SlurmctldPidFile=${PIDFILE[slurmctld]}
-SlurmdPidFile=${PIDFILE[slurmd]}
 SlurmctldLogFile=${LOGFILE[slurmctld]}
-SlurmdLogFile=${LOGFILE[slurmd]}
+$(slurmd_paths)
 SlurmctldDebug=info
 SlurmdDebug=info
 SchedulerType=sched/backfill
@@ -290,14 +374,14 @@ JobAcctGatherFrequency=task=5
 JobAcctGatherParams=OverMemoryKill
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
-AccountingStoragePort=6819
+AccountingStoragePort=$SLURMDBD_PORT
 # For auth/munge this "password" is the munge socket used to talk to slurmdbd (AuthInfo is not).
 AccountingStoragePass=$MUNGE_SOCKET
 # Keep --comment in the accounting database, so sacct can show it after the job ends.
 AccountingStoreFlags=job_comment
 JobCompType=jobcomp/none
 TmpFS=$NODE_TMPFS
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN
+$(node_lines "$topo")
 # Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE
 EOF
@@ -310,7 +394,7 @@ AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCKET
 DbdHost=localhost
 DbdAddr=127.0.0.1
-DbdPort=6819
+DbdPort=$SLURMDBD_PORT
 SlurmUser=root
 PidFile=${PIDFILE[slurmdbd]}
 LogFile=${LOGFILE[slurmdbd]}
@@ -368,6 +452,15 @@ prepare_dirs() {
   for f in "${LOGFILE[munged]}:munge" "${LOGFILE[mysqld]}:mysql"; do
     [[ -e ${f%:*} ]] || install -m 640 -o "${f#*:}" -g "${f#*:}" /dev/null "${f%:*}"
   done
+  # Sticky and world-writable, as a site's scratch: service accounts make their own dirs.
+  install -d -m 1777 "$SHARED"
+  if ((NODE_COUNT >= 2)); then
+    local node
+    for node in "${NODES[@]}"; do
+      install -d -m 755 "$NODES_DIR/$node" "$STATE_DIR/slurmd/$node"
+      install -d -m 1777 "$NODES_DIR/$node/tmp" "$NODES_DIR/$node/var-tmp" "$NODES_DIR/$node/scratch"
+    done
+  fi
   if [[ ! -s $STATE_DIR/mysql/slurm.password ]]; then
     (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$STATE_DIR/mysql/slurm.password")
   fi
@@ -378,7 +471,11 @@ write_configs() {
   CONF_CHANGED=""
   node_hardware
   if write_if_changed "$SLURM_CONF_FILE" 644 "$(slurm_conf)"; then
-    CONF_CHANGED+=" slurmctld slurmd"
+    CONF_CHANGED+=" slurmctld"
+    local name
+    for name in "${DAEMONS[@]}"; do
+      [[ $name == slurmd || $name == slurmd-* ]] && CONF_CHANGED+=" $name"
+    done
   fi
   if write_if_changed "$SLURMDBD_CONF_FILE" 600 "$(slurmdbd_conf)"; then
     CONF_CHANGED+=" slurmdbd"
@@ -455,6 +552,48 @@ start_slurmd() {
   slurmd </dev/null >>"$LOGS/slurmd.out" 2>&1 || daemon_failed slurmd "exited at start"
 }
 
+# The shared filesystem as a mount of its own, shared: what is mounted under it later (as an
+# NFS server's export would show it) appears on every compute node too.
+share_shared_dir() {
+  if ! mountpoint -q "$SHARED"; then
+    mount --bind "$SHARED" "$SHARED"
+  fi
+  mount --make-shared "$SHARED"
+}
+
+# A compute node: its slurmd in a mount namespace of its own (see node_namespace). Slave
+# propagation: mounts on the login node under the shared directory reach the node, nothing the
+# node mounts reaches the login node (the root filesystem here is private anyway).
+start_node() {
+  local node=$1
+  share_shared_dir
+  unshare --mount --propagation slave -- "$SCRIPT" _node "$node" \
+    </dev/null >>"$LOGS/slurmd-$node.out" 2>&1 || daemon_failed "slurmd-$node" "exited at start"
+}
+
+# Inside the new mount namespace of compute node $1: give it its own /tmp and /var/tmp, make
+# the software read-only, hide the state directory's private parts, then become its slurmd.
+node_namespace() {
+  local node=$1 dir=$NODES_DIR/$1 path
+  [[ -d $dir/tmp ]] || die "no directory $dir/tmp (run 'up')"
+  mount --bind "$dir/tmp" /tmp
+  mount --bind "$dir/var-tmp" /var/tmp
+  for path in $NODE_READONLY; do
+    [[ -d $path ]] || continue
+    mount --bind "$path" "$path"
+    mount -o remount,bind,ro "$path"
+  done
+  # The controller's state, the accounting database, the munge key and the other nodes'
+  # directories are the login node's (or another host's) own.
+  for path in "$STATE_DIR/slurmctld" "$STATE_DIR/mysql" "$STATE_DIR/munge" "$STATE_DIR/registry"; do
+    [[ -d $path ]] && mount -t tmpfs -o size=1m,mode=700 tmpfs "$path"
+  done
+  for path in "$NODES_DIR"/*; do
+    [[ $path == "$dir" ]] || mount -t tmpfs -o size=1m,mode=700 tmpfs "$path"
+  done
+  exec slurmd -N "$node"
+}
+
 start_registry() {
   setsid docker-registry serve "$STATE_DIR/registry/config.yml" \
     </dev/null >>"${LOGFILE[registry]}" 2>&1 &
@@ -462,8 +601,28 @@ start_registry() {
   wait_for 20 curl -fsS "http://$REGISTRY/v2/" || daemon_failed registry "does not answer on $REGISTRY"
 }
 
+# Sets OTHER_SLURMDS to the slurmd daemons (by pid file) that are not part of this
+# configuration, e.g. the single node's after a switch to several nodes.
+find_other_slurmds() {
+  local file name
+  OTHER_SLURMDS=()
+  for file in "$RUN"/slurmd.pid "$RUN"/slurmd-*.pid; do
+    [[ -e $file ]] || continue
+    name=$(basename "$file" .pid)
+    [[ " ${DAEMONS[*]} " == *" $name "* ]] && continue
+    PIDFILE[$name]=$file
+    EXE[$name]=slurmd
+    LOGFILE[$name]=$LOGS/$name.log
+    OTHER_SLURMDS+=("$name")
+  done
+}
+
 start_daemons() {
   local name i
+  find_other_slurmds
+  for name in "${OTHER_SLURMDS[@]}"; do
+    stop_daemon "$name"
+  done
   for name in $CONF_CHANGED; do
     running "$name" && { log "configuration of $name changed; restarting it"; stop_daemon "$name"; }
   done
@@ -474,7 +633,12 @@ start_daemons() {
     fi
     rm -f "${PIDFILE[$name]}"
     log "starting $name"
-    "start_$name" 9>&-  # the daemons must not inherit the lock
+    # The daemons must not inherit the lock.
+    if [[ $name == slurmd-* ]]; then
+      start_node "${name#slurmd-}" 9>&-
+    else
+      "start_$name" 9>&-
+    fi
     wait_for 10 running "$name" || daemon_failed "$name" "is not running after start (pid file ${PIDFILE[$name]})"
   done
 }
@@ -482,26 +646,34 @@ start_daemons() {
 # sacct exits 0 on some errors; an answer without anything on stderr is a real answer.
 sacct_works() { [[ -z $(sacct -n -X -S now 2>&1 >/dev/null) ]]; }
 
-node_state() { sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n 1; }
+node_state() { sinfo -h -N -n "$1" -o %T 2>/dev/null | head -n 1; }
 
 wait_for_node() {
-  local state deadline=$((SECONDS + 60)) resumed=0
+  local node=$1 daemon=slurmd state deadline=$((SECONDS + 60)) resumed=0
+  ((NODE_COUNT == 1)) || daemon=slurmd-$node
   while :; do
-    state=$(node_state || true)
+    state=$(node_state "$node" || true)
     case $state in
     idle | mixed | allocated | completing) break ;;
     esac
     if ((SECONDS > deadline)); then
-      running slurmd || daemon_failed slurmd "died"
-      daemon_failed slurmd "node $NODE is '${state:-unknown}', not idle, after 60 s ($(
-        scontrol show node "$NODE" 2>/dev/null | grep -o 'Reason=.*' || true))"
+      running "$daemon" || daemon_failed "$daemon" "died"
+      daemon_failed "$daemon" "node $node is '${state:-unknown}', not idle, after 60 s ($(
+        scontrol show node "$node" 2>/dev/null | grep -o 'Reason=.*' || true))"
     fi
     # A node left DOWN/DRAINED by an earlier run is put back once its slurmd answers.
     if ((!resumed)) && [[ $state == down* || $state == drain* ]] && [[ $state != *'*' ]]; then
-      scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true
+      scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
       resumed=1
     fi
     sleep 0.3
+  done
+}
+
+wait_for_nodes() {
+  local node
+  for node in "${NODES[@]}"; do
+    wait_for_node "$node"
   done
   wait_for 30 sacct_works || daemon_failed slurmdbd "does not answer sacct: $(sacct -n -X -S now 2>&1 | head -n 3)"
 }
@@ -711,7 +883,9 @@ write_env_file() {
 LOCAL_CLUSTER_DIR=$STATE_DIR
 SLURM_CONF=$SLURM_CONF_FILE
 LOCAL_CLUSTER_PARTITION=$PARTITION
-LOCAL_CLUSTER_NODE=$NODE
+LOCAL_CLUSTER_NODE=${NODES[0]}
+LOCAL_CLUSTER_NODES=$(IFS=,; echo "${NODES[*]}")
+LOCAL_CLUSTER_SHARED_DIR=$SHARED
 LOCAL_CLUSTER_REGISTRY=$REGISTRY
 LOCAL_CLUSTER_APPTAINER=$APPTAINER
 LOCAL_CLUSTER_APPTAINER_FLAGS=$APPTAINER_FLAGS
@@ -733,6 +907,7 @@ cmd_up() {
   mkdir -p "$STATE_DIR"
   take_lock
   mkdir -p "$LOGS"
+  use_nodes "${WANT_NODES:-$(configured_nodes)}"
   install_packages
   prepare_dirs
   write_configs
@@ -742,14 +917,15 @@ cmd_up() {
   publish_image alpine library/alpine latest
   publish_image python library/python 3-slim
   verify_apptainer
-  wait_for_node
+  wait_for_nodes
+  echo "$NODE_COUNT" >"$NODE_COUNT_FILE"
   write_env_file
   local extra=""
   [[ $SLURM_CONF_FILE == /etc/slurm/slurm.conf ]] || extra="   export SLURM_CONF=$SLURM_CONF_FILE"
   ((QUIET)) && return 0
   cat <<EOF
 [$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
-  Slurm:     node $NODE ($CPUS CPUs, ${REAL_MEMORY} MB), partition '$PARTITION', jobs run as root$extra
+  Slurm:     $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION'$extra
   Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
              e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD
   Registry:  $REGISTRY (plain HTTP: apptainer pull --no-https, or APPTAINER_NOHTTPS=1)
@@ -758,13 +934,24 @@ cmd_up() {
 EOF
 }
 
+describe_nodes() {
+  if ((NODE_COUNT == 1)); then
+    echo "node $NODE (this machine)"
+  else
+    echo "nodes ${NODES[*]} (own mount namespaces; shared filesystem $SHARED)"
+  fi
+}
+
 no_running_jobs() { [[ -z $(squeue -h -t running,completing -o %A 2>/dev/null) ]]; }
 
 cmd_down() {
   [[ $(id -u) == 0 ]] || die "run as root"
   [[ -d $STATE_DIR ]] || { log "nothing to stop: $STATE_DIR does not exist"; return 0; }
   take_lock
+  use_nodes "$(configured_nodes)"
   local names=("$@") name
+  find_other_slurmds
+  DAEMONS=("${OTHER_SLURMDS[@]}" "${DAEMONS[@]}")
   if ((${#names[@]} == 0)); then
     names=("${DAEMONS[@]}")
     # Cancel jobs first: their slurmstepd processes would otherwise outlive slurmd.
@@ -779,6 +966,10 @@ cmd_down() {
       fi
     fi
   fi
+  # `down slurmd` with several nodes: every node's slurmd.
+  if [[ " ${names[*]} " == *" slurmd "* ]] && ((NODE_COUNT >= 2)); then
+    for name in "${NODES[@]}"; do names+=("slurmd-$name"); done
+  fi
   for name in "${names[@]}"; do
     [[ -n ${PIDFILE[$name]:-} ]] || die "unknown daemon '$name' (known: ${DAEMONS[*]})"
   done
@@ -791,6 +982,7 @@ cmd_down() {
 
 cmd_status() {
   local name pid all=0
+  use_nodes "$(configured_nodes)"
   echo "state directory: $STATE_DIR"
   for name in "${DAEMONS[@]}"; do
     if pid=$(daemon_pid "$name"); then
@@ -801,7 +993,8 @@ cmd_status() {
     fi
   done
   if running slurmctld; then
-    echo "node: $(sinfo -h -N -o '%N %T cpus=%c mem=%mMB' 2>/dev/null | head -n 1)"
+    echo "nodes:"
+    sinfo -h -N -o '  %N %T cpus=%c mem=%mMB' 2>/dev/null || true
     echo "jobs in queue: $(squeue -h 2>/dev/null | wc -l)"
   fi
   [[ -f $STATE_DIR/cluster.env ]] && { echo "settings ($STATE_DIR/cluster.env):"; sed 's/^/  /' "$STATE_DIR/cluster.env"; }
@@ -817,9 +1010,25 @@ main() {
   shift || true
   case $cmd in
   up)
-    [[ ${1:-} == --quiet ]] && QUIET=1
+    while (($#)); do
+      case $1 in
+      --quiet) QUIET=1 ;;
+      --nodes)
+        [[ ${2:-} =~ ^[1-9][0-9]?$ ]] || die "--nodes needs a number of nodes (1-99)"
+        WANT_NODES=$2
+        shift
+        ;;
+      --nodes=*)
+        WANT_NODES=${1#--nodes=}
+        [[ $WANT_NODES =~ ^[1-9][0-9]?$ ]] || die "--nodes needs a number of nodes (1-99)"
+        ;;
+      *) die "up: unknown option '$1'" ;;
+      esac
+      shift
+    done
     cmd_up
     ;;
+  _node) node_namespace "$1" ;;
   down) cmd_down "$@" ;;
   status)
     # Exit 3 (as LSB status does) when a daemon is not running.

@@ -4,10 +4,10 @@
 #   deploy/test.sh [PYTEST ARGS...]     (as root)
 #
 # It installs the system packages (PostgreSQL for the store tests; curl; nginx, logrotate and
-# systemd-analyze for the deploy/ files), brings up the local Slurm cluster with Apptainer
-# and an image registry (deploy/local-cluster.sh up), creates a virtual environment in .venv
-# with the package and its test dependencies, checks the code with ruff (lint, format,
-# complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
+# systemd-analyze for the deploy/ files), brings up the local Slurm cluster with two compute
+# nodes, Apptainer and an image registry (deploy/local-cluster.sh up --nodes 2), creates a
+# virtual environment in .venv with the package and its test dependencies, checks the code with
+# ruff (lint, format, complexity) and mypy --strict, and runs pytest. Nothing is skipped: tests
 # that need the cluster or PostgreSQL fail when those are missing.
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,7 +37,8 @@ fi
 dpkg -s chromium chromium-driver >/dev/null 2>&1 || { "${apt_get[@]}" update && "${apt_get[@]}" install --no-install-recommends chromium chromium-driver; }  # the web page's browser test
 
 step "local Slurm cluster, Apptainer and registry"
-deploy/local-cluster.sh up
+# Two compute nodes, each in its own mount namespace: tasks run as on separate hosts.
+deploy/local-cluster.sh up --nodes 2
 
 step "Python environment (.venv)"
 python=${PYTHON:-python3}

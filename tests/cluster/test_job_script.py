@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 HOSTILE = "'; touch /tmp/pwned-cluster # $(touch /tmp/pwned-cluster) `touch /tmp/pwned-cluster`"
 HOSTILE_TEXT = HOSTILE + ' "\\ é ☃ 🐍\nsecond line'
 HOSTILE_NAME = HOSTILE.replace("/", "_") + " é ☃,:"
-PWNED = [Path("/tmp/pwned-cluster"), Path("/tmp/pwned"), Path("pwned-cluster")]
+#: Where a hostile value run by a shell would leave a file (in /tmp: each node's own).
+PWNED = ["pwned-cluster", "pwned"]
 _ids = itertools.count(1)
 #: Job names are `tes-<task id>`: keep them apart from other test runs on the same cluster.
 _RUN = f"jobscript-{os.getpid()}"
@@ -101,8 +104,9 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(local_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Env:
-    base = tmp_path_factory.mktemp("job-script")
+def env(local_cluster: Any) -> Iterator[Env]:
+    # On the shared filesystem: the job scripts run on the compute nodes.
+    base = local_cluster.shared_path("job-script")
     shared = base / "shared"
     shared.mkdir()
     config = Config.model_validate(
@@ -125,15 +129,17 @@ def env(local_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Env:
     assert cache.ensure("alpine") is None  # a background pull starts; nothing waits for it
     sif = cache.pull("alpine", timeout=600)
     print(f"pulled alpine from {local_cluster.registry} in {time.monotonic() - started:.1f} s")
-    return Env(config, cache, sif, shared)
+    yield Env(config, cache, sif, shared)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
-def no_pwned_files() -> Any:
-    for path in PWNED:
+def no_pwned_files(local_cluster: Any) -> Any:
+    paths = [Path("pwned-cluster"), *(d / name for d in local_cluster.tmp_dirs() for name in PWNED)]
+    for path in paths:
         assert not path.exists(), f"{path} exists before the test"
     yield
-    for path in PWNED:
+    for path in paths:
         assert not path.exists(), f"a task value was executed by the shell: {path} exists"
 
 

@@ -71,9 +71,9 @@ def client(local_cluster: LocalCluster) -> SlurmClient:
 
 
 def test_job_shows_in_squeue_then_sacct_reports_state_and_exit_code(
-    local_cluster: LocalCluster, client: SlurmClient, tmp_path: Path
+    local_cluster: LocalCluster, client: SlurmClient, shared_tmp_path: Path
 ) -> None:
-    job_id = sbatch(tmp_path, job_script(tmp_path, "sleep 3\necho done\nexit 3"))
+    job_id = sbatch(shared_tmp_path, job_script(shared_tmp_path, "sleep 3\necho done\nexit 3"))
     squeue = subprocess.run(
         ["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True, check=True
     )
@@ -82,9 +82,9 @@ def test_job_shows_in_squeue_then_sacct_reports_state_and_exit_code(
 
     job = wait_for(lambda: ended(client, job_id), what=f"job {job_id} in sacct")
     assert (job.state, job.exit_code, job.signal) == ("FAILED", 3, 0)
-    assert job.node == local_cluster.node and job.partition == local_cluster.partition
+    assert job.node in local_cluster.nodes and job.partition == local_cluster.partition
     assert job.elapsed_seconds is not None and job.elapsed_seconds >= 3
-    assert (tmp_path / f"slurm-{job_id}.out").read_text() == "done\n"
+    assert (shared_tmp_path / f"slurm-{job_id}.out").read_text() == "done\n"
     sacct = subprocess.run(
         ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,ExitCode"],
         capture_output=True,
@@ -94,17 +94,19 @@ def test_job_shows_in_squeue_then_sacct_reports_state_and_exit_code(
     assert sacct.stdout.strip() == "FAILED|3:0"
 
 
-def test_scancel_ends_a_running_job_as_cancelled(client: SlurmClient, tmp_path: Path) -> None:
-    job_id = sbatch(tmp_path, job_script(tmp_path, "sleep 300"))
+def test_scancel_ends_a_running_job_as_cancelled(
+    client: SlurmClient, shared_tmp_path: Path
+) -> None:
+    job_id = sbatch(shared_tmp_path, job_script(shared_tmp_path, "sleep 300"))
     wait_for(lambda: client.queue([job_id])[job_id].state == "RUNNING", what="RUNNING")
     subprocess.run(["scancel", job_id], check=True, timeout=30)
     job = wait_for(lambda: ended(client, job_id), what=f"job {job_id} to end")
     assert job.state == "CANCELLED" and job.tes_state == "CANCELED"
 
 
-def test_several_jobs_run_at_once(client: SlurmClient, tmp_path: Path) -> None:
+def test_several_jobs_run_at_once(client: SlurmClient, shared_tmp_path: Path) -> None:
     # DefMemPerCPU and core sharing let small jobs run side by side even on two cores.
-    ids = [sbatch(tmp_path, job_script(tmp_path, "sleep 20")) for _ in range(4)]
+    ids = [sbatch(shared_tmp_path, job_script(shared_tmp_path, "sleep 20")) for _ in range(4)]
     try:
         wait_for(
             lambda: all(j.state == "RUNNING" for j in client.queue(ids).values()),
@@ -116,22 +118,22 @@ def test_several_jobs_run_at_once(client: SlurmClient, tmp_path: Path) -> None:
 
 
 def test_apptainer_in_a_job_runs_the_registry_alpine_with_bind_and_pwd(
-    local_cluster: LocalCluster, client: SlurmClient, tmp_path: Path
+    local_cluster: LocalCluster, client: SlurmClient, shared_tmp_path: Path
 ) -> None:
-    data = tmp_path / "data"
+    data = shared_tmp_path / "data"
     data.mkdir()
     (data / "in.txt").write_text("one\ntwo\n")
-    sif = tmp_path / "alpine.sif"
+    sif = shared_tmp_path / "alpine.sif"
     apptainer = " ".join([local_cluster.apptainer, "exec", *local_cluster.apptainer_flags])
     body = f"""
-export APPTAINER_CACHEDIR={tmp_path}/cache
+export APPTAINER_CACHEDIR={shared_tmp_path}/cache
 {local_cluster.apptainer} pull --no-https {sif} {local_cluster.image("library/alpine:latest")}
 {apptainer} --bind {data}:/work --pwd /work {sif} \\
     sh -c 'pwd > where.txt; wc -l < in.txt > count.txt; md5sum in.txt > sum.txt; exit 7'
 """
-    job_id = sbatch(tmp_path, job_script(tmp_path, body))
+    job_id = sbatch(shared_tmp_path, job_script(shared_tmp_path, body))
     job = wait_for(lambda: ended(client, job_id), timeout=120, what="apptainer job")
-    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    log = (shared_tmp_path / f"slurm-{job_id}.out").read_text()
     assert (job.state, job.exit_code) == ("FAILED", 7), log
     assert (data / "where.txt").read_text() == "/work\n"
     assert (data / "count.txt").read_text().strip() == "2"
@@ -139,28 +141,34 @@ export APPTAINER_CACHEDIR={tmp_path}/cache
 
 
 def test_python_image_runs_python3(
-    local_cluster: LocalCluster, client: SlurmClient, tmp_path: Path
+    local_cluster: LocalCluster, client: SlurmClient, shared_tmp_path: Path
 ) -> None:
-    sif = tmp_path / "python.sif"
+    sif = shared_tmp_path / "python.sif"
     apptainer = " ".join([local_cluster.apptainer, "exec", *local_cluster.apptainer_flags])
     body = f"""
-export APPTAINER_CACHEDIR={tmp_path}/cache
+export APPTAINER_CACHEDIR={shared_tmp_path}/cache
 {local_cluster.apptainer} pull --no-https {sif} {local_cluster.image("library/python:3-slim")}
 {apptainer} {sif} python3 -c 'import json, sys; print(json.dumps({{"major": sys.version_info[0]}}))'
 """
-    job_id = sbatch(tmp_path, job_script(tmp_path, body))
+    job_id = sbatch(shared_tmp_path, job_script(shared_tmp_path, body))
     job = wait_for(lambda: ended(client, job_id), timeout=180, what="python job")
-    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    log = (shared_tmp_path / f"slurm-{job_id}.out").read_text()
     assert (job.state, job.exit_code) == ("COMPLETED", 0), log
     assert '{"major": 3}' in log
 
 
 def test_status_lists_each_daemon_with_its_pid_and_log(local_cluster: LocalCluster) -> None:
     out = local_cluster.run_script("status").stdout
-    for daemon in ("slurmd", "slurmctld", "slurmdbd", "mysqld", "munged", "registry"):
+    slurmds = (
+        [f"slurmd-{node}" for node in local_cluster.nodes]
+        if len(local_cluster.nodes) > 1
+        else ["slurmd"]
+    )
+    for daemon in (*slurmds, "slurmctld", "slurmdbd", "mysqld", "munged", "registry"):
         line = next(line for line in out.splitlines() if line.split()[:1] == [daemon])
         assert " running  pid " in line and str(local_cluster.state_dir / "log") in line
-    assert f"{local_cluster.node} idle" in out or f"{local_cluster.node} mixed" in out
+    for node in local_cluster.nodes:
+        assert f"{node} idle" in out or f"{node} mixed" in out or f"{node} allocated" in out
 
 
 def test_up_when_already_up_is_fast(local_cluster: LocalCluster) -> None:
@@ -200,12 +208,12 @@ def test_down_of_an_unknown_daemon_is_refused(local_cluster: LocalCluster) -> No
 
 
 def test_client_submit_queue_accounting_and_find_by_names(
-    client: SlurmClient, tmp_path: Path
+    client: SlurmClient, shared_tmp_path: Path
 ) -> None:
     name = unique("lc-client")
-    script = job_script(tmp_path, "echo hello")
+    script = job_script(shared_tmp_path, "echo hello")
     job_id = client.submit(
-        script, job_name=name, comment="task=abc", extra_args=[f"--output={tmp_path}/%j.out"]
+        script, job_name=name, comment="task=abc", extra_args=[f"--output={shared_tmp_path}/%j.out"]
     )
     assert job_id.isdigit()
     queued = client.queue([job_id, "999999999"])  # an id Slurm never knew is simply absent
@@ -227,10 +235,10 @@ def test_client_submit_queue_accounting_and_find_by_names(
     assert found[name][0].exit_code == 0
 
 
-def test_client_cancel(client: SlurmClient, tmp_path: Path) -> None:
-    running = client.submit(job_script(tmp_path, "sleep 300"), job_name=unique("lc-cancel"))
+def test_client_cancel(client: SlurmClient, shared_tmp_path: Path) -> None:
+    running = client.submit(job_script(shared_tmp_path, "sleep 300"), job_name=unique("lc-cancel"))
     held = client.submit(
-        job_script(tmp_path, "true"), job_name=unique("lc-held"), extra_args=["--hold"]
+        job_script(shared_tmp_path, "true"), job_name=unique("lc-held"), extra_args=["--hold"]
     )
     wait_for(lambda: client.queue([running])[running].state == "RUNNING", what="RUNNING")
     assert client.queue([held])[held].reason == "JobHeldUser"
@@ -245,8 +253,8 @@ def test_client_cancel(client: SlurmClient, tmp_path: Path) -> None:
     assert jobs[running].signal == 15 and jobs[held].start_time is None
 
 
-def test_client_rejects_a_job_no_node_can_run(client: SlurmClient, tmp_path: Path) -> None:
-    script = job_script(tmp_path, "true")
+def test_client_rejects_a_job_no_node_can_run(client: SlurmClient, shared_tmp_path: Path) -> None:
+    script = job_script(shared_tmp_path, "true")
     with pytest.raises(SlurmRejected, match="Requested node configuration is not available") as e:
         client.submit(script, job_name=unique("lc-huge"), extra_args=["--mem=100000000"])
     assert e.value.returncode == 1 and "--mem=100000000" in e.value.argv
@@ -270,14 +278,14 @@ def stopped(local_cluster: LocalCluster) -> Iterator[Callable[[str], None]]:
 
 
 def test_client_reports_slurmctld_down_as_unavailable(
-    client: SlurmClient, stopped: Callable[[str], None], tmp_path: Path
+    client: SlurmClient, stopped: Callable[[str], None], shared_tmp_path: Path
 ) -> None:
-    done = client.submit(job_script(tmp_path, "true"), job_name=unique("lc-before"))
+    done = client.submit(job_script(shared_tmp_path, "true"), job_name=unique("lc-before"))
     wait_for(lambda: ended(client, done), what="job before the outage")
     stopped("slurmctld")
     started = time.monotonic()
     with pytest.raises(SlurmUnavailable, match="Unable to contact slurm controller") as e:
-        client.submit(job_script(tmp_path, "true"), job_name=unique("lc-down"))
+        client.submit(job_script(shared_tmp_path, "true"), job_name=unique("lc-down"))
     assert e.value.argv[0] == "sbatch" and e.value.returncode == 1
     with pytest.raises(SlurmUnavailable):
         client.queue([done])
@@ -290,14 +298,14 @@ def test_client_reports_slurmctld_down_as_unavailable(
 
 
 def test_client_reports_slurmdbd_down_as_unavailable(
-    client: SlurmClient, stopped: Callable[[str], None], tmp_path: Path
+    client: SlurmClient, stopped: Callable[[str], None], shared_tmp_path: Path
 ) -> None:
     stopped("slurmdbd")
     with pytest.raises(SlurmUnavailable, match="Problem talking to the database"):
         client.accounting(["1"])
     # The controller still takes and runs jobs without its accounting daemon.
     job_id = client.submit(
-        job_script(tmp_path, "true"), job_name=unique("lc-nodbd"), extra_args=["--hold"]
+        job_script(shared_tmp_path, "true"), job_name=unique("lc-nodbd"), extra_args=["--hold"]
     )
     assert client.queue([job_id])[job_id].state == "PENDING"
     client.cancel([job_id])

@@ -97,9 +97,10 @@ def _bytes(rss: str) -> int:
     return int(float(match[1]) * 1024 ** " KMGT".index(match[2] or " "))
 
 
-def _scratch_dirs(task_id: str) -> list[str]:
-    # Slurm gives jobs TMPDIR=/tmp here; the job makes tes-tmp-<task id>-<job id>.XXXXXX in it.
-    return glob.glob(f"/tmp/tes-tmp-{task_id}-*")
+def _scratch_dirs(local_cluster: Any, task_id: str) -> list[str]:
+    # Slurm gives jobs TMPDIR=/tmp here (their node's); the job makes
+    # tes-tmp-<task id>-<job id>.XXXXXX in it.
+    return [p for d in local_cluster.tmp_dirs() for p in glob.glob(f"{d}/tes-tmp-{task_id}-*")]
 
 
 def sh(script: str, *args: str, **fields: Any) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def test_executors_have_no_root_no_capability_and_see_no_other_task(quickstart: 
 
 
 def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
-    quickstart: Quickstart,
+    local_cluster: Any, quickstart: Quickstart
 ):
     uid = pwd.getpwnam(ACCOUNT).pw_uid
     writer = sh(
@@ -187,7 +188,11 @@ def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
     task_id = quickstart.create({"executors": [writer, reader]})
     # While it runs: one directory of the account, 0700, holding the 2 GiB on disk.
     found = _wait_for(
-        lambda: [d for d in _scratch_dirs(task_id) if os.path.exists(f"{d}/var-tmp/marker")],
+        lambda: [
+            d
+            for d in _scratch_dirs(local_cluster, task_id)
+            if os.path.exists(f"{d}/var-tmp/marker")
+        ],
         240,
         "the task's scratch directory",
     )
@@ -208,7 +213,9 @@ def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
     assert f"size={2 * GIB}" in second and "shared" in second, second
     assert "fs=tmpfs" not in second, second
     # Gone with the job.
-    _wait_for(lambda: not _scratch_dirs(task_id), 30, "the scratch directory's removal")
+    _wait_for(
+        lambda: not _scratch_dirs(local_cluster, task_id), 30, "the scratch directory's removal"
+    )
     # The 2 GiB never were the job's memory.
     job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
     rss = _wait_for(
@@ -264,15 +271,19 @@ def test_tmp_stays_on_disk_under_the_tasks_own_inputs_and_outputs_there(
         shutil.rmtree(data, ignore_errors=True)
 
 
-def test_tmp_is_removed_when_the_job_fails_or_is_cancelled(quickstart: Quickstart):
+def test_tmp_is_removed_when_the_job_fails_or_is_cancelled(
+    local_cluster: Any, quickstart: Quickstart
+):
     failing = quickstart.create({"executors": [sh("echo x > /tmp/f; exit 3")]})
     running = quickstart.create({"executors": [sh("echo x > /tmp/f; sleep 300")]})
     task = quickstart.wait(failing)
     assert task["state"] == "EXECUTOR_ERROR", json.dumps(task["logs"])
-    _wait_for(lambda: not _scratch_dirs(failing), 30, "removal after a failure")
-    _wait_for(lambda: _scratch_dirs(running), 240, "the running task's scratch directory")
+    _wait_for(lambda: not _scratch_dirs(local_cluster, failing), 30, "removal after a failure")
+    _wait_for(
+        lambda: _scratch_dirs(local_cluster, running), 240, "the running task's scratch directory"
+    )
     quickstart.cancel(running)
-    _wait_for(lambda: not _scratch_dirs(running), 60, "removal after a cancel")
+    _wait_for(lambda: not _scratch_dirs(local_cluster, running), 60, "removal after a cancel")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -306,12 +317,15 @@ def test_an_executor_cannot_change_an_input_source(
     were. As root too (container.allow_root), where only dropped capabilities stop a remount."""
     root = Path(tempfile.mkdtemp(prefix="tes-inputs-", dir="/var/tmp"))
     os.chmod(root, 0o755)
+    # Work directory, image cache and data on the shared filesystem (one filesystem, so that
+    # hardlinks work), the state on the login node.
+    shared = local_cluster.shared_path("inputs")
     as_account = user != "root"
     owner = pwd.getpwnam(user)
-    for name in ("state", "images", "data", "data/dir"):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        os.chown(root / name, owner.pw_uid, owner.pw_gid)
-    data = root / "data"
+    for path in (root / "state", shared / "images", shared / "data", shared / "data" / "dir"):
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+    data = shared / "data"
     sources = [data / "src.txt", data / "dir" / "f.txt", data / "v.txt"]
     for source in sources:
         source.write_text("original\n")
@@ -321,6 +335,7 @@ def test_an_executor_cannot_change_an_input_source(
         local_cluster,
         root,
         storage_toml=f'file_input_mode = "{mode}"',
+        shared=shared,
         user=user if as_account else None,
         python=str(quickstart.prefix / "bin" / "python") if as_account else sys.executable,
         env={"HOME": owner.pw_dir, "USER": user, "LOGNAME": user} if as_account else None,
@@ -352,3 +367,4 @@ def test_an_executor_cannot_change_an_input_source(
     finally:
         service.stop()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)

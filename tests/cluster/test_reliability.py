@@ -130,14 +130,18 @@ def test_poller_killed_anywhere_in_a_slow_sbatch_submits_each_attempt_once(slow_
 
 
 @pytest.fixture
-def small_work_fs(tmp_path: Path) -> Iterator[Path]:
-    work = tmp_path / "state" / "work"
-    work.mkdir(parents=True)
+def small_work_fs(local_cluster: Any) -> Iterator[Path]:
+    """A small filesystem as the work directory, on the shared filesystem (mounted there, it
+    reaches the compute nodes too)."""
+    shared = local_cluster.shared_path("full-work")
+    work = shared / "work"
+    work.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(work)], check=True)
     try:
         yield work
     finally:
         subprocess.run(["umount", "-l", str(work)], check=False)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def fill(path: Path) -> None:
@@ -172,7 +176,7 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
 ):
     filler = small_work_fs / "filler"
     fill(filler)
-    service = start_bridge_service(local_cluster, tmp_path)
+    service = start_bridge_service(local_cluster, tmp_path, shared=small_work_fs.parent)
     try:
         ids = [service.create({"executors": [executor("echo", str(i))]}) for i in range(6)]
         wait_for_condition(service, ids, "waiting: cannot prepare", timeout=60, step=0.5)

@@ -141,9 +141,13 @@ def test_same_path_input_and_output_are_used_in_place_and_other_inputs_stay_read
 def test_a_shared_dir_under_var_tmp_lies_on_top_of_the_disk_backed_var_tmp(
     local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # Where the quickstart test keeps its state (and so its shared data directory).
+    # A directory under /var/tmp at the same path on the login node and on every compute node
+    # (each has its own /var/tmp): node-local, but at a path a site might share.
     shared = Path(tempfile.mkdtemp(prefix="tes-shared-", dir="/var/tmp"))
     shared.chmod(0o755)
+    copies = [d / shared.name for d in local_cluster.tmp_dirs(var=True)]
+    for copy in copies:
+        copy.mkdir(mode=0o755, exist_ok=True)
     service = start_bridge_service(
         local_cluster,
         tmp_path_factory.mktemp("shared-var-tmp"),
@@ -161,13 +165,17 @@ def test_a_shared_dir_under_var_tmp_lies_on_top_of_the_disk_backed_var_tmp(
             }
         )
         assert task["state"] == "COMPLETE", task
-        assert (shared / "f").read_text() == "shared\n"
+        assert [c.joinpath("f").read_text() for c in copies if c.joinpath("f").exists()] == [
+            "shared\n"
+        ]
         # /var/tmp is still the attempt's own directory: the file did not reach the host's,
         # and the executor saw only the mount point of the shared directory there.
-        assert not Path("/var/tmp/private-marker").exists()
+        for var_tmp in local_cluster.tmp_dirs(var=True):
+            assert not (var_tmp / "private-marker").exists()
         *listed, fs = only_log(task)["logs"][0]["stdout"].split()
         assert sorted(listed) == sorted([shared.name, "private-marker"])
         assert fs != "fs=tmpfs"  # on disk, not the runtime's RAM tmpfs
     finally:
         service.stop()
-        shutil.rmtree(shared, ignore_errors=True)
+        for copy in copies:
+            shutil.rmtree(copy, ignore_errors=True)

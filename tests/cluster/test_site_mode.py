@@ -122,8 +122,18 @@ def site_root() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def installed_rule(site_root: Path, site_python: str) -> Iterator[Path]:
-    work = site_root / "work"
+def site_shared(local_cluster: Any) -> Iterator[Path]:
+    """The work directory, the image cache and the data: on the shared filesystem, which the
+    compute nodes see (site_root, the state, stays on the login node)."""
+    path = local_cluster.shared_path("site")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def installed_rule(site_root: Path, site_shared: Path, site_python: str) -> Iterator[Path]:
+    work = site_shared / "work"
     candidate = site_root / "sudoers"
     candidate.write_text(sudoers_for(work, site_python))
     check = subprocess.run(["visudo", "-cf", str(candidate)], capture_output=True, text=True)
@@ -138,6 +148,7 @@ def installed_rule(site_root: Path, site_python: str) -> Iterator[Path]:
 def site(
     local_cluster: Any,
     site_root: Path,
+    site_shared: Path,
     installed_rule: Path,
     unix_users: UnixUsers,
     site_python: str,
@@ -149,10 +160,10 @@ def site(
     work.mkdir(mode=0o755, exist_ok=True)
     os.chown(work, uid, gid)
     os.chmod(work, 0o1733)  # create, not list; the sticky bit keeps others' directories safe
-    for private in ("state", "images"):
-        (site_root / private).mkdir(exist_ok=True)
-        os.chown(site_root / private, uid, gid)
-    data = site_root / "data"
+    for private in (site_root / "state", site_shared / "images"):
+        private.mkdir(exist_ok=True)
+        os.chown(private, uid, gid)
+    data = site_shared / "data"
     data.mkdir(exist_ok=True)
     os.chmod(data, 0o1777)  # the shared filesystem: each user's own files, Unix permissions
     htpasswd = write_htpasswd(site_root / "htpasswd")
@@ -182,6 +193,7 @@ run_as_owner = true
         },
         user=service_user,
         python=site_python,
+        shared=site_shared,
     )
     try:
         yield service
@@ -321,11 +333,11 @@ def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):
     output = out_dir / "uid.txt"
     assert output.read_text().strip() == uid
     assert output.stat().st_uid == int(uid)
-    info = os.stat(site.root / "work" / task_id)
+    info = os.stat(site.work_dir / task_id)
     assert info.st_uid == int(uid) and stat.S_IMODE(info.st_mode) == 0o700
     # Other users cannot list the work directory; neither they nor the service account can
     # enter the task directory.
-    work = site.root / "work"
+    work = site.work_dir
     assert as_user("tesbob", "ls", str(work)).returncode != 0
     for other in ("tesbob", "tesbridge"):
         assert as_user(other, "ls", str(work / task_id)).returncode != 0

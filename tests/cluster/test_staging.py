@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,22 @@ import pytest
 import requests
 
 from tests.fixtures.service import BridgeService, start_bridge_service
-from tests.fixtures.storage import BUCKET, StorageServers
+from tests.fixtures.storage import BUCKET, StorageServers, start_storage_servers
 
 pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="session")
+def storage_servers(local_cluster: Any) -> Iterator[StorageServers]:
+    """The servers' files and the credentials files the config names on the shared filesystem:
+    stage-in and stage-out run on the compute nodes, which read those files there."""
+    root = local_cluster.shared_path("storage")
+    servers = start_storage_servers(root)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -230,9 +244,10 @@ def test_service_info_lists_what_this_deployment_stages(staging_service):
 
 
 def test_bad_credentials_are_a_system_error_that_leaks_nothing(
-    local_cluster, storage_servers, tmp_path_factory
+    local_cluster, storage_servers, tmp_path_factory, request
 ):
-    root = tmp_path_factory.mktemp("bad-credentials")
+    root = local_cluster.shared_path("bad-credentials")
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
     wrong = root / "aws-credentials"
     wrong.write_text(
         f"[tes-test]\naws_access_key_id = {storage_servers.s3_key}\n"

@@ -1,0 +1,314 @@
+"""The bridge on a cluster of several compute nodes (deploy/local-cluster.sh up --nodes 2).
+
+Each node is its own slurmd in its own mount namespace: its own /tmp, the shared filesystem,
+nothing of the login node's state. Jobs land on both nodes, never see the bridge's database or
+config, and a node lost for real (its slurmd killed with SIGKILL) sends the task to another node
+as a new attempt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.cluster import LocalCluster
+from tests.fixtures.service import BridgeService, start_bridge_service
+
+pytestmark = pytest.mark.cluster
+
+ALPINE = "alpine"
+
+
+def executor(*command: str) -> dict[str, Any]:
+    return {"image": ALPINE, "command": list(command)}
+
+
+def sacct_nodes(job_ids: list[str]) -> dict[str, str]:
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "--format=JobID,NodeList"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return dict(line.split("|", 1) for line in out.splitlines() if line)
+
+
+@pytest.fixture(autouse=True)
+def several_nodes(local_cluster: LocalCluster) -> None:
+    assert len(local_cluster.nodes) >= 2, (
+        f"these tests need several compute nodes, the cluster has {local_cluster.nodes}:"
+        " deploy/local-cluster.sh up --nodes 2"
+    )
+
+
+# ------------------------------------------------------------------------ the cluster script
+
+
+def test_up_after_kill_9_of_a_nodes_slurmd_brings_it_back_within_seconds(
+    local_cluster: LocalCluster, restore_nodes: None
+) -> None:
+    node = local_cluster.nodes[-1]
+    pid_file = local_cluster.state_dir / "run" / f"slurmd-{node}.pid"
+    old = int(pid_file.read_text())
+    os.kill(old, signal.SIGKILL)
+    started = time.monotonic()
+    local_cluster.up()
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, elapsed
+    status = local_cluster.run_script("status").stdout
+    line = next(line for line in status.splitlines() if line.split()[:1] == [f"slurmd-{node}"])
+    assert " running " in line and str(old) not in line, line
+    state = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, check=True
+    )
+    assert state.stdout.strip() in {"idle", "mixed", "allocated"}, state.stdout
+
+
+# --------------------------------------------------------------------------- the nodes' views
+
+
+def test_each_node_has_its_own_tmp_and_not_the_login_nodes(
+    local_cluster: LocalCluster, shared_tmp_path: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "login-only").write_text("the login node's /tmp\n")
+    ids = {}
+    for node in local_cluster.nodes[:2]:
+        # Each job leaves a file in its node's /tmp, then lists what that /tmp holds.
+        body = (
+            f"touch /tmp/mark-{node}-$SLURM_JOB_ID\n"
+            f"ls -a /tmp > {shared_tmp_path}/tmp-{node}.txt\n"
+            f"test -e {tmp_path}/login-only && echo visible || echo hidden"
+            f" > {shared_tmp_path}/login-{node}.txt\n"
+            f"touch /usr/probe-{node} 2>/dev/null && echo writable || echo read-only"
+            f" > {shared_tmp_path}/usr-{node}.txt\n"
+        )
+        ids[node] = subprocess.run(
+            ["sbatch", "--parsable", f"--nodelist={node}", f"--output={shared_tmp_path}/%j.out"],
+            input=f"#!/bin/bash\nset -e\n{body}",
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    deadline = time.monotonic() + 90
+    while not all((shared_tmp_path / f"usr-{n}.txt").exists() for n in ids):
+        assert time.monotonic() < deadline, list(shared_tmp_path.iterdir())
+        time.sleep(0.5)
+    first, second = ids
+    for node, other in ((first, second), (second, first)):
+        listing = (shared_tmp_path / f"tmp-{node}.txt").read_text().split()
+        assert f"mark-{node}-{ids[node]}" in listing
+        assert not any(name.startswith(f"mark-{other}-") for name in listing), listing
+        assert not any(name.startswith("pytest-of-") for name in listing), listing
+        assert (shared_tmp_path / f"login-{node}.txt").read_text() == "hidden\n"
+        assert (shared_tmp_path / f"usr-{node}.txt").read_text() == "read-only\n"
+    expected = {job: node for node, job in ids.items()}
+    deadline = time.monotonic() + 30  # slurmdbd may lag behind the jobs' end
+    while (found := sacct_nodes(list(ids.values()))) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert found == expected
+    for node, job in ids.items():
+        (local_cluster.state_dir / "nodes" / node / "tmp" / f"mark-{node}-{job}").unlink()
+
+
+@pytest.fixture(scope="module")
+def meeting(local_cluster: LocalCluster) -> Iterator[Path]:
+    """A directory on the shared filesystem that executors see read-write (storage.shared_dirs)."""
+    path = local_cluster.shared_path("meet")
+    path.chmod(0o777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(
+    local_cluster: LocalCluster, meeting: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    # The job script's side: every job tries the state directory, the database and the config
+    # of its service before anything else, and leaves what it found in the meeting directory.
+    root = tmp_path_factory.mktemp("multinode")
+    probes = " ".join(
+        str(p) for p in (root / "state", root / "state" / "tes-bridge.db", root / "tes-bridge.toml")
+    )
+    prologue = (
+        f'for f in {probes}; do if cat -- "$f" >/dev/null 2>&1 || test -e "$f"; then'
+        f' echo "open $f"; else echo "cannot open $f"; fi; done'
+        f" > {meeting}/probe-$SLURM_JOB_ID.txt"
+    )
+    service = start_bridge_service(
+        local_cluster,
+        root,
+        storage_toml=f"shared_dirs = [{json.dumps(str(meeting))}]",
+        slurm_toml=f"prologue = {json.dumps(prologue)}",
+    )
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def node_memory_mb(node: str) -> int:
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%m"], capture_output=True, text=True, check=True
+    )
+    return int(out.stdout.split()[0])
+
+
+def test_tasks_land_on_both_nodes(
+    service: BridgeService, local_cluster: LocalCluster, meeting: Path
+) -> None:
+    # Two tasks that wait for each other run at the same time; each asks for more than half a
+    # node's memory, so they run on two different nodes.
+    place = meeting / "both"
+    place.mkdir(mode=0o777)
+    ram_gb = round(node_memory_mb(local_cluster.nodes[0]) * 0.6 / 1024, 1)
+    wait = (
+        f"touch {place}/$0; n=0; while [ $(ls {place} | wc -l) -lt 2 ]; do"
+        " n=$((n+1)); [ $n -lt 900 ] || exit 9; sleep 0.1; done; echo met; ls -a /tmp"
+    )
+    ids = [
+        service.create(
+            {"executors": [executor("sh", "-c", wait, name)], "resources": {"ram_gb": ram_gb}}
+        )
+        for name in ("a", "b")
+    ]
+    tasks = [service.wait(task_id, timeout=240) for task_id in ids]
+    for task in tasks:
+        assert task["state"] == "COMPLETE", task
+        assert task["logs"][0]["logs"][0]["stdout"].startswith("met\n")
+    jobs = [task["logs"][0]["metadata"]["slurm_job_id"] for task in tasks]
+    nodes = sacct_nodes(jobs)
+    assert sorted(nodes[job] for job in jobs) == sorted(local_cluster.nodes[:2]), nodes
+    assert [task["logs"][0]["metadata"]["slurm_node"] for task in tasks] == [
+        nodes[job] for job in jobs
+    ]
+
+
+def test_a_job_cannot_open_the_database_or_the_config_and_the_task_completes(
+    service: BridgeService, meeting: Path
+) -> None:
+    state = service.root / "state"
+    database = state / "tes-bridge.db"
+    assert database.is_file() and service.config_path.is_file()
+    paths = [str(state), str(database), str(service.config_path)]
+    # The executor's side: the same paths from inside the container.
+    probe = "; ".join(
+        f"if cat {p} >/dev/null 2>&1 || test -e {p}; then echo open {p}; fi" for p in paths
+    )
+    task = service.run({"executors": [executor("sh", "-c", f"{probe}; echo tried")]})
+    assert task["state"] == "COMPLETE", task
+    assert task["logs"][0]["logs"][0]["stdout"] == "tried\n"
+    job = task["logs"][0]["metadata"]["slurm_job_id"]
+    found = (meeting / f"probe-{job}.txt").read_text().splitlines()
+    assert found == [f"cannot open {p}" for p in paths]
+
+
+# ------------------------------------------------------------------------------ node failure
+
+
+@pytest.fixture
+def restore_nodes(local_cluster: LocalCluster) -> Iterator[None]:
+    """Whatever a test does to the nodes, `up` brings every slurmd back and the nodes to idle."""
+    try:
+        yield
+    finally:
+        local_cluster.up()
+
+
+def kill_node(local_cluster: LocalCluster, node: str) -> None:
+    """The node fails for real: SIGKILL to its slurmd and to every process of its jobs (all
+    that runs in the node's mount namespace, and what those started)."""
+    slurmd = int((local_cluster.state_dir / "run" / f"slurmd-{node}.pid").read_text())
+    namespace = os.readlink(f"/proc/{slurmd}/ns/mnt")
+    parents: dict[int, int] = {}
+    victims = {slurmd}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(entry / "ns" / "mnt") == namespace:
+                victims.add(int(entry.name))
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    grown = True
+    while grown:  # containers run in namespaces of their own, below the job's processes
+        more = {pid for pid, parent in parents.items() if parent in victims} - victims
+        victims |= more
+        grown = bool(more)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def running_node(service: BridgeService, task_id: str) -> tuple[str, str]:
+    """The job and the node of the task's current attempt, once its executor runs."""
+    deadline = time.monotonic() + 120
+    while True:
+        task = service.get(task_id)
+        log = task["logs"][-1] if task.get("logs") else {}
+        node = log.get("metadata", {}).get("slurm_node")
+        if task["state"] == "RUNNING" and node:
+            return log["metadata"]["slurm_job_id"], node
+        assert task["state"] in {"QUEUED", "INITIALIZING", "RUNNING"}, task
+        assert time.monotonic() < deadline, task
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def no_retry_service(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[BridgeService]:
+    service = start_bridge_service(local_cluster, tmp_path, slurm_toml="retries = 0")
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_a_node_lost_for_real_sends_the_task_to_another_node_as_a_new_attempt(
+    service: BridgeService, local_cluster: LocalCluster, restore_nodes: None
+) -> None:
+    task_id = service.create({"executors": [executor("sh", "-c", "sleep 12; echo done")]})
+    job, node = running_node(service, task_id)
+    kill_node(local_cluster, node)
+    task = service.wait(task_id, timeout=150)
+    assert task["state"] == "COMPLETE", task
+    assert len(task["logs"]) == 2, task["logs"]
+    first, second = (log["metadata"] for log in task["logs"])
+    assert first["slurm_job_id"] == job and second["slurm_job_id"] != job
+    assert second["slurm_node"] != node
+    assert sacct_nodes([job, second["slurm_job_id"]]) == {
+        job: node,
+        second["slurm_job_id"]: second["slurm_node"],
+    }
+    lost = "\n".join(task["logs"][0].get("system_logs", []))
+    assert f"Slurm job {job} ended in state NODE_FAIL" in lost, task["logs"]
+    assert task["logs"][1]["logs"][0]["stdout"] == "done\n"
+
+
+def test_a_node_lost_with_no_retries_left_is_a_system_error_with_the_reason(
+    no_retry_service: BridgeService, local_cluster: LocalCluster, restore_nodes: None
+) -> None:
+    service = no_retry_service
+    task_id = service.create({"executors": [executor("sh", "-c", "sleep 60")]})
+    job, node = running_node(service, task_id)
+    kill_node(local_cluster, node)
+    task = service.wait(task_id, timeout=120)
+    assert task["state"] == "SYSTEM_ERROR", task
+    assert len(task["logs"]) == 1, task["logs"]
+    reasons = "\n".join(task["logs"][0].get("system_logs", []))
+    assert f"Slurm job {job} ended in state NODE_FAIL" in reasons, task["logs"]
+    assert "no retries left (0)" in reasons, task["logs"]
