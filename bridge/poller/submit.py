@@ -270,6 +270,9 @@ def tell_waiting(ctx: PollerContext, tasks: list[TaskRecord], reason: str | None
 
 
 class Submitter:
+    """Submits the QUEUED tasks that admission lets go, one sbatch each, and decides what a
+    failed sbatch means: the task failed, or it waits with back-off."""
+
     def __init__(
         self,
         ctx: PollerContext,
