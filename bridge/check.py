@@ -104,57 +104,39 @@ def _command(argv: list[str], timeout: float, what: str, fix: str) -> str:
     return proc.stdout
 
 
-class Doctor:
-    """The checks, in the order a site sets things up."""
+class CheckGroup:
+    """Checks about one part of the setup, for the service's account."""
 
-    def __init__(self, config: Config, *, image: str, account: Account | None = None) -> None:
+    def __init__(self, config: Config, account: Account) -> None:
         self.config = config
-        self.image = image
-        self.account = account or service_account(config)
+        self.account = account
 
-    def checks(self) -> list[tuple[str, Callable[[], str]]]:
-        checks = [
-            ("database", self.database),
-            ("work dir", self.work_dir),
-            ("image cache", self.image_cache),
-            ("metrics dir", self.metrics_dir),
-            ("file dirs", self.file_dirs),
-            ("slurm", self.slurm),
-            ("sacct", self.sacct),
-            ("apptainer", self.apptainer),
-        ]
-        if self.config.site.run_as_owner:
-            checks.append(("sudo rule", self.sudo_rule))
-        return checks
 
-    def run(self) -> Iterator[Result]:
-        for name, check in self.checks():
-            try:
-                yield Result(name, True, check())
-            except Failed as exc:
-                yield Result(name, False, str(exc), exc.fix)
+def database(config: Config) -> str:
+    """The database answers and takes writes."""
+    from bridge.job.staging import redact
+    from bridge.store import Store
 
-    # ------------------------------------------------------------------------------ checks
-    def database(self) -> str:
-        from bridge.job.staging import redact
-        from bridge.store import Store
+    url = redact(config.database_url)
+    fix = f"check `database` ({url}): the server must be up and the account may write it"
+    try:
+        store = Store.from_url(config.database_url)
+        with store.db.connection_context():
+            if not store.db.table_exists("tasks"):
+                raise Failed(f"{url} has no tables", "run `tes-bridge init-db`")
+            # A write that changes nothing, rolled back: the database takes writes.
+            with store.db.atomic() as transaction:
+                store._sql("UPDATE bridge_meta SET value = value WHERE key = 'schema_version'")
+                transaction.rollback()
+    except Failed:
+        raise
+    except Exception as exc:
+        raise Failed(f"{url}: {' '.join(str(exc).split())[:300]}", fix) from None
+    return f"{url} reachable and writable"
 
-        url = redact(self.config.database_url)
-        fix = f"check `database` ({url}): the server must be up and the account may write it"
-        try:
-            store = Store.from_url(self.config.database_url)
-            with store.db.connection_context():
-                if not store.db.table_exists("tasks"):
-                    raise Failed(f"{url} has no tables", "run `tes-bridge init-db`")
-                # A write that changes nothing, rolled back: the database takes writes.
-                with store.db.atomic() as transaction:
-                    store._sql("UPDATE bridge_meta SET value = value WHERE key = 'schema_version'")
-                    transaction.rollback()
-        except Failed:
-            raise
-        except Exception as exc:
-            raise Failed(f"{url}: {' '.join(str(exc).split())[:300]}", fix) from None
-        return f"{url} reachable and writable"
+
+class FilesystemChecks(CheckGroup):
+    """The directories the service writes (work, image cache, metrics) and the ones it reads."""
 
     def _reach(self, path: Path) -> None:
         blocked = _reachable(self.account, path)
@@ -241,6 +223,10 @@ class Doctor:
                 )
         return ", ".join(str(d) for d in dirs) + " present" if dirs else "none configured"
 
+
+class SlurmChecks(CheckGroup):
+    """slurmctld answers, and job accounting (the poller follows jobs with sacct)."""
+
     def slurm(self) -> str:
         sinfo = self.config.slurm.sinfo
         out = _command(
@@ -264,6 +250,14 @@ class Doctor:
             "slurmdbd in slurm.conf with slurmdbd running, or the path in [slurm] sacct",
         )
         return "job accounting answers"
+
+
+class RuntimeChecks(CheckGroup):
+    """The container runtime pulls an image and runs it with the configured flags."""
+
+    def __init__(self, config: Config, account: Account, image: str) -> None:
+        super().__init__(config, account)
+        self.image = image
 
     def apptainer(self) -> str:
         from bridge.images import ImageCache, ImagePullError
@@ -315,6 +309,10 @@ class Doctor:
             "installed) and that user namespaces are enabled",
         )
 
+
+class SiteChecks(CheckGroup):
+    """Site mode: the sudo rules that let the service act as task owners, and no more."""
+
     def sudo_rule(self) -> str:
         sudo = self.config.site.sudo
         listing = [sudo, "-n", "-l"]
@@ -349,3 +347,37 @@ class Doctor:
         if "(root)" in compact or "(ALL)" in compact:
             raise Failed(f"{self.account.name} may run commands as root", fix)
         return f"{self.account.name} may run sbatch, scancel and bridge.job as task owners"
+
+
+class Doctor:
+    """Runs the checks, in the order a site sets things up."""
+
+    def __init__(self, config: Config, *, image: str, account: Account | None = None) -> None:
+        self.config = config
+        self.image = image
+        self.account = account or service_account(config)
+
+    def checks(self) -> list[tuple[str, Callable[[], str]]]:
+        config, account = self.config, self.account
+        files = FilesystemChecks(config, account)
+        slurm = SlurmChecks(config, account)
+        checks: list[tuple[str, Callable[[], str]]] = [
+            ("database", lambda: database(config)),
+            ("work dir", files.work_dir),
+            ("image cache", files.image_cache),
+            ("metrics dir", files.metrics_dir),
+            ("file dirs", files.file_dirs),
+            ("slurm", slurm.slurm),
+            ("sacct", slurm.sacct),
+            ("apptainer", RuntimeChecks(config, account, self.image).apptainer),
+        ]
+        if config.site.run_as_owner:
+            checks.append(("sudo rule", SiteChecks(config, account).sudo_rule))
+        return checks
+
+    def run(self) -> Iterator[Result]:
+        for name, check in self.checks():
+            try:
+                yield Result(name, True, check())
+            except Failed as exc:
+                yield Result(name, False, str(exc), exc.fix)

@@ -1,11 +1,11 @@
 """The Slurm client: sbatch, squeue, sacct, scancel and sinfo as argument lists, and their parsers.
 
-Knows nothing of HTTP or the store. Every command goes through :meth:`SlurmClient._run` (on
-:func:`bridge.proc.run`), which raises a :class:`SlurmError` carrying argv, exit code, stdout and
-stderr. :class:`SlurmBackend` is what the poller needs of a Slurm client; the real one and the
-tests' fake both satisfy it. The error subclass tells
-the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off) or
-:class:`SlurmRejected` (sbatch refused this job for good).
+Knows nothing of HTTP or the store. Every command goes through :func:`run_slurm` (on
+:func:`bridge.proc.run`), and a failed one becomes, through :func:`command_error`, a
+:class:`SlurmError` carrying argv, exit code, stdout and stderr. :class:`SlurmBackend` is what
+the poller needs of a Slurm client; the real one and the tests' fake both satisfy it. The error
+subclass tells the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off)
+or :class:`SlurmRejected` (sbatch refused this job for good).
 
 Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data/slurm/):
 
@@ -599,6 +599,75 @@ class SlurmBackend(Protocol):
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None: ...
 
 
+def run_slurm(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """The one place that runs a Slurm command: in UTC, with Slurm's standard time format, killed
+    after `timeout` seconds (raising :class:`SlurmUnavailable`), timed for the metrics."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SQUEUE_", "SACCT_"))
+    }  # a user's SQUEUE_USERS or SACCT_FORMAT would change what the parsers see
+    env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
+    env["SLURM_TIME_FORMAT"] = "standard"
+    started = time.monotonic()
+    failed = True
+    try:
+        # Killed at its time-out and when the poller dies: an sbatch never outlives the
+        # poller that started it (see the poller's recovery of interrupted submissions).
+        proc = run(argv, timeout=timeout, env=env)
+        failed = proc.returncode != 0
+        return proc
+    except CommandNotFound as exc:
+        raise SlurmError(
+            f"{argv[0]} not found; install the Slurm client commands on this host or set "
+            f"the path in the [slurm] section of the configuration",
+            argv=argv,
+        ) from exc
+    except CommandTimeout as exc:
+        raise SlurmUnavailable(
+            f"{Path(argv[0]).name} did not answer within {timeout:g} s "
+            f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
+            argv=argv,
+            stdout=exc.stdout,
+            stderr=exc.stderr,
+        ) from exc
+    finally:
+        observe_slurm_command(argv, time.monotonic() - started, failed)
+
+
+def command_error(
+    proc: subprocess.CompletedProcess[str], what: str, *, sbatch: str = "sbatch"
+) -> SlurmError:
+    """The error for a Slurm command that exited non-zero: its subclass tells what to do, its
+    message what went wrong (`what`: the operation) and where to look."""
+    argv = [str(a) for a in proc.args]
+    detail = _error_lines(proc.stderr or proc.stdout)
+    # Through sudo (site mode) the Slurm tool is the word after `--`.
+    tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
+    kind: type[SlurmError] = SlurmError
+    if _UNAVAILABLE.search(proc.stderr):
+        daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
+        kind = SlurmUnavailable
+        message = (
+            f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
+            f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log"
+        )
+    elif tool == Path(sbatch).name:
+        kind = SlurmRejected
+        message = (
+            f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
+            f"with `sinfo -o '%P %c %m %l'`"
+        )
+    elif "accounting storage is disabled" in proc.stderr:
+        message = (
+            f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
+            f"accounting_storage/slurmdbd in slurm.conf)"
+        )
+    else:
+        message = f"{what}: {tool} exited {proc.returncode} ({detail})"
+    return kind(
+        message, argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+    )
+
+
 class SlurmClient:
     """Runs Slurm's command-line tools; one call per operation for any number of jobs."""
 
@@ -631,68 +700,6 @@ class SlurmClient:
         _check_text("user", user)
         return as_user(self.sudo, user, argv)
 
-    # The one place that runs a command.
-    def _run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("SQUEUE_", "SACCT_"))
-        }  # a user's SQUEUE_USERS or SACCT_FORMAT would change what the parsers see
-        env["TZ"] = "UTC"  # times are printed in the client's zone: make it UTC
-        env["SLURM_TIME_FORMAT"] = "standard"
-        started = time.monotonic()
-        failed = True
-        try:
-            # Killed at its time-out and when the poller dies: an sbatch never outlives the
-            # poller that started it (see the poller's recovery of interrupted submissions).
-            proc = run(argv, timeout=self.timeout, env=env)
-            failed = proc.returncode != 0
-            return proc
-        except CommandNotFound as exc:
-            raise SlurmError(
-                f"{argv[0]} not found; install the Slurm client commands on this host or set "
-                f"the path in the [slurm] section of the configuration",
-                argv=argv,
-            ) from exc
-        except CommandTimeout as exc:
-            raise SlurmUnavailable(
-                f"{Path(argv[0]).name} did not answer within {self.timeout:g} s "
-                f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
-                argv=argv,
-                stdout=exc.stdout,
-                stderr=exc.stderr,
-            ) from exc
-        finally:
-            observe_slurm_command(argv, time.monotonic() - started, failed)
-
-    def _fail(self, proc: subprocess.CompletedProcess[str], what: str) -> SlurmError:
-        argv = [str(a) for a in proc.args]
-        detail = _error_lines(proc.stderr or proc.stdout)
-        # Through sudo (site mode) the Slurm tool is the word after `--`.
-        tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
-        kind: type[SlurmError] = SlurmError
-        if _UNAVAILABLE.search(proc.stderr):
-            daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
-            kind = SlurmUnavailable
-            message = (
-                f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
-                f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log"
-            )
-        elif tool == Path(self.sbatch).name:
-            kind = SlurmRejected
-            message = (
-                f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
-                f"with `sinfo -o '%P %c %m %l'`"
-            )
-        elif "accounting storage is disabled" in proc.stderr:
-            message = (
-                f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
-                f"accounting_storage/slurmdbd in slurm.conf)"
-            )
-        else:
-            message = f"{what}: {tool} exited {proc.returncode} ({detail})"
-        return kind(
-            message, argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
-        )
-
     def submit(
         self,
         script: Path,
@@ -713,9 +720,9 @@ class SlurmClient:
             _check_text("comment", comment)
             argv.append(f"--comment={comment}")
         argv += [*extra_args, str(script)]
-        proc = self._run(self._as(as_user, argv))
+        proc = run_slurm(self._as(as_user, argv), self.timeout)
         if proc.returncode != 0:
-            raise self._fail(proc, f"submitting {script}")
+            raise command_error(proc, f"submitting {script}", sbatch=self.sbatch)
         # --parsable prints "id" or "id;cluster".
         lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         job_id = lines[-1].split(";")[0] if lines else ""
@@ -731,18 +738,18 @@ class SlurmClient:
 
     def _squeue(self, selector: str) -> dict[str, JobInfo]:
         argv = [self.squeue, "-h", "--states=all", selector, "-o", SQUEUE_FORMAT]
-        proc = self._run(argv)
+        proc = run_slurm(argv, self.timeout)
         if proc.returncode != 0:
             if _INVALID_JOB_ID in proc.stderr:
                 return {}  # a single id the controller no longer (or never) knew
-            raise self._fail(proc, "reading the queue")
+            raise command_error(proc, "reading the queue")
         return parse_squeue(proc.stdout)
 
     def _sacct(self, selector: Sequence[str]) -> dict[str, JobInfo]:
         argv = [self.sacct, "-P", "-n", *selector, f"--format={SACCT_FIELDS}"]
-        proc = self._run(argv)
+        proc = run_slurm(argv, self.timeout)
         if proc.returncode != 0:
-            raise self._fail(proc, "reading accounting")
+            raise command_error(proc, "reading accounting")
         return parse_sacct(proc.stdout)
 
     def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
@@ -792,24 +799,26 @@ class SlurmClient:
 
     def tmp_disk(self) -> TmpDisk:
         """Each partition's smallest node TmpDisk, in one call (`-a`: hidden partitions too)."""
-        proc = self._run([self.sinfo, "-h", "-a", "-o", SINFO_FORMAT])
+        proc = run_slurm([self.sinfo, "-h", "-a", "-o", SINFO_FORMAT], self.timeout)
         if proc.returncode != 0:
-            raise self._fail(proc, "reading the partitions' TmpDisk")
+            raise command_error(proc, "reading the partitions' TmpDisk")
         return parse_sinfo_tmp_disk(proc.stdout)
 
     def partitions(self) -> list[Partition]:
         """Every partition's nodes, CPUs, memory, time limit and GRES, in one call."""
-        proc = self._run([self.sinfo, "-h", "-a", "-N", "-o", SINFO_PARTITIONS_FORMAT])
+        proc = run_slurm(
+            [self.sinfo, "-h", "-a", "-N", "-o", SINFO_PARTITIONS_FORMAT], self.timeout
+        )
         if proc.returncode != 0:
-            raise self._fail(proc, "reading the partitions")
+            raise command_error(proc, "reading the partitions")
         return parse_sinfo_partitions(proc.stdout)
 
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""
         for chunk in _chunks(_check_ids(job_ids)):
-            proc = self._run(self._as(as_user, [self.scancel, *chunk]))
+            proc = run_slurm(self._as(as_user, [self.scancel, *chunk]), self.timeout)
             if proc.returncode != 0:
-                raise self._fail(proc, f"cancelling job(s) {' '.join(chunk)}")
+                raise command_error(proc, f"cancelling job(s) {' '.join(chunk)}")
 
 
 def _merge(accounting: JobInfo, queue: JobInfo) -> JobInfo:

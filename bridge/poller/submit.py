@@ -206,7 +206,73 @@ class Admission:
         self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
 
 
+class Preparer:
+    """The task directory and its job script, written by the service or (site mode) by the
+    task's owner, with the TmpDisk that `slurm.disk_request = "auto"` needs."""
+
+    def __init__(self, ctx: PollerContext, owners: OwnerRunner | None) -> None:
+        self.ctx = ctx
+        self.owners = owners
+        self.tmp_disk = TmpDiskCache(ctx)
+
+    def __call__(
+        self,
+        document: dict[str, Any],
+        owner: str | None,
+        image_paths: dict[str, str],
+        stats: CycleStats,
+        *,
+        task_owner: str | None = None,
+    ) -> Path:
+        """Raises _Fail or _Wait. `owner`: who writes it (site mode), `task_owner`: whose groups
+        `slurm.rules` look at."""
+        tmp_disk = None
+        if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
+            try:
+                tmp_disk = self.tmp_disk.get(stats)
+            except SlurmError as exc:
+                reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
+                log.warning("sinfo failed: %s", exc)
+                raise _Wait(reason) from exc
+        try:
+            if owner and self.owners is not None:
+                return self.owners.adopt(owner, document, image_paths, tmp_disk)
+            return prepare_task_dir(
+                document,
+                config=self.ctx.config,
+                image_paths=image_paths,
+                tmp_disk=tmp_disk,
+                owner=task_owner,
+            )
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                raise _Fail(f"cannot prepare the task directory: {exc}") from exc
+            # Every task would meet the same full disk: all submissions wait for the back-off.
+            log.warning("cannot prepare the directory of task %s: %s", document["id"], exc)
+            raise _Wait(f"waiting: cannot prepare the task directory ({exc})") from exc
+        except RenderError as exc:
+            raise _Fail(f"cannot run this task here: {exc}") from exc
+        except OwnerCommandError as exc:
+            raise _Fail(f"cannot create the task directory as {owner}: {exc}") from exc
+
+
+def tell_waiting(ctx: PollerContext, tasks: list[TaskRecord], reason: str | None) -> None:
+    """Say in each task's system_logs why it waits in QUEUED (stored only when it changes)."""
+    if reason is None:
+        return
+    for task in tasks:
+        logs = copy_logs(task.logs)
+        entry = attempt_log(logs, task.attempt + 1)
+        before = list(entry.get("system_logs", []))
+        set_condition(entry, reason)
+        if entry.get("system_logs") != before:
+            ctx.store.note(task.id, logs)
+
+
 class Submitter:
+    """Submits the QUEUED tasks that admission lets go, one sbatch each, and decides what a
+    failed sbatch means: the task failed, or it waits with back-off."""
+
     def __init__(
         self,
         ctx: PollerContext,
@@ -220,7 +286,7 @@ class Submitter:
         self.owners = owners
         self.canceller = canceller
         self.backoff = Backoff(ctx)
-        self.tmp_disk = TmpDiskCache(ctx)
+        self.prepare = Preparer(ctx, owners)
 
     def submit_queued(self, stats: CycleStats) -> None:
         if self.backoff.paused:
@@ -235,10 +301,10 @@ class Submitter:
                 waiting = admission.refusal(task.owner)
                 if waiting and admission.full:
                     # Every task behind it waits for the same jobs to end: say so, stop here.
-                    self._tell_waiting(tasks[index:], waiting)
+                    tell_waiting(self.ctx, tasks[index:], waiting)
                     break
                 if waiting:
-                    self._tell_waiting([task], waiting)
+                    tell_waiting(self.ctx, [task], waiting)
                     continue
                 if self._submit(task, stats):
                     stats.submitted += 1
@@ -253,19 +319,8 @@ class Submitter:
                 self._fail(task, "internal error while submitting the task; see the poller log")
             if self.backoff.paused:
                 # The tasks that wait behind it wait for the same reason: say so.
-                self._tell_waiting(tasks[index + 1 :], self.backoff.reason)
+                tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
-
-    def _tell_waiting(self, tasks: list[TaskRecord], reason: str | None) -> None:
-        if reason is None:
-            return
-        for task in tasks:
-            logs = copy_logs(task.logs)
-            entry = attempt_log(logs, task.attempt + 1)
-            before = list(entry.get("system_logs", []))
-            set_condition(entry, reason)
-            if entry.get("system_logs") != before:
-                self.ctx.store.note(task.id, logs)
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         assert task.document is not None
@@ -277,7 +332,7 @@ class Submitter:
         try:
             if self.owners is not None and not owner:
                 raise _Fail("this task has no owner; in site mode tasks run only as their owner")
-            script = self._prepare(document, owner, image_paths, stats, task_owner=task.owner)
+            script = self.prepare(document, owner, image_paths, stats, task_owner=task.owner)
         except _Fail as exc:
             self._fail(task, str(exc))
             return False
@@ -325,46 +380,6 @@ class Submitter:
         self._note_images(task, notes, write=image_paths is None)
         return image_paths
 
-    def _prepare(
-        self,
-        document: dict[str, Any],
-        owner: str | None,
-        image_paths: dict[str, str],
-        stats: CycleStats,
-        *,
-        task_owner: str | None = None,
-    ) -> Path:
-        """The task directory and its job script; raises _Fail or _Wait. `owner`: who writes
-        it (site mode), `task_owner`: whose groups `slurm.rules` look at."""
-        tmp_disk = None
-        if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
-            try:
-                tmp_disk = self.tmp_disk.get(stats)
-            except SlurmError as exc:
-                reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
-                log.warning("sinfo failed: %s", exc)
-                raise _Wait(reason) from exc
-        try:
-            if owner and self.owners is not None:
-                return self.owners.adopt(owner, document, image_paths, tmp_disk)
-            return prepare_task_dir(
-                document,
-                config=self.ctx.config,
-                image_paths=image_paths,
-                tmp_disk=tmp_disk,
-                owner=task_owner,
-            )
-        except OSError as exc:
-            if exc.errno not in TRANSIENT_ERRNOS:
-                raise _Fail(f"cannot prepare the task directory: {exc}") from exc
-            # Every task would meet the same full disk: all submissions wait for the back-off.
-            log.warning("cannot prepare the directory of task %s: %s", document["id"], exc)
-            raise _Wait(f"waiting: cannot prepare the task directory ({exc})") from exc
-        except RenderError as exc:
-            raise _Fail(f"cannot run this task here: {exc}") from exc
-        except OwnerCommandError as exc:
-            raise _Fail(f"cannot create the task directory as {owner}: {exc}") from exc
-
     def _sbatch(
         self,
         task: TaskRecord,
@@ -385,7 +400,7 @@ class Submitter:
         except SlurmRejected as exc:
             message = f"Slurm refused the job: {exc.stderr.strip() or exc}"
             if _TMP_REFUSED in exc.stderr:
-                message += self.tmp_disk.hint(document, stats)
+                message += self.prepare.tmp_disk.hint(document, stats)
             self._fail(task, message, attempt=attempt)
             return None
         except SlurmError as exc:
