@@ -516,13 +516,9 @@ class _Transitions(_Part):
         decision = JobDecision(task_id, job_id, state, logs, resubmit, cancel_job)
         return self._apply_decision(decision, _now()) > 0
 
-    def apply_decisions(self, decisions: Sequence[JobDecision]) -> int:
+    def apply_decisions(self, decisions: Sequence[JobDecision]) -> list[JobDecision]:
         """:meth:`apply_decision` for each of `decisions`, all in one transaction (one commit
-        instead of one each); returns how many tasks changed."""
-        return len(self.apply_decisions_changed(decisions))
-
-    def apply_decisions_changed(self, decisions: Sequence[JobDecision]) -> list[JobDecision]:
-        """:meth:`apply_decisions`, answering which of `decisions` changed their task."""
+        instead of one each); returns the decisions that changed their task."""
         now = _now()
         with self.db.atomic():
             return [d for d in decisions if self._apply_decision(d, now)]

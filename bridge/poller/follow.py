@@ -104,14 +104,14 @@ class Follower:
         expects, so applying a decision again changes nothing it should not."""
         changed: list[JobDecision] = []
         try:
-            changed = self.ctx.store.apply_decisions_changed(batch)
+            changed = self.ctx.store.apply_decisions(batch)
         except Exception as exc:
             if unavailable_reason(exc):
                 raise  # the cycle fails and is tried again
             # The batch rolled back whole: one by one, so a bad row costs only its own update.
             for decision in batch:
                 try:
-                    changed += self.ctx.store.apply_decisions_changed([decision])
+                    changed += self.ctx.store.apply_decisions([decision])
                 except Exception:
                     log.exception("updating task %s failed unexpectedly", decision.task_id)
         for decision in changed:

@@ -225,7 +225,7 @@ def test_a_batch_of_decisions_changes_what_one_by_one_would_in_one_transaction(s
         JobDecision(tasks[4].id, "4", state=State.COMPLETE),  # terminal: unchanged
         JobDecision(tasks[0].id, "0"),  # nothing to change
     ]
-    assert store.apply_decisions(batch) == 3
+    assert len(store.apply_decisions(batch)) == 3
     got = [store.get_task(t.id) for t in tasks]
     assert (got[0].state, got[0].logs) == ("RUNNING", logs)
     assert (got[1].state, got[1].job_id, got[1].submit_started_at) == ("QUEUED", None, None)
