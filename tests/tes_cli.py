@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from typing import IO
 
 TES_TASK = [sys.executable, "-m", "bridge", "task"]
 
@@ -28,3 +30,20 @@ def tes_task(
     )
     assert "Traceback" not in result.stderr, result.stderr
     return result
+
+
+def follow_logs(
+    url: str, task_id: str, *, interval: float, stderr: IO[str], kill_after: float
+) -> subprocess.Popen[str]:
+    """`tes-bridge task logs --follow` as its own process, its stdout a pipe to read line by
+    line as it comes (communicate() would skip what readline() has buffered), killed after
+    `kill_after` seconds so that a hung read ends as a failure, not a hang."""
+    follow = subprocess.Popen(
+        [*TES_TASK, "logs", "--follow", "--interval", str(interval), task_id],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=client_env(url),
+    )
+    threading.Timer(kill_after, follow.kill).start()
+    return follow

@@ -10,7 +10,6 @@ import pty
 import select
 import socket
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from tests.fixtures.auth import (
     write_htpasswd,
 )
 from tests.fixtures.service import serve_api_only
-from tests.tes_cli import TES_TASK, client_env, tes_task
+from tests.tes_cli import TES_TASK, client_env, follow_logs, tes_task
 
 ALPINE = {"executors": [{"image": "alpine", "command": ["true"]}]}
 
@@ -475,16 +474,8 @@ def test_logs_follow_prints_a_running_executors_output_as_it_is_written(server: 
     stdout = edir / "stdout"
     stdout.write_text("tick 1\n")
     stderr = (server.state_dir / f"{task_id}.stderr").open("w+")
-    # Read line by line (communicate() would skip what readline() has buffered).
-    follow = subprocess.Popen(
-        [*TES_TASK, "logs", "--follow", "--interval", "0.2", task_id],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=client_env(server.url),
-    )
+    follow = follow_logs(server.url, task_id, interval=0.2, stderr=stderr, kill_after=60)
     assert follow.stdout is not None
-    threading.Timer(60, follow.kill).start()  # a hung read ends as a failure, not a hang
     assert follow.stdout.readline() == "tick 1\n"  # blocks until printed: the task runs on
     with stdout.open("a") as stream:
         stream.write("tick 2\n")

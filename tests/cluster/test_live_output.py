@@ -4,14 +4,12 @@ the task document lists no executor log until the executor has an exit code."""
 
 from __future__ import annotations
 
-import subprocess
-import threading
 import time
 
 import pytest
 import requests
 
-from tests.tes_cli import TES_TASK, client_env
+from tests.tes_cli import follow_logs
 
 pytestmark = pytest.mark.cluster
 
@@ -31,16 +29,7 @@ TICKING = {
 def test_a_running_executors_lines_are_readable_before_it_ends(bridge_service, tmp_path):
     task_id = bridge_service.create(TICKING)
     stderr = (tmp_path / "stderr").open("w+")
-    # stdout is read line by line as it comes (not with communicate(), which would skip what
-    # readline() has buffered); stderr goes to a file.
-    follow = subprocess.Popen(
-        [*TES_TASK, "logs", "--follow", "--interval", "0.5", task_id],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=client_env(bridge_service.url),
-    )
-    threading.Timer(300, follow.kill).start()  # a hang ends as a failure
+    follow = follow_logs(bridge_service.url, task_id, interval=0.5, stderr=stderr, kill_after=300)
     try:
         # The endpoint: lines appear while the task runs, from where the last read stopped.
         url = f"{bridge_service.api}/tasks/{task_id}/output"
