@@ -1,7 +1,8 @@
 """End to end on the local cluster: 200 trivial tasks (`alpine echo`) through the bridge against
 the same 200 jobs submitted directly with sbatch running the same Apptainer command on the same
 SIF image (the one the bridge pulled) with the same Slurm resources; makespan ratio. Then the
-single-task latency, POST to COMPLETE against sbatch to the job leaving squeue (median of 3).
+single-task latency, POST to COMPLETE against sbatch to the job leaving squeue, and the job
+script's own time around its executor (median of BENCH_E2E_SINGLE, 5).
 The bridge runs as `tes-bridge serve` (API and poller) with the default poll interval (1 s);
 both sides are watched every 0.1 s.
 
@@ -17,6 +18,7 @@ import statistics
 import subprocess
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import requests
@@ -35,7 +37,7 @@ from bench.common import (
 )
 
 TASKS = int(os.environ.get("BENCH_E2E_TASKS", "200"))
-SINGLE = 3
+SINGLE = int(os.environ.get("BENCH_E2E_SINGLE", "5"))
 CLUSTER_ENV = Path("/var/lib/tes-bridge/local-cluster/cluster.env")
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 
@@ -88,7 +90,21 @@ def raw_jobs(count: int, script: Path, directives: list[str]) -> float:
     return elapsed
 
 
-def bridge_tasks(api: str, count: int) -> float:
+def job_side_seconds(task: dict[str, object]) -> float:
+    """The job script's own time around its executors: the attempt's start to end (the job
+    script's records) less the executors' start to end."""
+    attempt = task["logs"][0]  # type: ignore[index]
+    executors = attempt["logs"]
+    script = _seconds(attempt["end_time"]) - _seconds(attempt["start_time"])
+    ran = _seconds(executors[-1]["end_time"]) - _seconds(executors[0]["start_time"])
+    return script - ran
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def bridge_tasks(api: str, count: int, job_side: list[float] | None = None) -> float:
     run = uuid.uuid4().hex
     task = {
         "executors": [{"image": "alpine", "command": ["echo", "hello"]}],
@@ -116,6 +132,10 @@ def bridge_tasks(api: str, count: int) -> float:
     elapsed = time.perf_counter() - started
     bad = [t for t in tasks if t["state"] != "COMPLETE"]
     assert not bad, bad[:3]
+    if job_side is not None:
+        for t in tasks:
+            full = session.get(f"{api}/tasks/{t['id']}", params={"view": "FULL"}).json()
+            job_side.append(job_side_seconds(full))
     return elapsed
 
 
@@ -160,12 +180,12 @@ cache_dir = "{root / "images"}"
             f"#!/bin/sh\nexec {runtime} exec {info['LOCAL_CLUSTER_APPTAINER_FLAGS']} "
             f"{sif} echo hello\n"
         )
-        single_raw, single_bridge = [], []
+        single_raw, single_bridge, job_side = [], [], []
         for _ in range(SINGLE):
             wait_queue_empty()
             single_raw.append(raw_jobs(1, raw_script, directives))
             wait_queue_empty()
-            single_bridge.append(bridge_tasks(api, 1))
+            single_bridge.append(bridge_tasks(api, 1, job_side))
         wait_queue_empty()
         raw = raw_jobs(TASKS, raw_script, directives)
         wait_queue_empty()
@@ -177,6 +197,7 @@ cache_dir = "{root / "images"}"
         [f"{TASKS} tasks, makespan s", ours, raw, f"{ours / raw:.2f}"],
         ["1 task, POST->COMPLETE vs sbatch->end, s", one_bridge, one_raw,
          f"+{one_bridge - one_raw:.2f} s"],
+        ["1 task, job script's time around its executor, s", statistics.median(job_side), "", ""],
     ]  # fmt: skip
     print(f"end to end on the local cluster (alpine echo; sbatch {' '.join(directives)})")
     table(["measure", "bridge", "raw sbatch", "ratio / added"], rows)
@@ -189,6 +210,7 @@ cache_dir = "{root / "images"}"
         "single_bridge_s": single_bridge,
         "single_raw_s": single_raw,
         "single_added_s": one_bridge - one_raw,
+        "job_side_s": job_side,
     }
     write_result("e2e", data)
     shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Poll cost: Slurm commands per poll cycle and cycle wall time with 1,000 and 10,000 active jobs
 (among 100,000 stored tasks, SQLite).
 
-- real: 1,000 held jobs (`sbatch --hold`) on the local Slurm cluster, canceled afterwards;
+- real: held jobs (`sbatch --hold`) on the local Slurm cluster, canceled afterwards: 1,000, and
+  10,000 (BENCH_POLL_REAL_JOBS, e.g. "1000,10000"; the local cluster's MaxJobCount is 20,000);
 - stand-in: bench/fakeslurm (squeue and sacct scripts that print Slurm 22.05's format for the
   ids they are asked about; 1% of the jobs have left the queue and are COMPLETED in sacct) for
   1,000 and 10,000 jobs.
@@ -20,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import REPO, SLURM_ENV, fill_store, scratch, table, write_result
@@ -44,16 +46,19 @@ def wrappers(root: Path, log: Path, real: bool) -> dict[str, str]:
 
 
 def submit_held(count: int) -> list[str]:
-    ids = []
     env = {**os.environ, **SLURM_ENV}
-    for i in range(count):
+
+    def one(i: int) -> str:
         out = subprocess.run(
             ["sbatch", "--hold", "--parsable", f"--job-name=tes-bench-held-{i}", "-o",
              "/dev/null", "--wrap", "true"],
             capture_output=True, text=True, check=True, env=env,
         ).stdout  # fmt: skip
-        ids.append(out.strip().split(";")[0])
-    return ids
+        return out.strip().split(";")[0]
+
+    # A few at once: slurmctld takes them one by one, but sbatch's own start-up overlaps.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
@@ -99,17 +104,18 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
 
 def main() -> dict[str, object]:
     results: dict[str, object] = {}
-    held: list[str] = []
-    try:
-        if shutil.which("sbatch") and os.environ.get("BENCH_POLL_REAL", "1") == "1":
+    real_counts = [int(n) for n in os.environ.get("BENCH_POLL_REAL_JOBS", "1000").split(",") if n]
+    for count in real_counts if shutil.which("sbatch") else []:
+        held: list[str] = []
+        try:
             started = time.perf_counter()
-            held = submit_held(1000)
-            print(f"submitted 1000 held jobs in {time.perf_counter() - started:.0f} s")
-            results["real-1000"] = run_case("real-1000", held, real=True)
-    finally:
-        if held:
+            held = submit_held(count)
+            print(f"submitted {count} held jobs in {time.perf_counter() - started:.0f} s")
+            results[f"real-{count}"] = run_case(f"real-{count}", held, real=True)
+        finally:
             env = {**os.environ, **SLURM_ENV}
-            subprocess.run(["scancel", *held], check=False, env=env)
+            for start in range(0, len(held), 1000):
+                subprocess.run(["scancel", *held[start : start + 1000]], check=False, env=env)
     for n in (1000, 10000):
         ids = [str(200_000 + i) for i in range(n)]
         results[f"standin-{n}"] = run_case(f"standin-{n}", ids, real=False)

@@ -163,6 +163,13 @@ def _reserved(path: str) -> bool:
     return path == "/" or any(_under(path, r) for r in _RESERVED)
 
 
+def _memory_asked(ram_gb: float | None) -> str:
+    """What the task asked for, for the job's out-of-memory message (digits only: JSON-safe)."""
+    if not ram_gb:
+        return "no resources.ram_gb: the cluster's default"
+    return f"resources.ram_gb {ram_gb:g}"
+
+
 def _megabytes(gigabytes: float | None) -> int | None:
     """GB (TES) -> MB (Slurm) rounded up; 0 or absent -> None (never `--mem=0`: all memory)."""
     if not gigabytes:
@@ -326,6 +333,9 @@ def _directives_and_rule(
         "--no-requeue",
     ]
     directives += [f"{opt}={values[key]}" for key, opt in SBATCH_OPTIONS.items() if key in values]
+    if "gpus_per_task" in values:
+        # sbatch takes --gpus-per-task only with a task count; the job is one task.
+        directives.append("--ntasks=1")
     rule = site_rule(typed, values.get("partition"), config, owner)
     if rule is not None:
         directives.extend(rule.directives)
@@ -678,6 +688,15 @@ def _executor_context(
         "ignore_error": executor.ignore_error is True,
         "env": _env_assignments(executor, config),
         "call": _call(index, executor, sif, config, flags),
+        # Stdio only in the records (or discarded): the job script redirects it itself and
+        # runs the runtime without the Python wrapper, which opens a task's own stdio paths
+        # without following links (bridge.job.execute).
+        "direct": all(
+            path in (None, os.devnull)
+            for path in (executor.stdin, executor.stdout, executor.stderr)
+        ),
+        "stdout_null": executor.stdout == os.devnull,
+        "stderr_null": executor.stderr == os.devnull,
     }
 
 
@@ -732,6 +751,10 @@ def render_script(
         after_scratch=bind_args(plan.after_scratch),
         gpu=[config.container.gpu_flag] if gpus else [],
     )
+    executors = [
+        _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
+        for i, ex in enumerate(typed.model.executors)
+    ]
     context = {
         "directives": directives,
         "task_dir": str(layout.task_dir),
@@ -745,11 +768,17 @@ def render_script(
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
         "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],
+        "memory_asked": _memory_asked(typed.resources.ram_gb),
+        "refuse_root": not config.container.allow_root,
+        # Nothing to fetch or upload: the script prepares the task directory itself instead of
+        # starting Python for `stage-in` and `stage-out`.
+        "stage_in_shell": not typed.model.inputs and not typed.model.outputs,
+        "has_outputs": bool(typed.model.outputs),
+        "mkdirs": plan.mkdirs,
+        # Known for every executor: building `executors` above checked that.
+        "images": sorted(set(image_paths[ex.image] for ex in typed.model.executors)),
         "env_prefix": _env_prefix(config.container.runtime),
-        "executors": [
-            _executor_context(i, ex, config=config, flags=flags, image_paths=image_paths)
-            for i, ex in enumerate(typed.model.executors)
-        ],
+        "executors": executors,
     }
     template = _environment(tuple(_template_dirs(config))).get_template(TEMPLATE)
     return template.render(context)

@@ -34,7 +34,9 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
 - With slurmctld down, sbatch, squeue and scancel each retry for about 9 s before failing with
   "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
 - A job whose memory use passes ``--mem`` under ``JobAcctGatherParams=OverMemoryKill`` ends FAILED
-  with signal 9 (OUT_OF_MEMORY only comes with task/cgroup).
+  with signal 9. With task/cgroup (``ConstrainRAMSpace=yes``) the kernel kills the biggest
+  process in the job's cgroup (an executor, not the job script, which goes on) and the job ends
+  OUT_OF_MEMORY whatever the script's exit code; the script records the OOM kill itself.
 """
 
 from __future__ import annotations

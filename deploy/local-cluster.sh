@@ -7,6 +7,8 @@
 #   deploy/local-cluster.sh status           what runs (pids), every node, where the logs are
 #   deploy/local-cluster.sh down [DAEMON..]  stop what `up` started (all, or the named daemons,
 #                                            e.g. slurmd or slurmd-node2)
+#   deploy/local-cluster.sh add-user NAME..  give users made after `up` an association (Slurm
+#                                            refuses jobs of users without one, as at a site)
 #
 # With one node, this machine is the login node and the compute node (node name: the host name).
 # With N >= 2, nodes node1..nodeN are each their own slurmd (Slurm's multiple-slurmd mode, one
@@ -30,6 +32,12 @@
 #   LOCAL_CLUSTER_SLURMD_PORT  slurmd's port with one node; node I of several listens on this
 #                              + 20 + I                       (6818)
 #   LOCAL_CLUSTER_NODE_READONLY  read-only on compute nodes (/usr /opt and this checkout)
+#   LOCAL_CLUSTER_CGROUP     how Slurm confines jobs: auto (cgroup v1 where the host mounts its
+#                            memory controller, else none), v1, v2 (needs the memory controller
+#                            delegated to slurmd) or none (memory enforced by the accounting
+#                            sampler; no OUT_OF_MEMORY state)                            (auto)
+#   LOCAL_CLUSTER_GPUS       fake GPUs per node, type "fake" (device nodes under the state
+#                            directory, so Slurm schedules them and sets CUDA_VISIBLE_DEVICES)  (2)
 set -Eeuo pipefail
 
 STATE_DIR=${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}
@@ -48,6 +56,8 @@ SCRIPT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0
 REPO=$(cd "$(dirname "$SCRIPT")/.." && pwd)
 IMAGES_SRC=$REPO/deploy/images
 NODE_READONLY=${LOCAL_CLUSTER_NODE_READONLY:-/usr /opt $REPO}
+CGROUP_WANTED=${LOCAL_CLUSTER_CGROUP:-auto}
+FAKE_GPUS=${LOCAL_CLUSTER_GPUS:-2}
 # Bump when the way images are built changes, so cached images are rebuilt.
 IMAGE_RECIPE_VERSION=1
 
@@ -60,6 +70,10 @@ LOGS=$STATE_DIR/log
 CACHE=$STATE_DIR/cache
 SLURM_CONF_FILE=$SLURM_ETC/slurm.conf
 SLURMDBD_CONF_FILE=$SLURM_ETC/slurmdbd.conf
+CGROUP_CONF_FILE=$SLURM_ETC/cgroup.conf
+GRES_CONF_FILE=$SLURM_ETC/gres.conf
+# Character devices standing in for GPUs (no GPU on this machine): STATE/gpus/<node>/fake<i>.
+GPU_DEV_DIR=$STATE_DIR/gpus
 MUNGE_SOCKET=$RUN/munge/munge.socket
 MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
 # The compute nodes' shared filesystem: work directories, image caches and data that jobs read
@@ -75,6 +89,13 @@ APT_GET=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
 
 PACKAGES=(munge slurm-wlm slurmdbd slurm-client mariadb-server docker-registry skopeo umoci
   mmdebstrap patchelf squashfs-tools squashfuse fuse2fs uidmap curl ca-certificates)
+
+# Slurm enforces associations, limits and QOS here, as at a site: a user needs an association
+# (account ACCOUNT) to submit; QOS LIMITED_QOS (at most 2 jobs in the queue per user) lets tests
+# meet sbatch's refusals for a limit.
+ACCOUNT=tes
+LIMITED_QOS=tes-limited
+LIMITED_QOS_MAX_SUBMIT=2
 
 # Stop order; `up` starts them in reverse. With several nodes, slurmd is slurmd-<node> each.
 DAEMONS=(slurmd slurmctld slurmdbd mysqld munged registry)
@@ -324,6 +345,7 @@ slurmd_paths() {
 
 node_lines() {
   local topo=$1 i
+  ((FAKE_GPUS > 0)) && topo+=" Gres=gpu:fake:$FAKE_GPUS"
   if ((NODE_COUNT == 1)); then
     echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
     return
@@ -350,8 +372,7 @@ AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCKET
 CredType=cred/munge
 MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+$(confinement_lines)
 ReturnToService=2
 StateSaveLocation=$STATE_DIR/slurmctld
 SlurmctldPidFile=${PIDFILE[slurmctld]}
@@ -368,15 +389,16 @@ SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$DEF_MEM_PER_CPU
 # Send SIGKILL 10 s after SIGTERM on cancel or time-out (default 30 s).
 KillWait=10
-# Memory requests are enforced by the accounting sampler (no cgroups here).
-JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=task=5
-JobAcctGatherParams=OverMemoryKill
+$(accounting_gather_lines)
+$(gres_lines)
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$SLURMDBD_PORT
 # For auth/munge this "password" is the munge socket used to talk to slurmdbd (AuthInfo is not).
 AccountingStoragePass=$MUNGE_SOCKET
+AccountingStorageEnforce=associations,limits,qos
+# Room for benchmarks that keep 10,000 jobs in the queue (default 10,000).
+MaxJobCount=20000
 # Keep --comment in the accounting database, so sacct can show it after the job ends.
 AccountingStoreFlags=job_comment
 JobCompType=jobcomp/none
@@ -385,6 +407,92 @@ $(node_lines "$topo")
 # Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE
 EOF
+}
+
+# The cgroup plugin Slurm uses here: v1, v2 or none (see LOCAL_CLUSTER_CGROUP).
+cgroup_version() {
+  case $CGROUP_WANTED in
+  v1 | v2 | none) echo "$CGROUP_WANTED" ;;
+  auto)
+    # A cgroup v1 memory controller (the hybrid layout of many VMs and older distributions)
+    # can be used by slurmd as is. Under pure cgroup v2, slurmd 22.05 wants systemd to
+    # delegate it a subtree; this script starts daemons without systemd, so that is opt-in.
+    if [[ -f /sys/fs/cgroup/memory/memory.limit_in_bytes ]]; then
+      echo v1
+    else
+      echo none
+    fi
+    ;;
+  *) die "LOCAL_CLUSTER_CGROUP must be auto, v1, v2 or none (not '$CGROUP_WANTED')" ;;
+  esac
+}
+
+# How jobs are tracked and confined: with cgroups, a job's processes (its containers included)
+# are charged to its own cgroup, and one over its --mem is OOM-killed (Slurm: OUT_OF_MEMORY).
+confinement_lines() {
+  if [[ $CGROUP != none ]]; then
+    printf '%s\n' "ProctrackType=proctrack/cgroup" "TaskPlugin=task/cgroup"
+  else
+    printf '%s\n' "ProctrackType=proctrack/linuxproc" "TaskPlugin=task/none"
+  fi
+}
+
+accounting_gather_lines() {
+  if [[ $CGROUP != none ]]; then
+    # MaxRSS from the cgroup: also for jobs shorter than a sampling period.
+    printf '%s\n' "JobAcctGatherType=jobacct_gather/cgroup" "JobAcctGatherFrequency=task=5"
+  else
+    echo "# Memory requests are enforced by the accounting sampler (no cgroups here)."
+    printf '%s\n' "JobAcctGatherType=jobacct_gather/linux" "JobAcctGatherFrequency=task=5" \
+      "JobAcctGatherParams=OverMemoryKill"
+  fi
+}
+
+gres_lines() {
+  ((FAKE_GPUS > 0)) || return 0
+  # gres/gpu:fake is accounted per type too, so sacct AllocTRES shows both.
+  printf '%s\n' "GresTypes=gpu" "AccountingStorageTRES=gres/gpu,gres/gpu:fake"
+}
+
+cgroup_conf() {
+  cat <<EOF
+$MARKER
+CgroupPlugin=cgroup/$CGROUP
+# A job may use the memory it asked for (--mem, else DefMemPerCPU), no more; no swap here.
+ConstrainRAMSpace=yes
+AllowedRAMSpace=100
+ConstrainSwapSpace=yes
+AllowedSwapSpace=0
+# Jobs share cores (OverSubscribe) and see no real devices: neither is confined.
+ConstrainCores=no
+ConstrainDevices=no
+EOF
+  if [[ $CGROUP == v2 ]]; then
+    echo "IgnoreSystemd=yes"
+  fi
+}
+
+gres_conf() {
+  local node last=$((FAKE_GPUS - 1))
+  echo "$MARKER"
+  for node in "${NODES[@]}"; do
+    if ((FAKE_GPUS == 1)); then
+      echo "NodeName=$node Name=gpu Type=fake File=$GPU_DEV_DIR/$node/fake0"
+    else
+      echo "NodeName=$node Name=gpu Type=fake File=$GPU_DEV_DIR/$node/fake[0-$last]"
+    fi
+  done
+}
+
+# Device nodes for the fake GPUs: copies of /dev/null, which Slurm accepts as a GPU's File.
+make_fake_gpus() {
+  local node i
+  for node in "${NODES[@]}"; do
+    install -d -m 755 "$GPU_DEV_DIR/$node"
+    for ((i = 0; i < FAKE_GPUS; i++)); do
+      [[ -c $GPU_DEV_DIR/$node/fake$i ]] || mknod -m 666 "$GPU_DEV_DIR/$node/fake$i" c 1 3
+    done
+  done
 }
 
 slurmdbd_conf() {
@@ -470,7 +578,17 @@ prepare_dirs() {
 write_configs() {
   CONF_CHANGED=""
   node_hardware
-  if write_if_changed "$SLURM_CONF_FILE" 644 "$(slurm_conf)"; then
+  CGROUP=$(cgroup_version)
+  [[ $FAKE_GPUS =~ ^[0-9]$ ]] || die "LOCAL_CLUSTER_GPUS must be 0-9 (not '$FAKE_GPUS')"
+  local slurm_files_changed=0
+  if [[ $CGROUP != none ]] && write_if_changed "$CGROUP_CONF_FILE" 644 "$(cgroup_conf)"; then
+    slurm_files_changed=1
+  fi
+  if ((FAKE_GPUS > 0)); then
+    make_fake_gpus
+    write_if_changed "$GRES_CONF_FILE" 644 "$(gres_conf)" && slurm_files_changed=1
+  fi
+  if write_if_changed "$SLURM_CONF_FILE" 644 "$(slurm_conf)" || ((slurm_files_changed)); then
     CONF_CHANGED+=" slurmctld"
     local name
     for name in "${DAEMONS[@]}"; do
@@ -541,6 +659,47 @@ start_slurmdbd() {
     sacctmgr -i add cluster "$CLUSTER_NAME" >>"$LOGS/slurmdbd.out" 2>&1 ||
       daemon_failed slurmdbd "refused 'sacctmgr add cluster $CLUSTER_NAME'"
   fi
+}
+
+# The account, the QOS and an association for every user of this machine (idempotent).
+ensure_accounting() {
+  if [[ -z $(sacctmgr -n -P show account "$ACCOUNT" format=account 2>/dev/null) ]]; then
+    sacctmgr -i add account "$ACCOUNT" Cluster="$CLUSTER_NAME" Description="local test cluster users" \
+      Organization=local >>"$LOGS/slurmdbd.out" 2>&1 || daemon_failed slurmdbd "refused 'sacctmgr add account $ACCOUNT'"
+  fi
+  if [[ -z $(sacctmgr -n -P show qos "$LIMITED_QOS" format=name 2>/dev/null) ]]; then
+    sacctmgr -i add qos "$LIMITED_QOS" >>"$LOGS/slurmdbd.out" 2>&1 ||
+      daemon_failed slurmdbd "refused 'sacctmgr add qos $LIMITED_QOS'"
+  fi
+  sacctmgr -i modify qos where name="$LIMITED_QOS" set MaxSubmitJobsPerUser="$LIMITED_QOS_MAX_SUBMIT" \
+    >>"$LOGS/slurmdbd.out" 2>&1 || true # "Nothing modified" when it is set already
+  # Users (root's own association included) inherit the QOS of their account.
+  sacctmgr -i modify account where name=root,"$ACCOUNT" set QOS=normal,"$LIMITED_QOS" DefaultQOS=normal \
+    >>"$LOGS/slurmdbd.out" 2>&1 || true
+  # shellcheck disable=SC2046
+  add_users $(getent passwd | cut -d: -f1)
+}
+
+# Associations in ACCOUNT for the named users that lack one.
+add_users() {
+  local have missing=() name
+  have=" $(sacctmgr -n -P show assoc where account="$ACCOUNT" format=user 2>/dev/null | xargs) "
+  for name in "$@"; do
+    [[ $name =~ ^[a-z_][a-z0-9_.-]*[$]?$ ]] || die "not a user name: '$name'"
+    [[ $have == *" $name "* ]] || missing+=("$name")
+  done
+  ((${#missing[@]})) || return 0
+  sacctmgr -i add user "$(IFS=,; echo "${missing[*]}")" Account="$ACCOUNT" Cluster="$CLUSTER_NAME" \
+    >>"$LOGS/slurmdbd.out" 2>&1 || die "sacctmgr refused to add users ${missing[*]} (see $LOGS/slurmdbd.out)"
+}
+
+cmd_add_user() {
+  (($#)) || die "add-user needs at least one user name"
+  if ! running slurmdbd; then
+    log "slurmdbd is not running; 'up' gives every user of this machine an association"
+    return 0
+  fi
+  add_users "$@"
 }
 
 start_slurmctld() {
@@ -912,6 +1071,7 @@ cmd_up() {
   prepare_dirs
   write_configs
   start_daemons
+  ensure_accounting
   install_apptainer
   open_fuse
   publish_image alpine library/alpine latest
@@ -926,6 +1086,7 @@ cmd_up() {
   cat <<EOF
 [$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
   Slurm:     $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION'$extra
+             memory confined by cgroups: $CGROUP; fake GPUs per node: $FAKE_GPUS (gpu:fake)
   Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
              e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD
   Registry:  $REGISTRY (plain HTTP: apptainer pull --no-https, or APPTAINER_NOHTTPS=1)
@@ -1030,6 +1191,7 @@ main() {
     ;;
   _node) node_namespace "$1" ;;
   down) cmd_down "$@" ;;
+  add-user) cmd_add_user "$@" ;;
   status)
     # Exit 3 (as LSB status does) when a daemon is not running.
     cmd_status || exit 3

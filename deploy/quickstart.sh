@@ -87,6 +87,8 @@ make_account() {
     useradd --system --create-home --shell /usr/sbin/nologin "$ACCOUNT"
   fi
   [[ $(id -u "$ACCOUNT") -ne 0 ]] || die "$ACCOUNT has uid 0"
+  # Slurm takes jobs only from users with an association.
+  "$REPO/deploy/local-cluster.sh" add-user "$ACCOUNT"
 }
 
 # The state directory holds the local cluster's state too, which root's scripts use: it stays

@@ -7,6 +7,7 @@ line, which the reader skips)::
     start_time, end_time           RFC 3339 UTC, the job script's own run
     phase                          staging | running <N> | uploading | done
     outcome                        complete | executor_error | system_error (absent: unfinished)
+    memory_peak_bytes              the peak of the job's memory cgroup, when it has one
     system_logs.jsonl              {"time": ..., "message": ...}
     outputs.jsonl                  {"url": ..., "path": ..., "size_bytes": "123"}
     executors/<N>/start_time, end_time, exit_code
@@ -108,6 +109,9 @@ class JobRecords:
     system_logs: list[str] = field(default_factory=list)
     #: None until the job script finished (a killed job never gets one).
     outcome: Outcome | None = None
+    #: The peak of the job's memory cgroup (None without one): also for jobs too short for
+    #: Slurm's accounting samples.
+    memory_peak_bytes: int | None = None
 
     @property
     def started(self) -> bool:
@@ -201,6 +205,7 @@ def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
     records.end_time = _parse_time(_read_small(records_dir / "end_time", 256))
     outcome = _read_small(records_dir / "outcome", 256)
     records.outcome = outcome if _is_outcome(outcome) else None
+    records.memory_peak_bytes = _parse_int(_read_small(records_dir / "memory_peak_bytes", 256))
 
     stdio = _stdio_paths(layout)
     for index in _executor_indexes(records_dir):

@@ -208,6 +208,8 @@ def fill_attempt_log(
     add_system_logs(entry, records.system_logs)
     metadata = entry.setdefault("metadata", {})
     metadata["slurm_job_id"] = records.job_id
+    if records.memory_peak_bytes is not None:
+        metadata["memory_peak_bytes"] = str(records.memory_peak_bytes)
     if final and (job is None or not job.ended):
         # The job recorded its outcome before Slurm ended it: squeue's RUNNING is not a final
         # fact. sacct's final record is read on a following cycle (Follower.refresh_facts).

@@ -50,9 +50,10 @@ def test_a_task_over_its_time_limit_ends_naming_the_limit(bridge_service: Bridge
     assert task["state"] == "EXECUTOR_ERROR", task
     job_id = task["logs"][0]["metadata"]["slurm_job_id"]
     logs = system_logs(task)
+    # (The exit code says whether processes outlived SIGTERM and got KillWait's SIGKILL.)
+    assert f"Slurm job {job_id} ended in state TIMEOUT (exit code " in logs, logs
     assert (
-        f"Slurm job {job_id} ended in state TIMEOUT (exit code 0): the job reached its time limit "
-        "(--time=0:00:05, from resources.backend_parameters.time)"
+        "): the job reached its time limit (--time=0:00:05, from resources.backend_parameters.time)"
     ) in logs, logs
     facts = sacct(job_id, "Timelimit,State,ElapsedRaw")
     assert facts["Timelimit"] == "00:01:00", facts
@@ -168,3 +169,133 @@ def test_a_site_rule_adds_its_directives_and_prologue(rules_service: BridgeServi
     assert sacct(job_id, "Timelimit") == {"Timelimit": "00:07:00"}
     output = (rules_service.work_dir / task["id"] / f"slurm-{job_id}.out").read_text()
     assert "site rule prologue ran" in output
+
+
+# The local cluster confines jobs with cgroups (task/cgroup, ConstrainRAMSpace) and gives each
+# node two fake GPUs of type "fake" (deploy/local-cluster.sh).
+PYTHON = "library/python:3-slim"
+
+
+def test_an_executor_over_its_memory_is_killed_naming_the_limit_and_peak(
+    bridge_service: BridgeService,
+) -> None:
+    hog = "data = b'x' * (600 << 20); print('survived')"
+    task = bridge_service.run(
+        {
+            "executors": [
+                {"image": PYTHON, "command": ["python3", "-c", hog]},
+                {"image": "alpine", "command": ["echo", "never runs"]},
+            ],
+            "resources": {"ram_gb": 0.25},
+        },
+        timeout=180,
+    )
+    assert task["state"] == "EXECUTOR_ERROR", task
+    attempt = task["logs"][0]
+    assert [log["exit_code"] for log in attempt["logs"]] == [137], attempt["logs"]
+    assert "survived" not in attempt["logs"][0].get("stdout", "")
+    logs = system_logs(task)
+    assert (
+        "executor 0 was killed for using more memory than the job's limit of 256 MiB "
+        "(resources.ram_gb 0.25); peak use 256 MiB"
+    ) in logs, logs
+    facts = sacct(attempt["metadata"]["slurm_job_id"], "State,AllocTRES")
+    assert facts["State"] == "OUT_OF_MEMORY", facts
+    assert "mem=256M" in facts["AllocTRES"].split(","), facts
+
+
+def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeService) -> None:
+    task = bridge_service.run(
+        {
+            "executors": [
+                {"image": PYTHON, "command": ["python3", "-c", "data = b'x' * (100 << 20)"]}
+            ],
+            "resources": {"ram_gb": 0.5},
+        },
+        timeout=180,
+    )
+    assert task["state"] == "COMPLETE", task
+    assert "memory" not in system_logs(task)
+    # Too short for an accounting sample, so sacct's MaxRSS may say 0; the cgroup's peak does not.
+    peak = int(task["logs"][0]["metadata"]["memory_peak_bytes"])
+    assert 100 << 20 < peak < 512 << 20, peak
+
+
+@pytest.mark.parametrize(
+    ("parameters", "devices", "tres"),
+    [
+        ({"gpus": "fake:1"}, "0", "gres/gpu=1"),
+        ({"gpus_per_task": "1"}, "0", "gres/gpu=1"),
+        ({"gres": "gpu:fake:2"}, "0,1", "gres/gpu=2"),
+    ],
+)
+def test_a_gpu_task_gets_its_gpus_from_slurm(
+    bridge_service: BridgeService, parameters: dict[str, str], devices: str, tres: str
+) -> None:
+    task = bridge_service.run(
+        {
+            "executors": [
+                {"image": "alpine", "command": ["sh", "-c", "echo gpus=$CUDA_VISIBLE_DEVICES"]}
+            ],
+            "resources": {"backend_parameters": parameters},
+        },
+        timeout=180,
+    )
+    assert task["state"] == "COMPLETE", task
+    # The executor runs with --cleanenv: Slurm's CUDA_VISIBLE_DEVICES is passed on explicitly.
+    assert task["logs"][0]["logs"][0]["stdout"].strip() == f"gpus={devices}", task
+    facts = sacct(task["logs"][0]["metadata"]["slurm_job_id"], "AllocTRES")
+    assert tres in facts["AllocTRES"].split(","), facts
+
+
+def test_a_task_without_gpus_sees_none(bridge_service: BridgeService) -> None:
+    task = bridge_service.run(
+        {
+            "executors": [
+                {
+                    "image": "alpine",
+                    "command": ["sh", "-c", "echo gpus=${CUDA_VISIBLE_DEVICES-unset}"],
+                }
+            ]
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert task["logs"][0]["logs"][0]["stdout"].strip() == "gpus=unset", task
+
+
+def test_a_qos_submit_limit_keeps_tasks_queued_not_failed(bridge_service: BridgeService) -> None:
+    # QOS tes-limited lets a user have at most 2 jobs in the queue: sbatch refuses the third
+    # with QOSMaxSubmitJobPerUserLimit, and no job exists for it.
+    ids = [
+        bridge_service.create(
+            {
+                "executors": [{"image": "alpine", "command": ["sleep", "6"]}],
+                "resources": {"backend_parameters": {"qos": "tes-limited"}},
+                "name": f"q{i}",
+            }
+        )
+        for i in range(5)
+    ]
+    names = ",".join(job_name(task_id) for task_id in ids)
+    saw_refusal = False
+    most = 0
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["squeue", "-h", "-n", names, "-o", "%i"], capture_output=True, text=True, check=True
+        ).stdout
+        most = max(most, len(out.split()))
+        tasks = [bridge_service.get(task_id) for task_id in ids]
+        saw_refusal = saw_refusal or any(
+            "Slurm refused the job for a limit (QOSMaxSubmitJobPerUserLimit;" in system_logs(t)
+            for t in tasks
+        )
+        if all(t["state"] in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR") for t in tasks):
+            break
+        time.sleep(0.3)
+    assert [t["state"] for t in tasks] == ["COMPLETE"] * 5, tasks
+    assert saw_refusal
+    assert most <= 2, most
+    for task in tasks:
+        facts = sacct(task["logs"][-1]["metadata"]["slurm_job_id"], "QOS,State")
+        assert facts == {"QOS": "tes-limited", "State": "COMPLETED"}, facts

@@ -127,6 +127,8 @@ def test_gpu_requests_become_options_and_the_gpu_flag(
 ) -> None:
     script = render(tmp_path, make_task(resources=params(**values)))
     assert option in directives(script)
+    # sbatch refuses --gpus-per-task without a task count.
+    assert ("--ntasks=1" in directives(script)) == ("gpus_per_task" in values)
     assert "    --nv \\" in script.splitlines()
     for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS"):
         assert f'export APPTAINERENV_{name}="${{{name}}}"' in script

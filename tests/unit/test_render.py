@@ -860,3 +860,99 @@ def test_a_mount_point_that_cannot_be_made_fails_the_attempt_with_a_reason(tmp_p
     result = _run_make_exec_tmp(render(tmp_path, task), tmp_path)
     assert result.returncode == 1
     assert "cannot make a mount point under /tmp" in result.stderr
+
+
+# --------------------------------------------------------------------------- the job side's cost
+
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for job.python: a task with nothing to stage must not start it.
+echo "$@" >> "$FAKE_PYTHON_LOG"
+exit 99
+"""
+
+
+def _run_without_python(
+    tmp_path: Path, task: dict[str, Any], **container: Any
+) -> tuple[subprocess.CompletedProcess[str], Path, Path, Path]:
+    """Run `task`'s job script with a fake runtime and a job.python that fails if started;
+    returns the result, the runtime's log, the python's log and the task directory."""
+    runtime = tmp_path / "fake-apptainer"
+    runtime.write_text(FAKE_RUNTIME.format(python=sys.executable) + 'print("ran", sys.argv[-1])\n')
+    runtime.chmod(0o755)
+    python = tmp_path / "fake-python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    config = make_config(
+        tmp_path, container={"runtime": str(runtime), **container}, job={"python": str(python)}
+    )
+    image = tmp_path / "alpine.sif"
+    image.write_text("not really an image")
+    script = prepare_task_dir(task, config=config, image_paths={"alpine": str(image)})
+    logs = tmp_path / "runtime.log", tmp_path / "python.log"
+    env = dict(os.environ, SLURM_JOB_ID="7", FAKE_LOG=str(logs[0]), FAKE_PYTHON_LOG=str(logs[1]))
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    return result, *logs, script.parent
+
+
+def test_a_task_with_nothing_to_stage_runs_without_starting_python(tmp_path: Path) -> None:
+    task = make_task(
+        volumes=[f"/vol/{HOSTILE.replace('/', '_')}", "/vol/a,b:c"],
+        executors=[
+            {
+                "image": "alpine",
+                "command": ["printf", "%s", HOSTILE, "$(id)"],
+                "env": {"H": HOSTILE},
+            },
+            {"image": "alpine", "command": ["true", "second"], "stdout": "/dev/null"},
+        ],
+    )
+    result, runtime_log, python_log, task_dir = _run_without_python(tmp_path, task, allow_root=True)
+    assert result.returncode == 0, result.stderr
+    assert not python_log.exists(), python_log.read_text()
+    calls = [json.loads(line) for line in runtime_log.read_text().splitlines()]
+    assert [call["argv"][-4:] for call in calls[:1]] == [["printf", "%s", HOSTILE, "$(id)"]]
+    assert calls[1]["argv"][-2:] == ["true", "second"]
+    assert not Path("/tmp/pwned-h2").exists()
+    records = task_dir / "records" / "7"
+    assert (records / "outcome").read_text() == "complete\n"
+    assert (records / "executors" / "0" / "exit_code").read_text() == "0\n"
+    assert (records / "executors" / "0" / "stdout").read_text().startswith("ran ")
+    assert not (records / "executors" / "1" / "stdout").exists()  # discarded
+    # The volumes' host directories were made under root/, as stage-in makes them.
+    assert (task_dir / "root" / "vol" / HOSTILE.replace("/", "_")).is_dir()
+    assert (task_dir / "root" / "vol" / "a,b:c").is_dir()
+
+
+def test_executors_refuse_root_without_python_too(tmp_path: Path) -> None:
+    # The suite runs as root (as CI does): the job script below runs as root.
+    _, runtime_log, python_log, task_dir = _run_without_python(tmp_path, make_task())
+    assert not runtime_log.exists() and not python_log.exists()
+    records = task_dir / "records" / "7"
+    assert (records / "executors" / "0" / "exit_code").read_text() == "125\n"
+    assert (records / "outcome").read_text() == "executor_error\n"
+    assert "executor 0: refusing to run as root" in (records / "system_logs.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    ("fields", "wrapped", "stage_in", "stage_out"),
+    [
+        ({}, False, False, False),
+        ({"stdout": "/dev/null", "stderr": "/dev/null"}, False, False, False),
+        ({"stdout": "/out/log"}, True, False, False),
+        ({"stdin": "/in/data"}, True, False, False),
+    ],
+)
+def test_python_starts_only_for_what_needs_it(
+    tmp_path: Path, fields: dict[str, str], wrapped: bool, stage_in: bool, stage_out: bool
+) -> None:
+    executor = {"image": "alpine", "command": ["true"], **fields}
+    script = render(tmp_path, make_task(executors=[executor]))
+    assert ("-m bridge.job exec" in script) == wrapped
+    assert ("-m bridge.job stage-in" in script) == stage_in
+    assert ("-m bridge.job stage-out" in script) == stage_out
+    with_outputs = make_task(outputs=[{"path": "/out/x", "url": "file:///data/x"}])
+    script = render(tmp_path, with_outputs)
+    assert "-m bridge.job stage-in" in script and "-m bridge.job stage-out" in script
+    with_inputs = make_task(inputs=[{"path": "/in/x", "content": "x"}])
+    script = render(tmp_path, with_inputs)
+    assert "-m bridge.job stage-in" in script and "-m bridge.job stage-out" not in script
