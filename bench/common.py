@@ -109,8 +109,8 @@ def stop(process: subprocess.Popen[Any]) -> None:
             process.wait()
 
 
-def scratch(name: str) -> Path:
-    root = Path(tempfile.mkdtemp(prefix=f"tes-bench-{name}-", dir="/var/tmp"))
+def scratch(name: str, base: str = "/var/tmp") -> Path:
+    root = Path(tempfile.mkdtemp(prefix=f"tes-bench-{name}-", dir=base))
     return root
 
 
