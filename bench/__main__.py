@@ -8,6 +8,7 @@ import time
 
 NAMES = [
     "create", "listing", "poll", "memory", "staging", "e2e", "validation", "slowloris", "engines",
+    "containers",
 ]  # fmt: skip
 
 

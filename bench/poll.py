@@ -72,6 +72,10 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
     log = root / "slurm-calls.log"
     log.touch()
     os.environ["BENCH_SLURM_LOG"] = str(log)
+    # The stand-in squeue's "jobs of this user" (the poller lists them for 1,000 ids and more).
+    listed = root / "job-ids"
+    listed.write_text("\n".join(job_ids) + "\n")
+    os.environ["BENCH_FAKE_JOB_IDS"] = str(listed)
     os.environ.update(SLURM_ENV)
     config = Config(state_dir=root / "state", database=url, slurm=wrappers(root, log, real))
     store = Store.from_url(url)

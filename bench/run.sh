@@ -1,6 +1,6 @@
 #!/bin/sh
 # Run the benchmarks: bench/run.sh [NAME...] (create listing poll memory staging e2e validation
-# slowloris engines).
+# slowloris engines containers).
 # Needs the local cluster (deploy/local-cluster.sh up) for poll and e2e, and PostgreSQL's
 # binaries (apt-get install postgresql) for create and listing. Results: bench/results/*.json.
 set -eu

@@ -184,13 +184,17 @@ class FilesystemChecks(CheckGroup):
             raise Failed(message, "check its filesystem (full, read-only?)") from None
 
     def image_cache(self) -> str:
+        from bridge.images import image_format
+
         cache = self.config.image_cache_dir
+        kind, why = image_format(self.config)
+        runs_from = f"executors run from {'sandboxes' if kind == 'sandbox' else 'SIFs'} ({why})"
         if not cache.exists():
             # The poller creates it; its parent must let it.
             self._writable_dir(cache.parent, "container.cache_dir")
-            return f"{cache} will be created by the poller"
+            return f"{cache} will be created by the poller; {runs_from}"
         self._writable_dir(cache, "container.cache_dir")
-        return f"{cache} writable by {self.account.name}"
+        return f"{cache} writable by {self.account.name}; {runs_from}"
 
     def metrics_dir(self) -> str:
         if not self.config.metrics.enabled:

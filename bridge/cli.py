@@ -18,7 +18,7 @@ from typing import Any
 from bridge import __version__
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.logs import JsonFormatter, setup_logging
-from bridge.proc import die_with_parent, set_parent_death_signal
+from bridge.proc import die_with_parent
 
 log = logging.getLogger("bridge.cli")
 
@@ -254,7 +254,7 @@ def check_command(args: argparse.Namespace) -> int:
 
 
 def images_command(config: Config, args: argparse.Namespace) -> int:
-    from bridge.images import ImageCache, ImagePullError
+    from bridge.images import ImageCache, ImagePullError, sandbox_of
 
     cache = ImageCache(config, max_workers=config.container.pull_workers)
     try:
@@ -265,7 +265,15 @@ def images_command(config: Config, args: argparse.Namespace) -> int:
                 for entry in entries:
                     sif = cache.cache_dir / entry.sif
                     size = sif.stat().st_size if sif.is_file() else None
-                    rows.append({**entry.__dict__, "path": str(sif), "size": size})
+                    sandbox = sandbox_of(sif)
+                    rows.append(
+                        {
+                            **entry.__dict__,
+                            "path": str(sif),
+                            "size": size,
+                            "sandbox": str(sandbox) if sandbox.is_dir() else None,
+                        }
+                    )
                 print(json.dumps(rows, indent=2))
                 return 0
             print(f"{'REFERENCE':50} {'DIGEST':19} {'CHECKED':20} SIF")
@@ -487,7 +495,12 @@ def serve(
     from prometheus_client.multiprocess import mark_process_dead
 
     from bridge.app import create_app
-    from bridge.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
+    from bridge.server import (
+        WORKER_CLASS,
+        BridgeApplication,
+        BridgeWSGIContainer,
+        watch_master,
+    )
     from bridge.store import Store
 
     problem = unsafe_bind(config, bind or config.server.bind)
@@ -528,11 +541,8 @@ def serve(
                 "on_exit": stop_poller,
                 # A dead worker's live gauges must not be summed into the next scrape.
                 "child_exit": lambda arbiter, worker: mark_process_dead(worker.pid),
-                # A worker whose master was killed -9 would keep the port for up to
-                # `timeout` / 2 before it notices: end it (gracefully) at once instead.
-                "post_fork": lambda arbiter, worker: set_parent_death_signal(
-                    signal.SIGTERM, arbiter.pid
-                ),
+                # A worker whose master was killed -9 ends at once (see watch_master).
+                "post_fork": watch_master,
                 "when_ready": lambda arbiter: start_metrics_server(config),
                 # Slow clients cost no worker: see bridge.server.
                 "worker_class": WORKER_CLASS,

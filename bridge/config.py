@@ -218,6 +218,14 @@ class ContainerConfig(_Section):
     insecure_registries: list[str] = Field(default_factory=list)
     #: Shared SIF cache; defaults to `<state_dir>/images`.
     cache_dir: Path | None = None
+    #: What executors run from. `sif`: the pulled file, mounted at each start (squashfuse
+    #: under `--userns`). `sandbox`: the SIF unpacked once into the cache beside it (the
+    #: unpacked size on disk, about twice the SIF's); it starts and reads faster (see
+    #: docs/benchmarks.md) and the SIF serves until it is ready. `auto`: `sandbox` when the cache
+    #: is on a local filesystem and executors run as the service account, else `sif` (a shared
+    #: filesystem's metadata servers take one file per image better than thousands; in site
+    #: mode, owners could not read every file of a sandbox the service account unpacked).
+    image_format: Literal["auto", "sif", "sandbox"] = "auto"
     #: A pull (or a registry that stops answering) taking longer is killed and retried as a
     #: transient failure. `pull_timeout` is the older name.
     pull_timeout_seconds: float = Field(
@@ -445,6 +453,16 @@ class Config(_Section):
     def _site_needs_auth(self) -> Config:
         if self.site.run_as_owner and self.auth.mode == "none":
             raise ValueError("site.run_as_owner needs auth.mode basic or bearer (task owners)")
+        return self
+
+    @model_validator(mode="after")
+    def _sandbox_not_in_site_mode(self) -> Config:
+        if self.site.run_as_owner and self.container.image_format == "sandbox":
+            raise ValueError(
+                "container.image_format = 'sandbox' cannot be used with site.run_as_owner: "
+                "owners could not read every file of a sandbox the service account unpacked; "
+                "use 'sif' or 'auto'"
+            )
         return self
 
     @model_validator(mode="after")

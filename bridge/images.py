@@ -20,6 +20,12 @@ stalls, and a full cache disk, are transient: the tasks stay QUEUED, `problem(im
 (for system_logs), and the job is tried again after a back-off that starts at 2 s. A pull that
 takes longer than `container.pull_timeout_seconds` is killed with its process group.
 
+Sandboxes. With `container.image_format` sandbox (or auto, see `image_format`), each SIF is
+also unpacked once (`apptainer build --sandbox`) into `<stem>.sandbox/` beside it, in the
+background: executors start from the directory once it is there and from the SIF until then. A
+sandbox is built under a temporary name and renamed, so a directory under the final name is
+always whole; it goes with its SIF when `prune` removes that.
+
 Pulls go through spython's `Client.pull`, pointed at the configured runtime binary. Files are
 pulled to a temporary name and renamed, so a SIF in the cache is always complete; an `fcntl`
 lock per reference keeps two processes (the poller and `tes-bridge images pull`) from pulling
@@ -52,7 +58,7 @@ import requests
 from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
-from bridge import imageref, metrics
+from bridge import imageref, metrics, proc
 from bridge.config import Config
 from bridge.imageref import DIGEST, DOCKER_HUB
 from bridge.imageref import ImagePullError as ImagePullError
@@ -155,6 +161,53 @@ class _Transient(Exception):
         self.message = message
 
 
+#: Filesystems a sandbox (thousands of small files) is read quickly from. On a shared one
+#: (NFS, Lustre, GPFS, BeeGFS, ...) every executor start would cost its metadata servers a
+#: lookup per file, where a SIF costs one open.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs"})
+#: A sandbox build is killed past this (the SIF keeps serving); a leftover temporary
+#: directory older than this is removed by `prune`.
+SANDBOX_BUILD_TIMEOUT = 3600.0
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` (or its nearest existing parent) is on; "" if unknown."""
+    target = Path(os.path.realpath(path))
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    best, kind = "", ""
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            point = fields[1].replace("\\040", " ")
+            inside = target == Path(point) or target.is_relative_to(point)
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def image_format(config: Config) -> tuple[str, str]:
+    """("sif" or "sandbox", why) for `container.image_format`."""
+    chosen = config.container.image_format
+    if chosen != "auto":
+        return chosen, "container.image_format"
+    if config.site.run_as_owner:
+        return "sif", (
+            "site mode: owners could not read every file of a sandbox the service account unpacked"
+        )
+    kind = filesystem_type(config.image_cache_dir)
+    if kind not in LOCAL_FILESYSTEMS:
+        return "sif", f"the image cache is on {kind or 'an unknown filesystem'}, not a local one"
+    return "sandbox", f"the image cache is on a local filesystem ({kind})"
+
+
+def sandbox_of(sif: Path) -> Path:
+    """Where the sandbox of a cached SIF is (or would be)."""
+    return sif.with_name(f"{sif.stem}.sandbox")
+
+
 @dataclass
 class Entry:
     """What the cache knows of one reference (stored as `refs/<hash>.json`)."""
@@ -194,6 +247,10 @@ class ImageCache:
         self._index = _Index(self.cache_dir)
         self._registry = _Registry(config)
         self._runtime = _Runtime(config, self.cache_dir)
+        self.format, self.format_reason = image_format(config)
+        self._sandboxes = (
+            _Sandboxes(self._runtime, self._index) if self.format == "sandbox" else None
+        )
         self.jobs = PullJobs(
             self._update,
             self._cached,
@@ -221,7 +278,10 @@ class ImageCache:
         ref = self.normalize(image)
         if ref.startswith("/"):
             return self._local(image)
-        return self.jobs.ensure(image, ref)
+        sif = self.jobs.ensure(image, ref)
+        if sif is None or self._sandboxes is None:
+            return sif
+        return self._sandboxes.ensure(sif)
 
     def resolve(self, images: Iterable[str]) -> dict[str, str] | None:
         """`image -> SIF path` for every image once all are ready, else None (pulls started)."""
@@ -248,10 +308,15 @@ class ImageCache:
         if ref.startswith("/"):
             return self._local(image)
         limit = timeout or self.config.container.pull_timeout_seconds + REGISTRY_TIMEOUT + 60
-        return self.jobs.wait(image, ref, time.monotonic() + limit, check=check)
+        sif = self.jobs.wait(image, ref, time.monotonic() + limit, check=check)
+        if self._sandboxes is None:
+            return sif
+        return self._sandboxes.build(sif)
 
     def close(self) -> None:
         self.jobs.close()
+        if self._sandboxes is not None:
+            self._sandboxes.close()
 
     # ------------------------------------------------------------------ operators' calls
 
@@ -479,6 +544,71 @@ class PullJobs:
             self.on_pulled()
 
 
+class _Sandboxes:
+    """Each cached SIF's sandbox: unpacked once, in the background, under the SIF's lock."""
+
+    #: A failed build (e.g. a full disk) is tried again after this long; the SIF serves.
+    RETRY_SECONDS = 3600.0
+
+    def __init__(self, runtime: _Runtime, index: _Index) -> None:
+        self._runtime = runtime
+        self._index = index
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox")
+        #: Guards the two below. Never held while building.
+        self._lock = threading.Lock()
+        self._building: set[Path] = set()
+        self._failed: dict[Path, float] = {}
+
+    def ensure(self, sif: Path) -> Path:
+        """The SIF's sandbox when it is there; else the SIF, with a build started."""
+        sandbox = sandbox_of(sif)
+        if sandbox.is_dir():
+            return sandbox
+        with self._lock:
+            failed = self._failed.get(sif)
+            retry = failed is None or time.monotonic() - failed >= self.RETRY_SECONDS
+            if sif not in self._building and retry:
+                self._building.add(sif)
+                self._pool.submit(self._build_in_background, sif)
+        return sif
+
+    def build(self, sif: Path) -> Path:
+        """Blocking: the SIF's sandbox, unpacked now unless it is there; the SIF if that fails."""
+        try:
+            return self._build(sif)
+        except (_SandboxFailed, OSError) as exc:
+            log.warning("could not unpack %s; executors run from the SIF: %s", sif.name, exc)
+            return sif
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _build_in_background(self, sif: Path) -> None:
+        try:
+            self.build(sif)
+        finally:
+            with self._lock:
+                self._building.discard(sif)
+                if not sandbox_of(sif).is_dir():
+                    self._failed[sif] = time.monotonic()
+
+    def _build(self, sif: Path) -> Path:
+        sandbox = sandbox_of(sif)
+        # The lock the SIF's pull takes: one build per SIF across all processes.
+        with self._index.locked(f"{sif.name}.lock"):
+            if not sandbox.is_dir():
+                if not sif.is_file():
+                    raise _SandboxFailed("the SIF is gone")
+                started = time.monotonic()
+                self._runtime.unpack(sif, sandbox)
+                log.info("unpacked %s in %.1f s", sif.name, time.monotonic() - started)
+        return sandbox
+
+
+class _SandboxFailed(Exception):
+    pass
+
+
 class _Index:
     """The on-disk index: `refs/<key>.json` entries, the SIFs they name, and the `fcntl`
     locks all processes sharing the cache take."""
@@ -569,11 +699,24 @@ class _Index:
                 if oldest_unfinished is not None and oldest_unfinished <= since:
                     kept.append(sif)
                     continue
+                # The sandbox first: a sandbox without its SIF is removed below anyway.
+                shutil.rmtree(sandbox_of(sif), ignore_errors=True)
                 sif.unlink(missing_ok=True)
                 marker.unlink(missing_ok=True)
                 deleted.append(sif)
                 log.info("removed unused image %s", sif.name)
+            self._prune_sandboxes()
         return deleted, kept
+
+    def _prune_sandboxes(self) -> None:
+        """Remove sandboxes whose SIF is gone and builds a dead process left behind."""
+        for sandbox in self.cache_dir.glob("*.sandbox"):
+            if not sandbox.with_name(f"{sandbox.name[: -len('.sandbox')]}.sif").is_file():
+                shutil.rmtree(sandbox, ignore_errors=True)
+        for leftover in self.cache_dir.glob(".*.sandbox.*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - leftover.stat().st_mtime > SANDBOX_BUILD_TIMEOUT:
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     @contextlib.contextmanager
     def locked(self, name: str) -> Iterator[None]:
@@ -674,6 +817,31 @@ class _Runtime:
             if tmp.exists():
                 tmp.unlink()
         log.info("pulled %s in %.1f s -> %s", ref, time.monotonic() - started, target)
+
+    def unpack(self, sif: Path, sandbox: Path) -> None:
+        """`build --sandbox` under a temporary name, renamed: a sandbox is whole or absent."""
+        tmp = sandbox.with_name(f".{sandbox.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        runtime = self.config.container.runtime
+        argv = [runtime, "--quiet", "build", "--sandbox", str(tmp), str(sif)]
+        try:
+            try:
+                done = proc.run(argv, timeout=SANDBOX_BUILD_TIMEOUT, env=self._environment())
+            except proc.CommandError as exc:
+                raise _SandboxFailed(str(exc)) from None
+            if done.returncode != 0 or not tmp.is_dir():
+                raise _SandboxFailed(
+                    f"{runtime} build --sandbox exited {done.returncode}: "
+                    f"{_short(done.stderr or done.stdout)}"
+                )
+            os.chmod(tmp, 0o755)  # the compute nodes' jobs read it
+            try:
+                os.rename(tmp, sandbox)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _environment(self) -> dict[str, str]:
         runtime = os.path.basename(self.config.container.runtime)

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
+import threading
 import time
 from http.client import responses
 from typing import Any
@@ -33,6 +36,7 @@ from tornado.ioloop import IOLoop
 from tornado.wsgi import WSGIContainer
 
 from bridge.config import Config
+from bridge.proc import set_parent_death_signal
 
 
 class BridgeApplication(BaseApplication):
@@ -76,6 +80,29 @@ class Worker(TornadoWorker):
         # `self.app` is the gunicorn application of `tes-bridge serve`, which has the config.
         assert isinstance(self.app, BridgeApplication)
         self.server.conn_params = connection_parameters(self.app.bridge_config)
+
+
+def watch_master(arbiter: Any, worker: Any) -> None:
+    """gunicorn's `post_fork`, in the new worker: it never outlives its master for long.
+
+    A master killed -9 cannot stop its workers, which would keep the port and a database
+    connection. The kernel sends the worker SIGTERM at once (a graceful stop, as the master's
+    own would be); a SIGTERM before the worker has its own handlers (the master's, inherited,
+    would swallow it) ends it outright, as it serves nothing yet. A worker that has not gone
+    `graceful_timeout` + 5 s after its master, whatever it is stuck in, is ended by a thread.
+    """
+    master = arbiter.pid
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    set_parent_death_signal(signal.SIGTERM, master)
+    grace = float(worker.cfg.graceful_timeout) + 5
+
+    def watch() -> None:
+        while os.getppid() == master:
+            time.sleep(1.0)
+        time.sleep(grace)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="master-watch", daemon=True).start()
 
 
 #: For gunicorn's `worker_class`.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import pwd
 import signal
 import threading
 import time
@@ -161,6 +162,8 @@ def build_poller(config: Config, store: Store, *, wake: threading.Event | None =
         sinfo=cfg.sinfo,
         timeout=cfg.command_timeout,
         sudo=config.site.sudo,
+        # Outside site mode every job is the service account's own (site mode: its owner's).
+        queue_user=None if config.site.run_as_owner else pwd.getpwuid(os.geteuid()).pw_name,
     )
     images = ImageCache(
         config,

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pwd
+import re
 import shutil
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -344,3 +347,41 @@ def test_a_full_cache_disk_is_transient_and_the_pull_succeeds_once_there_is_room
         cache.close()
     finally:
         run("umount", "-l", str(cache_dir))
+
+
+# --------------------------------------------------------------------------- sandboxes
+
+
+def test_the_account_runs_executors_from_a_sandbox_unpacked_once(quickstart: Any) -> None:
+    """`container.image_format = auto` on the local cluster's disk: each image is unpacked once
+    beside its SIF, jobs start from the directory, and an executor cannot change it."""
+    from tests.fixtures.quickstart import ACCOUNT
+
+    images = quickstart.state / "images"
+    probe = "grep ^ID= /etc/os-release; touch /bin/changed 2>/dev/null && echo WROTE; true"
+    first = quickstart.wait(
+        quickstart.create({"executors": [{"image": "alpine", "command": ["sh", "-c", probe]}]})
+    )
+    assert first["state"] == "COMPLETE", json.dumps(first["logs"])
+    deadline = time.monotonic() + 120
+    while not (sandboxes := [p for p in images.glob("alpine-*.sandbox") if p.is_dir()]):
+        assert time.monotonic() < deadline, sorted(p.name for p in images.iterdir())
+        time.sleep(0.5)
+    (sandbox,) = sandboxes
+    assert sandbox.with_suffix(".sif").is_file()
+    assert sandbox.stat().st_uid == pwd.getpwnam(ACCOUNT).pw_uid
+    assert stat.S_IMODE(sandbox.stat().st_mode) == 0o755
+    assert not list(images.glob(".*.tmp"))
+    built = sandbox.stat().st_mtime_ns
+
+    second = quickstart.wait(
+        quickstart.create({"executors": [{"image": "alpine", "command": ["sh", "-c", probe]}]})
+    )
+    assert second["state"] == "COMPLETE", json.dumps(second["logs"])
+    stdout = second["logs"][-1]["logs"][0]["stdout"]
+    assert stdout == first["logs"][-1]["logs"][0]["stdout"] and "WROTE" not in stdout, stdout
+    assert re.fullmatch(r"ID=\w+\n", stdout), stdout
+    script = (quickstart.state / "work" / second["id"] / "job.sh").read_text()
+    assert str(sandbox) in script and str(sandbox.with_suffix(".sif")) not in script
+    assert not (sandbox / "bin" / "changed").exists()
+    assert sandbox.stat().st_mtime_ns == built  # unpacked once

@@ -6,6 +6,7 @@ Real jobs on the real controller, real Apptainer and the local registry: nothing
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import time
 import uuid
@@ -15,7 +16,13 @@ from typing import TypeVar
 
 import pytest
 
-from bridge.slurm import JobInfo, SlurmClient, SlurmRejected, SlurmUnavailable
+from bridge.slurm import (
+    QUEUE_BY_USER_FROM,
+    JobInfo,
+    SlurmClient,
+    SlurmRejected,
+    SlurmUnavailable,
+)
 from tests.fixtures.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
@@ -113,6 +120,25 @@ def test_several_jobs_run_at_once(client: SlurmClient, shared_tmp_path: Path) ->
             timeout=30,
             what="4 jobs running together",
         )
+    finally:
+        client.cancel(ids)
+
+
+def test_many_ids_are_looked_up_by_user_with_the_same_answer(
+    client: SlurmClient, shared_tmp_path: Path
+) -> None:
+    # Held jobs among ids Slurm never gave: by user (QUEUE_BY_USER_FROM ids and more) and by
+    # --jobs, the real squeue answers alike.
+    ids = [sbatch(shared_tmp_path, job_script(shared_tmp_path, "true"), "--hold") for _ in range(2)]
+    try:
+        unknown = [str(90_000_000 + i) for i in range(QUEUE_BY_USER_FROM)]
+        by_user = SlurmClient(timeout=30, queue_user=pwd.getpwuid(os.geteuid()).pw_name)
+        by_list = client.queue([*ids, *unknown])
+        by_owner = by_user.queue([*ids, *unknown])
+        assert set(by_owner) == set(by_list) == set(ids)
+        for job_id in ids:
+            assert by_owner[job_id].state == by_list[job_id].state == "PENDING"
+            assert by_owner[job_id].reason == by_list[job_id].reason == "JobHeldUser"
     finally:
         client.cancel(ids)
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.images import ImageCache, ImagePullError
+from bridge.images import ImageCache, ImagePullError, image_format, sandbox_of
 from bridge.tes import local_image_problem
 
 FAKE_RUNTIME = """#!{python}
@@ -40,6 +41,16 @@ if os.environ.get("FAKE_PULL_HANG"):
     with open(os.environ["FAKE_PULL_HANG"], "w") as pids:
         pids.write(f"{{os.getpid()}} {{child.pid}}")
     time.sleep(300)
+if args[1] == "build":
+    # build --sandbox TARGET SIF: a directory that says which SIF it came from.
+    time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0.1")))
+    if os.path.exists({fail!r} + "-build"):
+        print("FATAL: no space left on device", file=sys.stderr)
+        sys.exit(255)
+    os.makedirs(args[-2])
+    with open(os.path.join(args[-2], "from"), "w") as out:
+        out.write(open(args[-1]).read())
+    sys.exit(0)
 time.sleep(float(os.environ.get("FAKE_PULL_SECONDS", "0.3")))
 if os.path.exists({fail!r}):
     print(open({fail!r}).read() or "FATAL: manifest unknown", file=sys.stderr)
@@ -127,6 +138,8 @@ def make_cache(
                 "runtime": str(runtime["bin"]),
                 "default_registry": address,
                 "insecure_registries": [address],
+                # The SIF bookkeeping; sandboxes have tests of their own below.
+                "image_format": "sif",
                 **(container or {}),
             },
         }
@@ -246,7 +259,7 @@ def test_two_processes_never_pull_the_same_image_at_once(
         f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
         f"'container': {{'runtime': {str(runtime['bin'])!r}, "
         f"'default_registry': {registry.address!r}, "
-        f"'insecure_registries': [{registry.address!r}]}}}})); "
+        f"'insecure_registries': [{registry.address!r}], 'image_format': 'sif'}}}})); "
         "print(c.pull('alpine', timeout=30))"
     )
     repo = Path(__file__).resolve().parents[2]
@@ -529,14 +542,16 @@ def test_images_commands_list_pull_and_forget(
     base = ["--config", str(config), "images"]
     assert main([*base, "pull", "alpine", "alpine:nope"]) == 1
     out, err = capsys.readouterr()
-    assert out.startswith("alpine: ") and out.strip().endswith(".sif")
+    # The image's sandbox: `auto` unpacks images on a local filesystem such as tmp_path's.
+    assert out.startswith("alpine: ") and out.strip().endswith(".sandbox"), out
     assert "alpine:nope" in err and "does not exist" in err
     assert main([*base, "pull", "alpine"]) == 0  # checked again, same digest: no pull
-    assert len(pulls(runtime)) == 1
+    assert len([call for call in pulls(runtime) if call[1] == "pull"]) == 1
     capsys.readouterr()
     assert main([*base, "list", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr()[0])
     assert row["digest"] == registry.tags["library/alpine:latest"] and row["size"] > 0
+    assert row["sandbox"] == row["path"].removesuffix(".sif") + ".sandbox"
     assert main([*base, "list"]) == 0
     assert "library/alpine:latest" in capsys.readouterr()[0]
 
@@ -588,3 +603,107 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+# --- sandboxes ----------------------------------------------------------------------------------
+
+
+def builds(runtime: dict[str, Path]) -> list[list[str]]:
+    return [call for call in pulls(runtime) if call[1] == "build"]
+
+
+@pytest.fixture
+def sandbox_cache(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> Iterator[ImageCache]:
+    cache = make_cache(tmp_path, runtime, registry, {"image_format": "sandbox"})
+    yield cache
+    cache.close()
+
+
+def test_a_sandbox_is_unpacked_once_in_the_background_and_the_sif_serves_meanwhile(
+    sandbox_cache: ImageCache, runtime: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_BUILD_SECONDS", "1")
+    cache = sandbox_cache
+    sif = cache.pull("alpine")
+    assert sif.is_dir() and sif == sandbox_of(sif.with_suffix(".sif"))  # pull() waits
+    assert (sif / "from").read_text() == (sif.with_suffix(".sif")).read_text()
+    # A second image: ensure() never waits for the unpacking; the SIF runs meanwhile.
+    wait_for(lambda: cache.ensure("python:3-slim"))
+    first = cache.ensure("python:3-slim")
+    assert first is not None and first.suffix == ".sif"
+    for _ in range(20):
+        assert cache.ensure("python:3-slim") in (first, sandbox_of(first))
+    ready = wait_for(lambda: (p := cache.ensure("python:3-slim")) != first and p)
+    assert ready == sandbox_of(first) and ready.is_dir()
+    assert len(builds(runtime)) == 2  # one a SIF, however often it was asked for
+    assert not list(cache.cache_dir.glob(".*.tmp"))
+    assert oct(ready.stat().st_mode & 0o777) == oct(0o755)
+
+
+def test_a_failed_unpacking_leaves_nothing_and_the_sif_keeps_serving(
+    sandbox_cache: ImageCache, runtime: dict[str, Path]
+) -> None:
+    Path(str(runtime["fail"]) + "-build").touch()
+    sif = sandbox_cache.pull("alpine")
+    assert sif.suffix == ".sif" and sif.is_file()
+    assert sandbox_cache.ensure("alpine") == sif
+    time.sleep(0.5)
+    assert sandbox_cache.ensure("alpine") == sif
+    # Tried once by pull(), once in the background; not again before RETRY_SECONDS.
+    assert len(builds(runtime)) == 2
+    assert not sandbox_of(sif).exists() and not list(sandbox_cache.cache_dir.glob(".*.tmp"))
+
+
+def test_a_half_built_sandbox_is_never_used_and_prune_clears_sandboxes(
+    sandbox_cache: ImageCache,
+) -> None:
+    cache = sandbox_cache
+    sif = cache.pull("alpine", check=True).with_suffix(".sif")
+    sandbox = sandbox_of(sif)
+    shutil.rmtree(sandbox)
+    # What a build killed halfway leaves: a temporary name, never the sandbox's own.
+    leftover = sif.with_name(f".{sandbox.name}.999.1.tmp")
+    leftover.mkdir()
+    assert cache.ensure("alpine") == sif
+    wait_for(lambda: sandbox.is_dir())
+    assert cache.ensure("alpine") == sandbox
+    os.utime(leftover, (time.time() - 7200, time.time() - 7200))
+    stray = sif.with_name("gone-0123.sandbox")  # its SIF was removed
+    stray.mkdir()
+    assert cache.prune(oldest_unfinished=None) == ([], [])
+    assert not leftover.exists() and not stray.exists() and sandbox.is_dir()
+    cache.forget("alpine")
+    cache.prune(oldest_unfinished=None)  # marks the SIF unused
+    assert cache.prune(oldest_unfinished=None) == ([sif], [])
+    assert not sandbox.exists() and not sif.exists()
+
+
+def test_auto_unpacks_on_a_local_filesystem_outside_site_mode(tmp_path: Path) -> None:
+    def config(cache_dir: Path, **extra: Any) -> Config:
+        return Config.model_validate(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "container": {"cache_dir": str(cache_dir)},
+                **extra,
+            }
+        )
+
+    kind, why = image_format(config(tmp_path / "images"))
+    assert kind == "sandbox" and "local filesystem" in why, why
+    # /proc stands in for a filesystem that is not a local disk (NFS, Lustre, ...).
+    kind, why = image_format(config(Path("/proc/no/such/cache")))
+    assert kind == "sif" and "proc" in why, why
+    htpasswd = tmp_path / "htpasswd"
+    htpasswd.write_text("")
+    site = {
+        "site": {"run_as_owner": True},
+        "auth": {"mode": "basic", "htpasswd_file": str(htpasswd)},
+    }
+    kind, why = image_format(config(tmp_path / "images", **site))
+    assert kind == "sif" and "site mode" in why
+    with pytest.raises(ValueError, match="image_format"):
+        Config.model_validate(
+            {"state_dir": str(tmp_path), "container": {"image_format": "sandbox"}, **site}
+        )

@@ -21,6 +21,7 @@ import pytest
 from bridge import slurm
 from bridge.slurm import (
     ENDED_STATES,
+    QUEUE_BY_USER_FROM,
     RETRYABLE_STATES,
     SLURM_TO_TES,
     JobInfo,
@@ -360,6 +361,25 @@ def test_queue_asks_once_for_all_jobs(tmp_path: Path) -> None:
     assert f"--jobs={','.join(ids)}" in call
     assert "--states=all" in call and "-h" in call.split()
     assert sorted(jobs, key=int) == ids
+
+
+def test_queue_lists_the_service_accounts_jobs_for_many_ids(tmp_path: Path) -> None:
+    # slurmctld matches a --jobs list against every job it holds: for 1,000 ids and more the
+    # client lists its own user's jobs and keeps those it was asked about.
+    listed = parse_squeue(data("squeue-active.txt"))
+    asked = sorted(listed, key=int)[:2] + [str(900_000 + i) for i in range(QUEUE_BY_USER_FROM)]
+    client = SlurmClient(
+        squeue=replay(tmp_path, "squeue", "squeue-active.txt"), queue_user="tes-bridge"
+    )
+    jobs = client.queue(asked)
+    (call,) = calls(tmp_path, "squeue")
+    assert "--user=tes-bridge" in call.split() and "--all" in call.split()
+    assert "--jobs" not in call
+    assert set(jobs) == set(sorted(listed, key=int)[:2])  # the user's other jobs are left out
+    # Fewer ids, or no queue_user (site mode: jobs belong to their owners), still name them.
+    client.queue(asked[:10])
+    SlurmClient(squeue=replay(tmp_path, "squeue2", "squeue-active.txt")).queue(asked)
+    assert all("--jobs=" in c for c in calls(tmp_path, "squeue")[1:] + calls(tmp_path, "squeue2"))
 
 
 def test_queue_of_a_single_forgotten_job_is_empty(tmp_path: Path) -> None:
