@@ -28,6 +28,7 @@ from bridge.resources import (
 from bridge.store import Store, unavailable_reason
 from bridge.ui import add_routes as add_ui_routes
 from bridge.ui import is_ui_path
+from bridge.wake import WakeSender
 
 #: The spec's base path, and the one most clients use (Nextflow, py-tes, Funnel's CLI, Cromwell).
 PREFIXES = ("/ga4gh/tes/v1", "/v1")
@@ -176,8 +177,10 @@ def create_app(
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _handle_unexpected)
 
-    tasks = Tasks(config, store)
-    task = Task(store)
+    # One socket per worker, shared by its threads; the nudge is a hint (bridge.wake).
+    wake = WakeSender(config.state_dir)
+    tasks = Tasks(config, store, wake)
+    task = Task(store, wake)
     output = TaskOutput(config, store)
     service_info = ServiceInfo(config, store)
     capabilities = Capabilities(config, store)

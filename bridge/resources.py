@@ -27,6 +27,7 @@ from bridge.tes import (
     render_task,
     validate_task,
 )
+from bridge.wake import WakeSender
 
 DEFAULT_PAGE_SIZE = 256
 MAX_PAGE_SIZE = 2047
@@ -72,9 +73,10 @@ def read_json_body(req: falcon.Request, max_bytes: int) -> Any:
 class Tasks:
     """`/tasks`: create and list."""
 
-    def __init__(self, config: Config, store: Store):
+    def __init__(self, config: Config, store: Store, wake: WakeSender | None = None):
         self.config = config
         self.store = store
+        self.wake = wake
         # Every document limit comes from the config's [limits] of the same name.
         self.limits = Limits(
             **{name: getattr(config.limits, name) for name in Limits.__dataclass_fields__}
@@ -100,6 +102,8 @@ class Tasks:
             task.document, system_logs=task.warnings, owner=req.context.identity.user
         )
         TASKS_CREATED.inc()
+        if self.wake is not None:
+            self.wake.nudge()  # the poller submits it now (bridge.wake)
         resp.media = {"id": record.id}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -192,8 +196,9 @@ def _page_size(value: str | None) -> int:
 class Task:
     """`/tasks/{task_id}` and `/tasks/{task_id}:cancel`."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, wake: WakeSender | None = None):
         self.store = store
+        self.wake = wake
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, task_id: str) -> None:
         try:
@@ -216,6 +221,8 @@ class Task:
             raise _bad_request(exc) from None
         if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
             raise _not_found(task_id)
+        if self.wake is not None:
+            self.wake.nudge()  # its job is canceled now (bridge.wake)
         resp.media = {}
 
 

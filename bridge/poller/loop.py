@@ -28,6 +28,7 @@ from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import Store, unavailable_reason
 from bridge.tes import TERMINAL_STATES
+from bridge.wake import WakeReceiver
 
 log = logging.getLogger("bridge.poller")
 
@@ -152,7 +153,7 @@ class PollerLock:
         return True
 
 
-def build_poller(config: Config, store: Store, *, wake: threading.Event | None = None) -> Poller:
+def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | None = None) -> Poller:
     cfg = config.slurm
     client = SlurmClient(
         sbatch=cfg.sbatch,
@@ -169,7 +170,7 @@ def build_poller(config: Config, store: Store, *, wake: threading.Event | None =
         config,
         max_workers=config.container.pull_workers,
         failure_ttl=config.container.pull_failure_ttl,
-        on_pulled=wake.set if wake is not None else None,
+        on_pulled=wake,
     )
     return Poller(config, store, slurm_client=client, images=images)
 
@@ -183,21 +184,34 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     stop = threading.Event()
     #: Set by a finished image pull (or a stop request): the next cycle starts at once.
     wake = threading.Event()
-    poller = build_poller(config, store, wake=wake)
+    #: Set by an API worker's nudge (bridge.wake), and with `wake`: look now, not in 0.2 s.
+    nudge = threading.Event()
+
+    def wake_now() -> None:
+        wake.set()
+        nudge.set()
+
+    poller = build_poller(config, store, wake=wake_now)
+    receiver = WakeReceiver(config.state_dir, nudge)
+    if not once:
+        receiver.start()
 
     def request_stop(*_: object) -> None:
         stop.set()
-        wake.set()
+        wake_now()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, request_stop)
     log.info("poller started", extra={"work_dir": str(config.work_dir)})
-    while not stop.is_set():
-        wake.clear()
-        _run_cycle(poller)
-        if once:
-            break
-        _between_cycles(poller, config.slurm.poll_interval, stop, wake)
+    try:
+        while not stop.is_set():
+            wake.clear()
+            _run_cycle(poller)
+            if once:
+                break
+            _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
+    finally:
+        receiver.close()
     log.info("poller stopped")
     return 0
 
@@ -217,14 +231,22 @@ def _run_cycle(poller: Poller) -> None:
 
 
 def _between_cycles(
-    poller: Poller, interval: float, stop: threading.Event, wake: threading.Event
+    poller: Poller,
+    interval: float,
+    stop: threading.Event,
+    wake: threading.Event,
+    nudge: threading.Event,
 ) -> None:
     """Quick checks until the next cycle is due, a wake-up, or a job that recorded its
-    outcome."""
+    outcome: every QUICK_CHECK_INTERVAL, and at once when nudged."""
     deadline = time.monotonic() + interval
     while not stop.is_set():
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or wake.wait(min(QUICK_CHECK_INTERVAL, remaining)):
+        if remaining <= 0:
+            return
+        nudge.wait(min(QUICK_CHECK_INTERVAL, remaining))
+        nudge.clear()
+        if wake.is_set():
             return
         try:
             what = poller.quick_check()
