@@ -1,9 +1,11 @@
 """Create throughput: tasks/s of `POST /tasks` through gunicorn against the framework ceiling
-(bench/ceiling.py: a trivial Falcon endpoint, same server, same worker count and class), on
-SQLite and on PostgreSQL. The bridge runs with --log-level WARNING (no access-log lines). The
-load generator is wrk (Debian package), a separate process on loopback with concurrent
-connections; each round runs the ceiling then the bridge, and the median of the rounds' ratios
-counts (a pair shares the machine's background load).
+(bench/ceiling.py: a trivial Falcon endpoint, same worker count), on SQLite and on PostgreSQL,
+twice: the ceiling on the bridge's own server (its Tornado worker class and thread pool: what
+the app costs) and on gunicorn's default sync workers (what the app and the server choice cost
+together). The bridge runs with --log-level WARNING (no access-log lines). The load generator is
+wrk (Debian package), a separate process on loopback with concurrent connections; each round
+runs both ceilings then the bridge, and the median of the rounds' ratios counts (a round shares
+the machine's background load).
 
     python -m bench create
 """
@@ -81,40 +83,63 @@ def main() -> dict[str, object]:
                  "serve", "--no-poller"],
                 env=env, stdout=subprocess.DEVNULL, stderr=log_file(sub / "api.log"),
             )  # fmt: skip
-            port = free_port()
-            ceiling = subprocess.Popen(
-                [PYTHON, "-m", "gunicorn", "-w", str(WORKERS), "-b", f"127.0.0.1:{port}",
-                 "--log-level", "warning", "bench.ceiling:app"],
-                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log_file(sub / "ceiling.log"),
-            )  # fmt: skip
+            sync_port, same_port = free_port(), free_port()
+            ceilings = {
+                "sync": subprocess.Popen(
+                    [PYTHON, "-m", "gunicorn", "-w", str(WORKERS), "-b",
+                     f"127.0.0.1:{sync_port}", "--log-level", "warning", "bench.ceiling:app"],
+                    cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                    stderr=log_file(sub / "ceiling-sync.log"),
+                ),
+                "same": subprocess.Popen(
+                    [PYTHON, "-m", "bench.ceiling", f"127.0.0.1:{same_port}", str(WORKERS)],
+                    cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                    stderr=log_file(sub / "ceiling-same.log"),
+                ),
+            }  # fmt: skip
+            ports = {"sync": sync_port, "same": same_port}
             try:
                 wait_http(f"http://{bind}/ga4gh/tes/v1/service-info")
-                wait_http(f"http://127.0.0.1:{port}/ga4gh/tes/v1/service-info")
-                bridge_rates, ceiling_rates = [], []
+                for port in ports.values():
+                    wait_http(f"http://127.0.0.1:{port}/ga4gh/tes/v1/service-info")
+                bridge_rates: list[float] = []
+                ceiling_rates: dict[str, list[float]] = {"same": [], "sync": []}
                 for _ in range(ROUNDS):
-                    ceiling_rates.append(wrk(f"http://127.0.0.1:{port}/ga4gh/tes/v1/tasks", script))
+                    for kind, port in ports.items():
+                        url = f"http://127.0.0.1:{port}/ga4gh/tes/v1/tasks"
+                        ceiling_rates[kind].append(wrk(url, script))
                     bridge_rates.append(wrk(f"http://{bind}/ga4gh/tes/v1/tasks", script))
             finally:
                 stop(api)
-                stop(ceiling)
-            bridge, top = statistics.median(bridge_rates), statistics.median(ceiling_rates)
-            # Each round's bridge run follows its ceiling run: the ratio of a pair is measured
-            # under (nearly) the same background load; the median pair ratio counts.
-            ratio = statistics.median(
-                b / c for b, c in zip(bridge_rates, ceiling_rates, strict=True)
-            )
+                for process in ceilings.values():
+                    stop(process)
+            bridge = statistics.median(bridge_rates)
+            # Each round's bridge run follows its ceiling runs: the ratio of a round is measured
+            # under (nearly) the same background load; the median of the rounds' ratios counts.
+            ratios = {
+                kind: statistics.median(b / c for b, c in zip(bridge_rates, rates, strict=True))
+                for kind, rates in ceiling_rates.items()
+            }
             results[label] = {
                 "bridge_tasks_per_s": bridge,
-                "ceiling_requests_per_s": top,
-                "ratio": ratio,
+                "ceiling_requests_per_s": statistics.median(ceiling_rates["same"]),
+                "ratio": ratios["same"],
+                "ceiling_sync_requests_per_s": statistics.median(ceiling_rates["sync"]),
+                "ratio_sync": ratios["sync"],
                 "rounds_bridge": bridge_rates,
-                "rounds_ceiling": ceiling_rates,
+                "rounds_ceiling": ceiling_rates["same"],
+                "rounds_ceiling_sync": ceiling_rates["sync"],
             }
-            rows.append([label, bridge, top, f"{ratio:.0%}"])
-    print(f"POST /tasks, gunicorn workers={WORKERS} (bridge: Tornado, ceiling: sync), "
-          f"wrk -t2 -c{CONNECTIONS} {SECONDS}s x {ROUNDS} rounds "
-          "(medians; ratio: median of the rounds' ratios)")  # fmt: skip
-    table(["store", "bridge tasks/s", "ceiling req/s", "ratio"], rows)
+            rows.append([
+                label, bridge, statistics.median(ceiling_rates["same"]), f"{ratios['same']:.0%}",
+                statistics.median(ceiling_rates["sync"]), f"{ratios['sync']:.0%}",
+            ])  # fmt: skip
+    print(f"POST /tasks, gunicorn workers={WORKERS}, wrk -t2 -c{CONNECTIONS} {SECONDS}s x "
+          f"{ROUNDS} rounds, load {os.getloadavg()[0]:.1f} (medians; ratio: median of the "
+          "rounds' ratios; ceiling: the same server as the bridge, sync: gunicorn's sync "
+          "workers)")  # fmt: skip
+    header = ["store", "bridge tasks/s", "ceiling req/s", "ratio", "sync req/s", "ratio"]
+    table(header, rows)
     data = {"workers": WORKERS, "connections": CONNECTIONS, "seconds": SECONDS, **results}
     write_result("create", data)
     shutil.rmtree(root, ignore_errors=True)

@@ -2,7 +2,9 @@
 the same 200 jobs submitted directly with sbatch running the same Apptainer command on the same
 SIF image (the one the bridge pulled) with the same Slurm resources; makespan ratio. Then the
 single-task latency, POST to COMPLETE against sbatch to the job leaving squeue, and the job
-script's own time around its executor (median of BENCH_E2E_SINGLE, 5).
+script's own time around its executor (median of BENCH_E2E_SINGLE, 5). Slurm's own record of
+both sides' jobs (sacct) says where a difference in makespan comes from: submitting, waiting in
+the queue or running.
 The bridge runs as `tes-bridge serve` (API and poller) with the default poll interval (1 s);
 both sides are watched every 0.1 s.
 
@@ -92,6 +94,36 @@ def raw_jobs(count: int, script: Path, directives: list[str]) -> float:
         time.sleep(1)
     assert not failed, failed[:5]
     return elapsed
+
+
+def slurm_timeline(name_prefix: str, since: str) -> dict[str, float]:
+    """Slurm's own view (sacct, 1 s resolution) of the jobs named `name_prefix*` submitted since
+    `since`: how long submitting them took, the first submission to the last end, and each
+    job's mean wait in the queue and run time. The same clock for both sides, whatever each side
+    watches to decide it is done."""
+    rows: list[tuple[datetime, datetime, datetime]] = []
+    for _ in range(60):  # slurmdbd records a job's end a moment after it leaves the queue
+        out = slurm("sacct", "-n", "-X", "-P", "--allusers", "-S", since,
+                    "-o", "JobName,Submit,Start,End")  # fmt: skip
+        fields = [
+            row for row in (line.split("|") for line in out.splitlines())
+            if row[0].startswith(name_prefix) and row[1] >= since  # ISO times sort as text
+        ]  # fmt: skip
+        if fields and all(end not in ("", "Unknown") for *_, end in fields):
+            rows = [tuple(datetime.fromisoformat(f) for f in row[1:]) for row in fields]  # type: ignore[misc]
+            break
+        time.sleep(1)
+    if not rows:
+        return {}
+    submits = [submit for submit, _, _ in rows]
+    ends = [end for _, _, end in rows]
+    return {
+        "jobs": len(rows),
+        "submitting_s": (max(submits) - min(submits)).total_seconds(),
+        "first_submit_to_last_end_s": (max(ends) - min(submits)).total_seconds(),
+        "mean_wait_s": statistics.mean((start - sub).total_seconds() for sub, start, _ in rows),
+        "mean_run_s": statistics.mean((end - start).total_seconds() for _, start, end in rows),
+    }
 
 
 def job_side_seconds(task: dict[str, object]) -> float:
@@ -196,9 +228,13 @@ allow_root = true
             wait_queue_empty()
             single_bridge.append(bridge_tasks(api, 1, job_side))
         wait_queue_empty()
+        since = time.strftime("%Y-%m-%dT%H:%M:%S")
         raw = raw_jobs(TASKS, raw_script, directives)
+        raw_slurm = slurm_timeline("bench-raw-", since)
         wait_queue_empty()
+        since = time.strftime("%Y-%m-%dT%H:%M:%S")
         ours = bridge_tasks(api, TASKS)
+        ours_slurm = slurm_timeline("tes-", since)
     finally:
         stop(server)
     one_raw, one_bridge = statistics.median(single_raw), statistics.median(single_bridge)
@@ -206,6 +242,15 @@ allow_root = true
         [f"{TASKS} tasks, makespan s", ours, raw, f"{ours / raw:.2f}"],
         ["1 task, POST->COMPLETE vs sbatch->end, s", one_bridge, one_raw,
          f"+{one_bridge - one_raw:.2f} s"],
+        *[
+            [f"{TASKS} jobs in sacct, {label}", ours_slurm.get(key, ""), raw_slurm.get(key, ""), ""]
+            for key, label in (
+                ("submitting_s", "first to last submission, s"),
+                ("first_submit_to_last_end_s", "first submission to last end, s"),
+                ("mean_wait_s", "mean wait in the queue, s"),
+                ("mean_run_s", "mean run time, s"),
+            )
+        ],
         ["1 task, job script's time around its executor, s", statistics.median(job_side), "", ""],
     ]  # fmt: skip
     print(f"end to end on the local cluster (alpine echo; sbatch {' '.join(directives)})")
@@ -220,6 +265,8 @@ allow_root = true
         "single_raw_s": single_raw,
         "single_added_s": one_bridge - one_raw,
         "job_side_s": job_side,
+        "sacct_bridge": ours_slurm,
+        "sacct_raw": raw_slurm,
     }
     write_result("e2e", data)
     shutil.rmtree(root, ignore_errors=True)
