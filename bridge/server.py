@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from http.client import responses
 from typing import Any
 
@@ -243,9 +244,28 @@ class BridgeWSGIContainer(WSGIContainer, httputil.HTTPServerConnectionDelegate):
         self.in_flight = 0
 
     async def handle_request(self, request: httputil.HTTPServerRequest) -> None:
+        # Tornado's own version hands each request to the pool three times (the app, its body,
+        # the end of its body), each a hand-off between threads; the whole call is one here.
         self.in_flight += 1
         try:
-            await super().handle_request(request)
+            status, headers, body = await IOLoop.current().run_in_executor(
+                self.executor, call_wsgi_app, self.wsgi_application, self.environ(request)
+            )
+            code, reason = status.split(" ", 1)
+            names = {name.lower() for name, _ in headers}
+            if code != "304" and "content-length" not in names:
+                headers.append(("Content-Length", str(len(body))))
+            if code != "304" and "content-type" not in names:
+                headers.append(("Content-Type", "text/html; charset=UTF-8"))
+            answer_headers = httputil.HTTPHeaders()
+            for name, value in headers:
+                answer_headers.add(name, value)
+            assert request.connection is not None
+            request.connection.write_headers(
+                httputil.ResponseStartLine("HTTP/1.1", int(code), reason), answer_headers, body
+            )
+            request.connection.finish()
+            self._log(int(code), request)
         finally:
             self.in_flight -= 1
 
@@ -262,3 +282,28 @@ class BridgeWSGIContainer(WSGIContainer, httputil.HTTPServerConnectionDelegate):
         environ["CONTENT_LENGTH"] = str(len(request.body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)
         return environ
+
+
+def call_wsgi_app(app: Any, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+    """One whole WSGI call, in the calling thread: the app, every chunk of its body and its
+    `close()`. Returns the status line, the headers and the body."""
+    answer: dict[str, Any] = {}
+    chunks: list[bytes] = []
+
+    def start_response(
+        status: str, headers: list[tuple[str, str]], exc_info: object = None
+    ) -> Callable[[bytes], object]:
+        # Nothing is sent before the app returns, so a later call (with exc_info) replaces it.
+        answer["status"], answer["headers"] = status, list(headers)
+        return chunks.append
+
+    result = app(environ, start_response)
+    try:
+        chunks.extend(result)
+    finally:
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+    if not answer:
+        raise RuntimeError("the WSGI app did not call start_response")
+    return answer["status"], answer["headers"], b"".join(chunks)
