@@ -2,7 +2,8 @@
 the same 200 jobs submitted directly with sbatch running the same Apptainer command on the same
 SIF image (the one the bridge pulled) with the same Slurm resources; makespan ratio. Then the
 single-task latency, POST to COMPLETE against sbatch to the job leaving squeue, and the job
-script's own time around its executor (median of BENCH_E2E_SINGLE, 5). Slurm's own record of
+script's own time around its executor, the time from POST to the job's submission and from
+the job script's end to COMPLETE seen (median of BENCH_E2E_SINGLE, 5). Slurm's own record of
 both sides' jobs (sacct) says where a difference in makespan comes from: submitting, waiting in
 the queue or running.
 The bridge runs as `tes-bridge serve` (API and poller) with the default poll interval (1 s);
@@ -140,7 +141,26 @@ def _seconds(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def bridge_tasks(api: str, count: int, job_side: list[float] | None = None) -> float:
+def submit_latency(api: str) -> float:
+    """One task, POST to its job submitted to Slurm (the job id in its logs), polled every
+    5 ms; the task then runs to its end."""
+    task = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+    session = requests.Session()
+    started = time.perf_counter()
+    task_id = session.post(f"{api}/tasks", data=json.dumps(task)).json()["id"]
+    while True:
+        full = session.get(f"{api}/tasks/{task_id}", params={"view": "FULL"}).json()
+        if any("slurm_job_id" in (log.get("metadata") or {}) for log in full.get("logs", [])):
+            return time.perf_counter() - started
+        time.sleep(0.005)
+
+
+def bridge_tasks(
+    api: str,
+    count: int,
+    job_side: list[float] | None = None,
+    outcome_seen: list[float] | None = None,
+) -> float:
     run = uuid.uuid4().hex
     task = {
         "executors": [{"image": "alpine", "command": ["echo", "hello"]}],
@@ -166,12 +186,15 @@ def bridge_tasks(api: str, count: int, job_side: list[float] | None = None) -> f
             break
         time.sleep(0.1)
     elapsed = time.perf_counter() - started
+    seen = time.time()
     bad = [t for t in tasks if t["state"] != "COMPLETE"]
     assert not bad, bad[:3]
-    if job_side is not None:
-        for t in tasks:
-            full = session.get(f"{api}/tasks/{t['id']}", params={"view": "FULL"}).json()
+    for t in tasks if job_side is not None or outcome_seen is not None else []:
+        full = session.get(f"{api}/tasks/{t['id']}", params={"view": "FULL"}).json()
+        if job_side is not None:
             job_side.append(job_side_seconds(full))
+        if outcome_seen is not None:  # the job script's end (its records) to COMPLETE seen here
+            outcome_seen.append(seen - _seconds(full["logs"][0]["end_time"]))
     return elapsed
 
 
@@ -221,12 +244,14 @@ allow_root = true
             f"#!/bin/sh\nexec {runtime} exec {info['LOCAL_CLUSTER_APPTAINER_FLAGS']} "
             f"{sif} echo hello\n"
         )
-        single_raw, single_bridge, job_side = [], [], []
+        single_raw, single_bridge, job_side, outcome_seen, submitted = [], [], [], [], []
         for _ in range(SINGLE):
             wait_queue_empty()
             single_raw.append(raw_jobs(1, raw_script, directives))
             wait_queue_empty()
-            single_bridge.append(bridge_tasks(api, 1, job_side))
+            single_bridge.append(bridge_tasks(api, 1, job_side, outcome_seen))
+            wait_queue_empty()
+            submitted.append(submit_latency(api))
         wait_queue_empty()
         since = time.strftime("%Y-%m-%dT%H:%M:%S")
         raw = raw_jobs(TASKS, raw_script, directives)
@@ -252,6 +277,9 @@ allow_root = true
             )
         ],
         ["1 task, job script's time around its executor, s", statistics.median(job_side), "", ""],
+        ["1 task, POST to its job submitted, s", statistics.median(submitted), "", ""],
+        ["1 task, job script's end to COMPLETE seen (0.1 s polls), s",
+         statistics.median(outcome_seen), "", ""],
     ]  # fmt: skip
     print(f"end to end on the local cluster (alpine echo; sbatch {' '.join(directives)})")
     table(["measure", "bridge", "raw sbatch", "ratio / added"], rows)
@@ -265,6 +293,8 @@ allow_root = true
         "single_raw_s": single_raw,
         "single_added_s": one_bridge - one_raw,
         "job_side_s": job_side,
+        "submitted_s": submitted,
+        "outcome_seen_s": outcome_seen,
         "sacct_bridge": ours_slurm,
         "sacct_raw": raw_slurm,
     }
