@@ -310,7 +310,9 @@ class _PollerQueries:
             )
             .order_by(TaskRow.seq)
         )
-        return [_record(row, True) for row in rows]
+        # Plain dicts: no model object per row (a third of reading 10,000 tasks).
+        dicts = cast(Iterable[dict[str, Any]], rows.dicts())
+        return [_record_from_columns(columns) for columns in dicts]
 
     def jobs_in_flight_by_owner(self) -> dict[str | None, int]:
         """How many tasks of each owner have (or may have) a job in Slurm: one GROUP BY over
@@ -877,6 +879,25 @@ def _prefix_successor(prefix: str) -> str | None:
             return prefix[:-1] + chr(code)
         prefix = prefix[:-1]
     return None
+
+
+def _record_from_columns(columns: dict[str, Any]) -> TaskRecord:
+    """A full record from a row read as a dict (`document` absent when not selected)."""
+    document = columns.get("document")
+    return TaskRecord(
+        seq=columns["seq"],
+        id=columns["id"],
+        state=columns["state"],
+        creation_time=columns["creation_time"],
+        document=None if document is None else json.loads(document),
+        logs=json.loads(columns["logs"]),
+        owner=columns["owner"],
+        job_id=columns["job_id"],
+        attempt=columns["attempt"],
+        submit_started_at=columns["submit_started_at"],
+        next_submit_at=columns["next_submit_at"],
+        cancel_pending=columns["cancel_pending"],
+    )
 
 
 def _record(row: TaskRow, full: bool) -> TaskRecord:
