@@ -160,6 +160,10 @@ def main() -> dict[str, Any]:
     sbatch.chmod(0o755)
     log = root / "slurm-calls.log"
     os.environ["BENCH_SLURM_LOG"] = str(log)
+    # The stand-in squeue's "jobs of this user" (the poller lists them from 1,000 ids on).
+    listed = root / "job-ids"
+    listed.write_text("\n".join(job_ids) + "\n")
+    os.environ["BENCH_FAKE_JOB_IDS"] = str(listed)
     os.environ.update(SLURM_ENV)
     slurm = {tool: str(FAKE / tool) for tool in ("squeue", "sacct", "scancel")}
     config = Config(state_dir=root / "state", database=url, slurm={**slurm, "sbatch": str(sbatch)})
