@@ -903,17 +903,5 @@ def _record_from_columns(columns: dict[str, Any]) -> TaskRecord:
 def _record(row: TaskRow, full: bool) -> TaskRecord:
     if not full:
         return TaskRecord(seq=row.seq, id=row.id, state=row.state)
-    return TaskRecord(
-        seq=row.seq,
-        id=row.id,
-        state=row.state,
-        creation_time=row.creation_time,
-        document=None if row.document is None else json.loads(row.document),
-        logs=json.loads(row.logs),
-        owner=row.owner,
-        job_id=row.job_id,
-        attempt=row.attempt,
-        submit_started_at=row.submit_started_at,
-        next_submit_at=row.next_submit_at,
-        cancel_pending=row.cancel_pending,
-    )
+    # The row's selected columns, as peewee converted them.
+    return _record_from_columns(row.__data__)
