@@ -181,6 +181,20 @@ def write_config(root: Path, database_url: str, extra: str = "", workers: int = 
     return path
 
 
+def use_stand_in_slurm(root: Path, job_ids: Sequence[str]) -> Path:
+    """This process's environment for the stand-in Slurm (bench/fakeslurm): the log its
+    commands append to (returned), and the jobs its `squeue --user` lists, as the service
+    account's (the poller lists by user from 1,000 ids on)."""
+    log = root / "slurm-calls.log"
+    log.touch()
+    os.environ["BENCH_SLURM_LOG"] = str(log)
+    listed = root / "job-ids"
+    listed.write_text("\n".join(job_ids) + "\n")
+    os.environ["BENCH_FAKE_JOB_IDS"] = str(listed)
+    os.environ.update(SLURM_ENV)
+    return log
+
+
 def bridge_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")}
     env.update(SLURM_ENV)

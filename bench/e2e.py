@@ -43,6 +43,8 @@ TASKS = int(os.environ.get("BENCH_E2E_TASKS", "200"))
 SINGLE = int(os.environ.get("BENCH_E2E_SINGLE", "5"))
 CLUSTER_ENV = Path("/var/lib/tes-bridge/local-cluster/cluster.env")
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+#: What every task of the bridge's side runs (the raw side runs the same command on its SIF).
+ECHO = [{"image": "alpine", "command": ["echo", "hello"]}]
 
 
 def cluster() -> dict[str, str]:
@@ -144,7 +146,7 @@ def _seconds(stamp: str) -> float:
 def submit_latency(api: str) -> float:
     """One task, POST to its job submitted to Slurm (the job id in its logs), polled every
     5 ms; the task then runs to its end."""
-    task = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+    task = {"executors": ECHO}
     session = requests.Session()
     started = time.perf_counter()
     task_id = session.post(f"{api}/tasks", data=json.dumps(task)).json()["id"]
@@ -163,7 +165,7 @@ def bridge_tasks(
 ) -> float:
     run = uuid.uuid4().hex
     task = {
-        "executors": [{"image": "alpine", "command": ["echo", "hello"]}],
+        "executors": ECHO,
         "tags": {"bench": run},
     }
     session = requests.Session()

@@ -32,7 +32,6 @@ from typing import Any
 from bench.common import (
     PYTHON,
     REPO,
-    SLURM_ENV,
     bridge_env,
     fill_store,
     free_port,
@@ -40,6 +39,7 @@ from bench.common import (
     scratch,
     stop,
     table,
+    use_stand_in_slurm,
     wait_http,
     write_config,
     write_result,
@@ -158,13 +158,7 @@ def main() -> dict[str, Any]:
     sbatch = root / "sbatch"
     sbatch.write_text('#!/bin/sh\necho "$$"\n')  # a job id (the stand-in squeue knows any)
     sbatch.chmod(0o755)
-    log = root / "slurm-calls.log"
-    os.environ["BENCH_SLURM_LOG"] = str(log)
-    # The stand-in squeue's "jobs of this user" (the poller lists them from 1,000 ids on).
-    listed = root / "job-ids"
-    listed.write_text("\n".join(job_ids) + "\n")
-    os.environ["BENCH_FAKE_JOB_IDS"] = str(listed)
-    os.environ.update(SLURM_ENV)
+    use_stand_in_slurm(root, job_ids)
     slurm = {tool: str(FAKE / tool) for tool in ("squeue", "sacct", "scancel")}
     config = Config(state_dir=root / "state", database=url, slurm={**slurm, "sbatch": str(sbatch)})
     poller: Poller = build_poller(config, store)

@@ -24,7 +24,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import REPO, SLURM_ENV, fill_store, scratch, table, write_result
+from bench.common import (
+    REPO,
+    SLURM_ENV,
+    fill_store,
+    scratch,
+    table,
+    use_stand_in_slurm,
+    write_result,
+)
 
 STORED = int(os.environ.get("BENCH_TASKS", "100000"))
 CYCLES = 5
@@ -69,14 +77,7 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
     root = scratch("poll")
     url = f"sqlite:///{root}/tasks.db"
     fill_store(url, max(STORED, len(job_ids)), active_job_ids=job_ids)
-    log = root / "slurm-calls.log"
-    log.touch()
-    os.environ["BENCH_SLURM_LOG"] = str(log)
-    # The stand-in squeue's "jobs of this user" (the poller lists them for 1,000 ids and more).
-    listed = root / "job-ids"
-    listed.write_text("\n".join(job_ids) + "\n")
-    os.environ["BENCH_FAKE_JOB_IDS"] = str(listed)
-    os.environ.update(SLURM_ENV)
+    log = use_stand_in_slurm(root, job_ids)
     config = Config(state_dir=root / "state", database=url, slurm=wrappers(root, log, real))
     store = Store.from_url(url)
     poller = build_poller(config, store)
