@@ -262,11 +262,17 @@ def test_client_submit_queue_accounting_and_find_by_names(
 
 
 def test_client_cancel(client: SlurmClient, shared_tmp_path: Path) -> None:
-    running = client.submit(job_script(shared_tmp_path, "sleep 300"), job_name=unique("lc-cancel"))
+    started = shared_tmp_path / "started"
+    running = client.submit(
+        job_script(shared_tmp_path, f"touch {started}\nsleep 300"), job_name=unique("lc-cancel")
+    )
     held = client.submit(
         job_script(shared_tmp_path, "true"), job_name=unique("lc-held"), extra_args=["--hold"]
     )
-    wait_for(lambda: client.queue([running])[running].state == "RUNNING", what="RUNNING")
+    # squeue says RUNNING before slurmd has started the batch script; a cancel in that gap ends
+    # the job without a signal (0:0), so wait until the script itself has begun.
+    wait_for(started.exists, what="the job script to start")
+    assert client.queue([running])[running].state == "RUNNING"
     assert client.queue([held])[held].reason == "JobHeldUser"
     client.cancel([running, held, "999999999"])  # unknown ids are ignored by scancel
     jobs = wait_for(
