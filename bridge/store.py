@@ -25,7 +25,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -280,19 +280,24 @@ class _Part:
 class _PollerQueries:
     """What the poller reads (a part of :class:`Store`)."""
 
-    def tasks_to_submit(self, *, now: float, limit: int = 100) -> list[TaskRecord]:
-        """QUEUED tasks with no job and no submission in flight, oldest first."""
-        rows = (
-            TaskRow.select()
-            .where(
-                (TaskRow.state == State.QUEUED.value)
-                & TaskRow.job_id.is_null()
-                & TaskRow.submit_started_at.is_null()
-                & (TaskRow.next_submit_at.is_null() | (TaskRow.next_submit_at <= now))
-            )
-            .order_by(TaskRow.seq)
-            .limit(limit)
+    def tasks_to_submit(
+        self, *, now: float, limit: int = 100, skip_owners: Collection[str | None] = ()
+    ) -> list[TaskRecord]:
+        """QUEUED tasks with no job and no submission in flight, oldest first, leaving out the
+        tasks of `skip_owners` (owners at their limit must not fill the page others wait behind)."""
+        where = (
+            (TaskRow.state == State.QUEUED.value)
+            & TaskRow.job_id.is_null()
+            & TaskRow.submit_started_at.is_null()
+            & (TaskRow.next_submit_at.is_null() | (TaskRow.next_submit_at <= now))
         )
+        named = [owner for owner in skip_owners if owner is not None]
+        if named:
+            # NOT IN is never true for a NULL owner: those are decided by the line after.
+            where &= TaskRow.owner.is_null() | TaskRow.owner.not_in(named)
+        if None in skip_owners:
+            where &= TaskRow.owner.is_null(False)
+        rows = TaskRow.select().where(where).order_by(TaskRow.seq).limit(limit)
         return [_record(row, True) for row in rows]
 
     def tasks_in_flight(self, *, with_document: bool = True) -> list[TaskRecord]:

@@ -201,6 +201,13 @@ class Admission:
             )
         return None
 
+    def owners_at_limit(self) -> list[str | None]:
+        """Owners with no room left: their tasks are not even read this round, so that a
+        thousand of them queued first do not keep everyone else's out of the round."""
+        if not self.max_owner or self.full:
+            return []  # when full, every task is read to be told why it waits
+        return [owner for owner, jobs in self.by_owner.items() if jobs >= self.max_owner]
+
     def add(self, owner: str | None) -> None:
         self.total += 1
         self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
@@ -292,10 +299,14 @@ class Submitter:
         if self.backoff.paused:
             return
         store = self.ctx.store
-        tasks = store.tasks_to_submit(now=self.ctx.clock(), limit=MAX_SUBMISSIONS_PER_CYCLE)
+        admission = Admission(self.ctx)
+        tasks = store.tasks_to_submit(
+            now=self.ctx.clock(),
+            limit=MAX_SUBMISSIONS_PER_CYCLE,
+            skip_owners=admission.owners_at_limit(),
+        )
         if not tasks:
             return
-        admission = Admission(self.ctx)
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)

@@ -108,6 +108,25 @@ def test_max_jobs_per_owner_lets_other_owners_through(tmp_path, sqlite_store):
         ]
 
 
+@pytest.mark.parametrize("first", ["alice", None])
+def test_an_owner_at_the_limit_does_not_hold_back_the_owners_queued_behind(
+    tmp_path, sqlite_store, monkeypatch, first
+):
+    # More of one owner's tasks queued first than one round reads: the others still go.
+    monkeypatch.setattr("bridge.poller.submit.MAX_SUBMISSIONS_PER_CYCLE", 3)
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_per_owner=1)
+    first_tasks = [sqlite_store.create_task(ECHO, owner=first) for _ in range(5)]
+    others = [sqlite_store.create_task(ECHO, owner=o) for o in ("bob", "carol")]
+    poller.cycle()  # the first owner's first task, and its limit is reached
+    poller.cycle()
+    assert [bool(sqlite_store.get_task(t.id).job_id) for t in first_tasks] == [True] + [False] * 4
+    assert all(sqlite_store.get_task(t.id).job_id for t in others)
+    assert fake.calls.count("sbatch") == 3
+    finish(sqlite_store, sqlite_store.get_task(first_tasks[0].id).job_id)
+    poller.cycle()
+    assert sqlite_store.get_task(first_tasks[1].id).job_id
+
+
 @pytest.mark.parametrize("refusal", LIMIT_REFUSALS)
 def test_a_refusal_for_a_limit_waits_and_is_submitted_again(tmp_path, sqlite_store, refusal):
     poller, fake = make_poller(tmp_path, sqlite_store)

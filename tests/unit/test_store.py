@@ -86,6 +86,18 @@ def test_tasks_to_submit_respects_back_off_and_order(store: Store):
     assert [t.id for t in store.tasks_to_submit(now=1000.0)] == [first.id, later.id]
 
 
+def test_tasks_to_submit_skips_the_owners_it_is_told_to(store: Store):
+    alice, anonymous, bob = (store.create_task(ECHO, owner=o) for o in ("alice", None, "bob"))
+
+    def ids(*skip: str | None) -> list[str]:
+        return [t.id for t in store.tasks_to_submit(now=0.0, skip_owners=skip)]
+
+    assert ids() == [alice.id, anonymous.id, bob.id]
+    assert ids("alice") == [anonymous.id, bob.id]
+    assert ids(None) == [alice.id, bob.id]
+    assert ids("alice", None, "carol") == [bob.id]
+
+
 def test_tasks_in_flight(store: Store):
     queued = store.create_task(ECHO)
     running = store.create_task(ECHO)
