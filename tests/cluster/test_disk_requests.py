@@ -32,13 +32,10 @@ def system_logs(task: dict[str, Any]) -> str:
 def tmp_mode_service(
     local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeService]:
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, tmp_path_factory.mktemp("disk-tmp"), slurm_toml='disk_request = "tmp"'
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def test_fractional_disk_gb_completes_with_tmp_rounded_up(bridge_service: BridgeService) -> None:

@@ -78,13 +78,10 @@ def test_max_time_in_hours_is_the_jobs_time_limit(bridge_service: BridgeService)
 def admission_service(
     local_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeService]:
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, tmp_path_factory.mktemp("admission"), slurm_toml="max_jobs_in_flight = 2"
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def test_max_jobs_in_flight_bounds_the_jobs_in_squeue(admission_service: BridgeService) -> None:
@@ -153,13 +150,10 @@ def rules_service(
         'rules = [{ gpu = true, directives = ["--time=1"] }, '
         '{ gpu = false, directives = ["--time=7"], prologue = "echo site rule prologue ran" }]'
     )
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, tmp_path_factory.mktemp("rules"), slurm_toml=rules
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def test_a_site_rule_adds_its_directives_and_prologue(rules_service: BridgeService) -> None:

@@ -131,7 +131,7 @@ def service(
     black_hole: str,
     sif_dir: Path,
 ) -> Iterator[BridgeService]:
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         tmp_path_factory.mktemp("bridge-images"),
         container={
@@ -140,11 +140,8 @@ def service(
             "pull_timeout_seconds": PULL_TIMEOUT,
             "local_image_dirs": [str(sif_dir)],
         },
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 class Publisher:

@@ -38,11 +38,8 @@ mode = "basic"
 htpasswd_file = "{htpasswd}"
 admin_users = ["tesadmin"]
 """
-    service = start_bridge_service(local_cluster, root, extra_toml=extra)
-    try:
+    with start_bridge_service(local_cluster, root, extra_toml=extra) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def _scrape(service: BridgeService) -> str:
@@ -164,10 +161,9 @@ def test_metrics_on_a_bind_of_their_own(
     credentials, and the API no longer does."""
     port = free_port()
     root = tmp_path_factory.mktemp("metrics-bind")
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, root, extra_toml=f'[metrics]\nbind = "127.0.0.1:{port}"\n'
-    )
-    try:
+    ) as service:
         task = {"executors": [{"image": "alpine", "command": ["true"]}]}
         assert service.run(task)["state"] == "COMPLETE"
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -175,5 +171,3 @@ def test_metrics_on_a_bind_of_their_own(
         assert value(text, "tes_bridge_tasks", state="COMPLETE") == 1
         assert value(text, "tes_bridge_slurm_command_seconds_count", command="sbatch") == 1
         assert requests.get(f"{service.url}/metrics", timeout=10).status_code == 404
-    finally:
-        service.stop()

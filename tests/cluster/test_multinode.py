@@ -148,16 +148,13 @@ def service(
         f' echo "open $f"; else echo "cannot open $f"; fi; done'
         f" > {meeting}/probe-$SLURM_JOB_ID.txt"
     )
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         root,
         storage_toml=f"shared_dirs = [{json.dumps(str(meeting))}]",
         slurm_toml=f"prologue = {json.dumps(prologue)}",
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def node_memory_mb(node: str) -> int:
@@ -271,11 +268,8 @@ def running_node(service: BridgeService, task_id: str) -> tuple[str, str]:
 
 @pytest.fixture
 def no_retry_service(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[BridgeService]:
-    service = start_bridge_service(local_cluster, tmp_path, slurm_toml="retries = 0")
-    try:
+    with start_bridge_service(local_cluster, tmp_path, slurm_toml="retries = 0") as service:
         yield service
-    finally:
-        service.stop()
 
 
 def test_a_node_lost_for_real_sends_the_task_to_another_node_as_a_new_attempt(

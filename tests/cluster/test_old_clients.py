@@ -68,11 +68,8 @@ def old_py_tes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def old_clients_service(local_cluster, tmp_path_factory) -> Iterator[BridgeService]:
-    service = start_bridge_service(local_cluster, tmp_path_factory.mktemp("old-clients"))
-    try:
+    with start_bridge_service(local_cluster, tmp_path_factory.mktemp("old-clients")) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def test_py_tes_0_4_2_runs_a_task_end_to_end(old_clients_service, old_py_tes):

@@ -331,7 +331,7 @@ def test_an_executor_cannot_change_an_input_source(
         source.write_text("original\n")
         os.chmod(source, 0o644)
         os.chown(source, owner.pw_uid, owner.pw_gid)  # the executor's own files: worst case
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         root,
         storage_toml=f'file_input_mode = "{mode}"',
@@ -339,8 +339,7 @@ def test_an_executor_cannot_change_an_input_source(
         user=user if as_account else None,
         python=str(quickstart.prefix / "bin" / "python") if as_account else sys.executable,
         env={"HOME": owner.pw_dir, "USER": user, "LOGNAME": user} if as_account else None,
-    )
-    try:
+    ) as service:
         task = service.run(
             {
                 "inputs": [
@@ -364,7 +363,5 @@ def test_an_executor_cannot_change_an_input_source(
             assert staged.stat().st_ino == sources[0].stat().st_ino
         if mode == "bind":  # bound straight from the source: only a mount point was staged
             assert staged.stat().st_size == 0
-    finally:
-        service.stop()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shared, ignore_errors=True)

@@ -93,15 +93,12 @@ def executors_ran(service: BridgeService, task_id: str) -> list[Path]:
 @pytest.fixture
 def slow_service(local_cluster: Any, tmp_path: Path) -> Iterator[BridgeService]:
     wrapper = slow_sbatch(tmp_path, before=2, after=2)
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         tmp_path,
         slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0',
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 # ---------------------------------------------------------------------- exactly once (defect 3)
@@ -176,8 +173,7 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
 ):
     filler = small_work_fs / "filler"
     fill(filler)
-    service = start_bridge_service(local_cluster, tmp_path, shared=small_work_fs.parent)
-    try:
+    with start_bridge_service(local_cluster, tmp_path, shared=small_work_fs.parent) as service:
         ids = [service.create({"executors": [executor("echo", str(i))]}) for i in range(6)]
         wait_for_condition(service, ids, "waiting: cannot prepare", timeout=60, step=0.5)
         time.sleep(6)  # several retries with back-off: still one line each, still QUEUED
@@ -193,8 +189,6 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
             assert task["logs"][0]["logs"][0]["stdout"] == f"{i}\n"
             assert not condition_lines(task, "waiting"), task
         assert_one_job_per_attempt(tasks)
-    finally:
-        service.stop()
 
 
 def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
@@ -228,12 +222,11 @@ def test_a_canceled_task_never_runs_its_executors_whenever_the_cancel_lands(
     wrapper = slow_sbatch(tmp_path, before=1.5, after=1.5)
     # A slow job start (as slow staging would be): the poller has time to scancel a job it
     # learns of only when sbatch answers.
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         tmp_path,
         slurm_toml=f'sbatch = "{wrapper}"\nprologue = "sleep 4"',
-    )
-    try:
+    ) as service:
         task = {"executors": [executor("echo", "must not run")]}
         before_submit = service.create(task)
         service.cancel(before_submit)
@@ -261,8 +254,6 @@ def test_a_canceled_task_never_runs_its_executors_whenever_the_cancel_lands(
         for name, jobs in found.items():
             assert len(jobs) == 1, (name, jobs)
             assert jobs[0].state == "CANCELLED", jobs
-    finally:
-        service.stop()
 
 
 def test_concurrent_creates_cancels_and_lists_never_5xx_and_cancels_hold(local_cluster, tmp_path):

@@ -32,15 +32,12 @@ def shared_dir() -> Iterator[Path]:
 def service(
     local_cluster: Any, shared_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeService]:
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         tmp_path_factory.mktemp("shared"),
         storage_toml=f'shared_dirs = ["{shared_dir}"]',
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def sh(script: str) -> dict[str, Any]:
@@ -148,12 +145,11 @@ def test_a_shared_dir_under_var_tmp_lies_on_top_of_the_disk_backed_var_tmp(
     copies = [d / shared.name for d in local_cluster.tmp_dirs(var=True)]
     for copy in copies:
         copy.mkdir(mode=0o755, exist_ok=True)
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster,
         tmp_path_factory.mktemp("shared-var-tmp"),
         storage_toml=f'shared_dirs = ["{shared}"]',
-    )
-    try:
+    ) as service:
         task = service.run(
             {
                 "executors": [
@@ -175,7 +171,5 @@ def test_a_shared_dir_under_var_tmp_lies_on_top_of_the_disk_backed_var_tmp(
         *listed, fs = only_log(task)["logs"][0]["stdout"].split()
         assert sorted(listed) == sorted([shared.name, "private-marker"])
         assert fs != "fs=tmpfs"  # on disk, not the runtime's RAM tmpfs
-    finally:
-        service.stop()
         for copy in copies:
             shutil.rmtree(copy, ignore_errors=True)

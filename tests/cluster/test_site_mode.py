@@ -174,7 +174,7 @@ def site(
         # user may not open it (some container hosts), the SIF is unpacked to a sandbox instead.
         flags = [*local_cluster.apptainer_flags, "--unsquash"]
         cluster = dataclasses.replace(local_cluster, apptainer_flags=flags)
-    service = start_bridge_service(
+    with start_bridge_service(
         cluster,
         site_root,
         extra_toml=f"""
@@ -194,11 +194,8 @@ run_as_owner = true
         user=service_user,
         python=site_python,
         shared=site_shared,
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def _sacct_user(job_id: str, task_id: str) -> str:

@@ -38,13 +38,10 @@ def storage_servers(local_cluster: Any) -> Iterator[StorageServers]:
 def staging_service(
     local_cluster: Any, storage_servers: StorageServers, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeService]:
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, tmp_path_factory.mktemp("staging"), extra_toml=storage_servers.staging_toml()
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 def sh(script: str) -> dict[str, Any]:
@@ -260,8 +257,7 @@ def test_bad_credentials_are_a_system_error_that_leaks_nothing(
     toml = toml.replace(str(storage_servers.netrc), str(netrc))
     storage_servers.put("s3", "creds.txt", b"x")
     storage_servers.put("ftp", "creds.txt", b"x")
-    service = start_bridge_service(local_cluster, root, extra_toml=toml)
-    try:
+    with start_bridge_service(local_cluster, root, extra_toml=toml) as service:
         task = service.run(
             {
                 "inputs": [
@@ -279,8 +275,6 @@ def test_bad_credentials_are_a_system_error_that_leaks_nothing(
         )
         for secret in ("definitely-wrong-secret", "wrong-ftp-password", *storage_servers.secrets):
             assert secret not in everything
-    finally:
-        service.stop()
 
 
 def test_no_secret_reaches_task_files_logs_or_responses(staging_service, storage_servers):

@@ -39,13 +39,10 @@ def service(
 ) -> Iterator[BridgeService]:
     root = tmp_path_factory.mktemp("webui")
     htpasswd = write_htpasswd(root / "htpasswd")
-    service = start_bridge_service(
+    with start_bridge_service(
         local_cluster, root, extra_toml=f'[auth]\nmode = "basic"\nhtpasswd_file = "{htpasswd}"\n'
-    )
-    try:
+    ) as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture
