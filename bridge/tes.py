@@ -122,6 +122,23 @@ def _check_container_path(value: str) -> str:
 ContainerPath = Annotated[StrictStr, AfterValidator(_check_container_path)]
 
 
+def _check_volume(value: str) -> str:
+    """A volume is a directory: `/pulsar_staging/` (Galaxy's Pulsar sends it so) is the
+    directory /pulsar_staging, and is stored without the slash."""
+    return _check_container_path(value.rstrip("/") or "/")
+
+
+def _check_workdir(value: str) -> str:
+    """A working directory is a directory too, and may be the container's root (Pulsar's
+    executors all start in `/`); nothing is mounted there, the executor only starts in it."""
+    stripped = value.rstrip("/") or "/"
+    return "/" if stripped == "/" and value.startswith("/") else _check_container_path(stripped)
+
+
+VolumePath = Annotated[StrictStr, AfterValidator(_check_volume)]
+WorkdirPath = Annotated[StrictStr, AfterValidator(_check_workdir)]
+
+
 def _file_type(value: Any) -> Any:
     # Strict mode wants an enum instance; JSON gives the name.
     return FileType(value) if value in ("FILE", "DIRECTORY") else value
@@ -177,7 +194,7 @@ class OutputModel(_Document):
 class ExecutorModel(_Document):
     image: Annotated[StrictStr, Field(min_length=1)]
     command: Annotated[list[StrictStr], Field(min_length=1)]
-    workdir: ContainerPath | None = None
+    workdir: WorkdirPath | None = None
     stdin: ContainerPath | None = None
     stdout: ContainerPath | None = None
     stderr: ContainerPath | None = None
@@ -260,7 +277,7 @@ class TaskModel(_Document):
     outputs: list[OutputModel] | None = None
     resources: ResourcesModel | None = None
     executors: Annotated[list[ExecutorModel], Field(min_length=1)]
-    volumes: list[ContainerPath] | None = None
+    volumes: list[VolumePath] | None = None
     tags: dict[StrictStr, StrictStr] | None = None
 
 

@@ -230,6 +230,64 @@ def test_explicit_nulls_are_treated_as_absent(client):
     assert_no_nulls(task)
 
 
+#: What Galaxy's Pulsar TES runner (pulsar-app 0.16, through pydantic-tes) POSTs for a tool in a
+#: container: every unset field an explicit null, three executors in `/` around one volume
+#: given with a trailing slash (base64 arguments shortened).
+PULSAR_TASK = {
+    "id": None,
+    "state": None,
+    "name": "pulsar-gx1-42",
+    "description": None,
+    "inputs": None,
+    "outputs": None,
+    "resources": {
+        "cpu_cores": 2,
+        "preemptible": None,
+        "ram_gb": 4.0,
+        "disk_gb": None,
+        "zones": None,
+        "backend_parameters": None,
+        "backend_parameters_strict": False,
+    },
+    "executors": [
+        {
+            "image": "galaxy/pulsar-pod-staging:0.15.0.2",
+            "command": [command, *args],
+            "workdir": "/",
+            "stdin": None,
+            "stdout": None,
+            "stderr": None,
+            "env": None,
+        }
+        for command, args in (
+            ("pulsar-submit", ["--no-wait", "--base64", "eyJjb20=", "--app_conf_base64", "eyJt"]),
+            ("sh", ["-c", "path='/pulsar_staging//42/command_line'; sh $path"]),
+            ("pulsar-finish", ["--base64", "eyJjb20=", "--app_conf_base64", "eyJt"]),
+        )
+    ],
+    "volumes": ["/pulsar_staging/"],
+    "tags": None,
+    "logs": None,
+    "creation_time": None,
+}
+
+
+def test_galaxy_pulsars_task_is_accepted_with_its_directories_normalised(client):
+    task = get(client, create(client, PULSAR_TASK, prefix="/ga4gh/tes/v1"), "FULL")
+    assert task["volumes"] == ["/pulsar_staging"]
+    assert [e["workdir"] for e in task["executors"]] == ["/", "/", "/"]
+    assert task["resources"] == {"cpu_cores": 2, "ram_gb": 4.0, "backend_parameters_strict": False}
+    assert_no_nulls(task)
+
+
+@pytest.mark.parametrize(
+    ("workdir", "stored"), [("/", "/"), ("//", "/"), ("/data/", "/data"), ("/data", "/data")]
+)
+def test_a_workdir_is_a_directory_and_may_be_the_root(client, workdir, stored):
+    body = {"executors": [{"image": "alpine", "command": ["true"], "workdir": workdir}]}
+    assert get(client, create(client, body), "FULL")["executors"][0]["workdir"] == stored
+
+
 def test_camel_case_aliases_are_accepted_and_returned_snake_case(client):
     body = {"resources": {"cpuCores": 2, "ramGb": 4, "diskGb": 1.5}, **ECHO}
     task = get(client, create(client, body), "FULL")
@@ -312,6 +370,14 @@ def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[s
         ({"inputs": [{"path": "/a/../etc", "url": "x"}], **ECHO}, "inputs[0].path", "normalised"),
         ({"inputs": [{"path": "/a/", "url": "x"}], **ECHO}, "inputs[0].path", "normalised"),
         ({"inputs": [{"path": "/", "url": "x"}], **ECHO}, "inputs[0].path", "root"),
+        ({"volumes": ["/"], **ECHO}, "volumes[0]", "root"),
+        ({"volumes": ["//"], **ECHO}, "volumes[0]", "root"),
+        ({"volumes": ["/a/../b/"], **ECHO}, "volumes[0]", "normalised"),
+        (
+            {"executors": [{"image": "a", "command": ["x"], "workdir": "/a/./"}]},
+            "executors[0].workdir",
+            "normalised",
+        ),
         (
             {"inputs": [{"path": "/a", "url": "x", "type": "LINK"}], **ECHO},
             "inputs[0].type",
