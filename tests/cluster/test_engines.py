@@ -86,6 +86,14 @@ def cwltes(local_cluster: Any) -> Engine:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def pulsar(local_cluster: Any) -> Engine:
+    # Galaxy's Pulsar: its client (what Galaxy's TES runner calls) and the staging image its
+    # tasks run pulsar-submit and pulsar-finish in (galaxy/pulsar-pod-staging, built here from
+    # PyPI: Docker Hub is out of reach).
+    return build_engine(local_cluster, "pulsar", ["pulsar-app==0.16.0"])
+
+
 @pytest.fixture
 def workdir(quickstart: Quickstart) -> Iterator[Path]:
     """A fresh directory of the service account's, in the quickstart's data directory."""
@@ -130,7 +138,12 @@ def run_as_account(
 def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) -> str:
     """The engine's output and the logs of the tasks that did not complete."""
     failed = [
-        {"id": task["id"], "name": task.get("name"), "state": task["state"], "logs": task["logs"]}
+        {
+            "id": task["id"],
+            "name": task.get("name"),
+            "state": task["state"],
+            "logs": task.get("logs"),
+        }
         for task in quickstart.list_tasks(view="FULL")
         if task["state"] != "COMPLETE"
     ]
@@ -341,3 +354,84 @@ def test_cwltes_two_steps(
     assert len(tasks) == 2, result.stderr[-4000:]
     for task_id in tasks:
         assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+
+
+PULSAR_CLIENT = """
+import sys, time
+from pulsar.client.coexecution_manager import build_client_manager
+
+tes_url, staging_image, tool_image, job_id = sys.argv[1:]
+params = {
+    "tes_url": tes_url,
+    "jobs_directory": "/pulsar_staging",
+    "pulsar_container_image": staging_image,
+    "remote_container_handling": True,
+    "default_file_action": "remote_transfer",
+    "rewrite_parameters": "true",
+    "galaxy_instance_id": "gx1",
+    "tes_cpu_cores": "1",
+    "tes_ram_gb": "1",
+}
+# Galaxy's files API is not there: a transfer the job tried would fail it.
+galaxy = "http://127.0.0.1:9/api/jobs/" + job_id
+manager = build_client_manager(tes_enabled=True)
+client = manager.get_client(
+    params, job_id, files_endpoint=galaxy + "/files?job_key=k",
+    token_endpoint=galaxy + "/oidc-tokens?job_key=k", env=[],
+)
+# As pulsar.client.staging.up.submit_job does for Galaxy: the job's directories (set up
+# locally, from jobs_directory), then the launch.
+job_config = client.setup("echo_tool", "1.0")
+task_id = client.launch(
+    "echo tool-ran-$((6 * 7)) in $(pwd)",
+    job_config=job_config,
+    container_info={"container_id": tool_image},
+    # Galaxy's pulsar_app_config: the tool's container brings its dependencies, and the staging
+    # image's filesystem is read-only under Apptainer (Pulsar would make ./dependencies in /).
+    pulsar_app_config={"tool_dependency_dir": "none"},
+).external_id
+print("task id:", task_id, flush=True)
+# Pulsar's polling client GETs the FULL view, parsed by pydantic-tes. Its raw_check_complete
+# takes QUEUED, which its state map lacks, for a failure: wait for the end with its TES client,
+# then ask it.
+watcher = manager.get_client({**params, "external_id": task_id}, job_id)
+deadline = time.monotonic() + 240
+ended = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
+while (state := watcher._tes_client.get_task(task_id, "FULL").state.value) not in ended:
+    assert time.monotonic() < deadline, state
+    time.sleep(2)
+print("final status:", watcher.raw_check_complete()["status"], flush=True)
+"""
+
+
+def test_galaxy_pulsar_runs_a_tool_between_its_staging_containers(
+    quickstart: Quickstart, pulsar: Engine, local_cluster: Any, workdir: Path
+) -> None:
+    """Pulsar's TES client (pulsar-app 0.16 with pydantic-tes, as Galaxy's PulsarTesJobRunner
+    uses it) launches a tool: pulsar-submit, the tool's container waiting for its command
+    line in the shared /pulsar_staging volume, then pulsar-finish; then it polls the task."""
+    assert pulsar.image
+    tool_image = f"{local_cluster.registry}/library/python:3-slim"
+    result = run_as_account(
+        [
+            str(pulsar.bin / "python"), "-c", PULSAR_CLIENT, f"{quickstart.url}/ga4gh/tes/",
+            pulsar.image, tool_image, "42",
+        ],
+        workdir,
+        pulsar,
+        timeout=400,
+    )  # fmt: skip
+    if "task id:" in result.stdout:
+        # A tool container left waiting for a command line that never came would wait forever.
+        task_id = result.stdout.split("task id:")[1].split()[0]
+        if quickstart.get(task_id, view="MINIMAL")["state"] in ("QUEUED", "RUNNING"):
+            quickstart.cancel(task_id)
+    assert result.returncode == 0, explain(result, quickstart)
+    assert "final status: complete" in result.stdout, explain(result, quickstart)
+    task = quickstart.get(task_id, view="FULL")
+    assert task["state"] == "COMPLETE", task
+    assert task["name"] == "pulsar-gx1-42" and task["volumes"] == ["/pulsar_staging"]
+    logs = task["logs"][-1]["logs"]
+    assert [log["exit_code"] for log in logs] == [0, 0, 0], logs
+    # The tool ran in its own container, in the job's working directory Pulsar staged.
+    assert "tool-ran-42 in /pulsar_staging/42/working" in logs[1]["stdout"], logs[1]
