@@ -65,6 +65,8 @@ setup(
         "test": [
             "pytest>=8",
             "py-tes>=1.1",
+            # Galaxy's Pulsar talks to TES through it.
+            "pydantic-tes>=0.4",
             "requests>=2.31",
             "psycopg2-binary>=2.9",
             "ruff>=0.6",

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pydantictes.api
 import pytest
 import requests
 import tes
+from pydantictes import models
 
 from tests.procs import free_port
 
@@ -167,6 +169,25 @@ def test_reference_client_py_tes(server):
     assert task_id in [t.id for t in listed.tasks]
     client.cancel_task(task_id)
     assert client.get_task(task_id, view="MINIMAL").state == "CANCELED"
+
+
+def test_galaxys_client_pydantic_tes(server):
+    """pydantic-tes, the client of Galaxy's Pulsar TES runner: its requests carry
+    `Content-Type: application/json` even without a body, its create sends every unset field as
+    null, and its models require `name` in service-info and `tasks` in a list."""
+    url, _ = server
+    client = pydantictes.api.TesClient(f"{url}/ga4gh/tes/")  # it urljoins "v1/tasks"
+    info = client.service_info()
+    assert info.type.artifact == "tes" and info.name
+    executor = models.TesExecutor(image="alpine", command=["true"], workdir="/")
+    task = models.TesTask(name="pydantic-tes", executors=[executor], volumes=["/staging/"])
+    created = client.create_task(task)
+    read = client.get_task(created, "FULL")
+    assert read.state == models.TesState.QUEUED and read.volumes == ["/staging"]
+    assert created.id in [t.id for t in client.list_tasks().tasks]
+    client.cancel_task(created)
+    # Its models need `executors`, so it reads MINIMAL views only through lists.
+    assert client.get_task(created.id, "FULL").state == models.TesState.CANCELED
 
 
 def test_a_request_in_progress_is_answered_when_serve_stops(tmp_path):
