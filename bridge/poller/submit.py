@@ -202,8 +202,8 @@ class Admission:
         return None
 
     def owners_at_limit(self) -> list[str | None]:
-        """Owners with no room left: their tasks are not even read this round, so that a
-        thousand of them queued first do not keep everyone else's out of the round."""
+        """Owners with no room left: their tasks are left out of a full round, so that a
+        thousand of them queued first do not keep everyone else's out of it."""
         if not self.max_owner or self.full:
             return []  # when full, every task is read to be told why it waits
         return [owner for owner, jobs in self.by_owner.items() if jobs >= self.max_owner]
@@ -299,14 +299,18 @@ class Submitter:
         if self.backoff.paused:
             return
         store = self.ctx.store
-        admission = Admission(self.ctx)
-        tasks = store.tasks_to_submit(
-            now=self.ctx.clock(),
-            limit=MAX_SUBMISSIONS_PER_CYCLE,
-            skip_owners=admission.owners_at_limit(),
-        )
+        now = self.ctx.clock()
+        tasks = store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
         if not tasks:
             return
+        admission = Admission(self.ctx)
+        at_limit = admission.owners_at_limit()
+        if len(tasks) == MAX_SUBMISSIONS_PER_CYCLE and any(t.owner in at_limit for t in tasks):
+            # A full round may hold tasks of owners with no room left, and others' tasks may wait
+            # behind it: read the round again without them.
+            tasks = store.tasks_to_submit(
+                now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
+            )
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
