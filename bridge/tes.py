@@ -131,8 +131,9 @@ def _check_volume(value: str) -> str:
 def _check_workdir(value: str) -> str:
     """A working directory is a directory too, and may be the container's root (Pulsar's
     executors all start in `/`); nothing is mounted there, the executor only starts in it."""
-    stripped = value.rstrip("/") or "/"
-    return "/" if stripped == "/" and value.startswith("/") else _check_container_path(stripped)
+    if value.startswith("/") and not value.strip("/"):
+        return "/"
+    return _check_volume(value)
 
 
 VolumePath = Annotated[StrictStr, AfterValidator(_check_volume)]
