@@ -27,10 +27,8 @@ import hashlib
 import os
 import pwd
 import shlex
-import shutil
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +45,6 @@ DOCKER_ROOT = "/cromwell-executions"
 IMAGE = "python:3-slim"
 GLOB = "*.part"
 GLOB_NAME = f"glob-{hashlib.md5(GLOB.encode()).hexdigest()}"  # GlobFunctions.globName
-
-
-@pytest.fixture
-def cromwell_root(quickstart: Quickstart) -> Iterator[Path]:
-    """Cromwell's working directory, in the quickstart's data directory, owned by the account
-    that runs Cromwell (the service account: the quickstart's tasks run as it too)."""
-    account = pwd.getpwnam(ACCOUNT)
-    path = quickstart.data_dir / f"cromwell-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    os.chown(path, account.pw_uid, account.pw_gid)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def chown_tree(path: Path, top: Path) -> None:
@@ -259,14 +245,14 @@ def poll_as_cromwell(endpoint: str, task_id: str, timeout: float) -> dict[str, A
 
 @pytest.mark.parametrize("output_mode", ["granular", "root"])
 def test_a_call_as_cromwell_runs_it(
-    quickstart: Quickstart, cromwell_root: Path, output_mode: str
+    quickstart: Quickstart, workdir: Path, output_mode: str
 ) -> None:
     # Cromwell's endpoint setting names the tasks collection itself; it appends only /{id}.
     endpoint = f"{quickstart.url}/ga4gh/tes/v1/tasks"
-    root = cromwell_root / "cromwell-executions"
-    name_file = cromwell_root / "name.txt"
+    root = workdir / "cromwell-executions"
+    name_file = workdir / "name.txt"
     name_file.write_text("world\n")
-    chown_tree(name_file, cromwell_root)
+    chown_tree(name_file, workdir)
     workflow_id = str(uuid.uuid4())
     task = cromwell_task(root, workflow_id, name_file, output_mode)
 

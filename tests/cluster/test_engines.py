@@ -12,12 +12,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,18 +89,6 @@ def pulsar(local_cluster: Any) -> Engine:
     # tasks run pulsar-submit and pulsar-finish in (galaxy/pulsar-pod-staging, built here from
     # PyPI: Docker Hub is out of reach).
     return build_engine(local_cluster, "pulsar", ["pulsar-app==0.16.0"])
-
-
-@pytest.fixture
-def workdir(quickstart: Quickstart) -> Iterator[Path]:
-    """A fresh directory of the service account's, in the quickstart's data directory."""
-    account = pwd.getpwnam(ACCOUNT)
-    path = quickstart.data_dir / f"engine-{uuid.uuid4().hex[:8]}"
-    (path / "home").mkdir(parents=True)
-    for directory in (path, path / "home"):
-        os.chown(directory, account.pw_uid, account.pw_gid)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_as_account(
