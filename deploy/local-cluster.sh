@@ -733,10 +733,26 @@ start_node() {
 # Inside the new mount namespace of compute node $1: give it its own /tmp and /var/tmp, make
 # the software read-only, hide the state directory's private parts, then become its slurmd.
 node_namespace() {
-  local node=$1 dir=$NODES_DIR/$1 path
+  local node=$1 dir=$NODES_DIR/$1 path held=()
   [[ -d $dir/tmp ]] || die "no directory $dir/tmp (run 'up')"
+  # A checkout under /tmp or /var/tmp (a `mktemp -d` clone) would vanish under the node's own:
+  # hold it aside, and put it back at its path once they are mounted.
+  for path in $NODE_READONLY; do
+    case $path in
+      /tmp/* | /var/tmp/*)
+        [[ -d $path ]] || continue
+        mkdir -p "$dir/held$path"
+        mount --bind "$path" "$dir/held$path"
+        held+=("$path")
+        ;;
+    esac
+  done
   mount --bind "$dir/tmp" /tmp
   mount --bind "$dir/var-tmp" /var/tmp
+  for path in "${held[@]}"; do
+    mkdir -p "$path"
+    mount --bind "$dir/held$path" "$path"
+  done
   for path in $NODE_READONLY; do
     [[ -d $path ]] || continue
     mount --bind "$path" "$path"
