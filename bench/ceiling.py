@@ -2,7 +2,7 @@
 and answers an id) and `GET /tasks/{id}` (answers the id and a fixed
 state), served by gunicorn with the same worker count as the bridge: with gunicorn's default
 (sync) workers, or on the bridge's own server (its Tornado worker class, thread pool and read
-limits, bridge.server), which is what the bridge's answers go through.
+limits, bridge.api.server), which is what the bridge's answers go through.
 
     gunicorn -w 2 bench.ceiling:app
     python -m bench.ceiling 127.0.0.1:8001 2
@@ -43,8 +43,8 @@ app.add_route("/ga4gh/tes/v1/service-info", ServiceInfo())
 
 def serve_on_the_bridge_server(bind: str, workers: int) -> None:
     """The ceiling app behind the bridge's gunicorn worker class, with its default settings."""
+    from bridge.api.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
     from bridge.config import Config
-    from bridge.server import WORKER_CLASS, BridgeApplication, BridgeWSGIContainer
 
     config = Config.model_validate({"state_dir": tempfile.mkdtemp(prefix="tes-ceiling-")})
 

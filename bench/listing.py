@@ -49,7 +49,7 @@ def measure(client: testing.TestClient, params: dict[str, Any]) -> tuple[float, 
 
 
 def main() -> dict[str, object]:
-    from bridge.app import create_app
+    from bridge.api.app import create_app
     from bridge.config import Config
     from bridge.store import Store
 

@@ -1,7 +1,7 @@
 """Validation cost of a posted task: pydantic (what the bridge uses) against jsonschema.
 
 Both validate the same document against the same schema (jsonschema gets the JSON Schema that
-pydantic generates from bridge.tes.TaskModel). Prints microseconds per task and writes
+pydantic generates from bridge.core.tes.TaskModel). Prints microseconds per task and writes
 bench/results/validation.json.
 
     python bench/validation.py
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jsonschema
 
-from bridge.tes import TaskModel, validate_task
+from bridge.core.tes import TaskModel, validate_task
 
 TASK = {
     "name": "align sample 17",
@@ -56,7 +56,7 @@ def main() -> None:
     body = json.dumps(TASK)
     results = {
         "pydantic TaskModel.model_validate": per_call_us(lambda: TaskModel.model_validate(TASK)),
-        "bridge.tes.validate_task (pydantic + nulls, limits, dump)": per_call_us(
+        "bridge.core.tes.validate_task (pydantic + nulls, limits, dump)": per_call_us(
             lambda: validate_task(TASK)
         ),
         "jsonschema Draft 2020-12, same schema": per_call_us(

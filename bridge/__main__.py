@@ -2,7 +2,7 @@
 
 import sys
 
-from bridge.cli import main
+from bridge.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from bridge.backend_params import DEFAULT_SUPPORTED, parse_time
+from bridge.core.backend_params import DEFAULT_SUPPORTED, SiteTimes, parse_time
 
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
 ENV_DATABASE = "TES_BRIDGE_DATABASE"
@@ -35,7 +35,7 @@ ENV_WORK_DIR = "TES_BRIDGE_WORK_DIR"
 
 DEFAULT_STATE_DIR = Path("/var/lib/tes-bridge")
 
-#: The backend_parameters keys the Slurm backend understands (see bridge.backend_params).
+#: The backend_parameters keys the Slurm backend understands (see bridge.core.backend_params).
 SLURM_BACKEND_PARAMETERS = list(DEFAULT_SUPPORTED)
 
 
@@ -60,7 +60,7 @@ class _Section(BaseModel):
 class ServerConfig(_Section):
     bind: str = "127.0.0.1:8000"
     workers: int = Field(default=2, ge=1)
-    #: Threads per worker that run the app on complete requests (see bridge.server).
+    #: Threads per worker that run the app on complete requests (see bridge.api.server).
     threads: int = Field(default=4, ge=1)
     #: A client has this long to send a request's head (line and headers); also how long an
     #: idle keep-alive connection stays open.
@@ -186,6 +186,11 @@ class SlurmConfig(_Section):
     submit_settle: float = Field(default=20.0, ge=0)
     #: How long the partitions read for the capabilities document (one sinfo) are kept.
     capabilities_refresh_seconds: float = Field(default=60.0, gt=0)
+
+    @property
+    def times(self) -> SiteTimes:
+        """The time settings as the task's time limit reads them."""
+        return SiteTimes(self.default_time, self.max_time)
 
     @model_validator(mode="after")
     def _default_within_max(self) -> SlurmConfig:

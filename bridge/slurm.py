@@ -1,7 +1,7 @@
 """The Slurm client: sbatch, squeue, sacct, scancel and sinfo as argument lists, and their parsers.
 
 Knows nothing of HTTP or the store. Every command goes through :func:`run_slurm` (on
-:func:`bridge.proc.run`), and a failed one becomes, through :func:`command_error`, a
+:func:`bridge.system.proc.run`), and a failed one becomes, through :func:`command_error`, a
 :class:`SlurmError` carrying argv, exit code, stdout and stderr. :class:`SlurmBackend` is what
 the poller needs of a Slurm client; the real one and the tests' fake both satisfy it. The error
 subclass tells the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off)
@@ -52,8 +52,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
-from bridge.metrics import observe_slurm_command
-from bridge.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
+from bridge.system.metrics import observe_slurm_command
+from bridge.system.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from urllib.parse import urlparse
 import peewee
 from playhouse.db_url import connect as connect_url
 
-from bridge.naming import format_time_now
-from bridge.tes import TERMINAL_STATES, State
+from bridge.core.naming import format_time_now
+from bridge.core.tes import TERMINAL_STATES, State
 
 SCHEMA_VERSION = 1
 
@@ -56,7 +56,7 @@ class TaskRow(_Model):
     name = peewee.TextField(null=True, index=True)
     owner = peewee.CharField(max_length=255, null=True)
     creation_time = peewee.CharField(max_length=40)
-    #: The stored TES document (see bridge.tes.validate_task), as JSON.
+    #: The stored TES document (see bridge.core.tes.validate_task), as JSON.
     document = peewee.TextField()
     #: The task's `logs` array (one entry per Slurm attempt), as JSON.
     logs = peewee.TextField(default="[]")

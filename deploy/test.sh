@@ -50,6 +50,10 @@ step "ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+step "import rules"
+# The wings of ARCHITECTURE.md and their walls ([tool.importlinter] in pyproject.toml).
+.venv/bin/lint-imports
+
 step "mypy"
 # Strict, over bridge/ (settings and stub packages: [tool.mypy] in pyproject.toml, setup.py).
 .venv/bin/mypy bridge

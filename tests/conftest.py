@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
 from bridge.config import Config, load_config
 from bridge.store import MODELS, Store
 

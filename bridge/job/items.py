@@ -2,7 +2,7 @@
 document (`task.json`, validated by the server when the task was created) into small typed
 records, which stage-in, stage-out and the staging backends take as they are.
 
-The job side does not import the server's pydantic models (`bridge.tes`): these records hold
+The job side does not import the server's pydantic models (`bridge.core.tes`): these records hold
 only the fields staging reads, and an item that does not fit is reported, not guessed at.
 """
 

@@ -18,7 +18,7 @@ import os
 import posixpath
 from pathlib import Path
 
-from bridge.naming import has_wildcards as has_wildcards
+from bridge.core.naming import has_wildcards as has_wildcards
 
 TASK_JSON = "task.json"
 JOB_CONFIG_JSON = "job-config.json"

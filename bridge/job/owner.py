@@ -34,11 +34,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bridge.core.naming import is_task_id
 from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout, write_atomically
 from bridge.job.output import STREAMS, chunk_to_json, read_output
 from bridge.job.records import ExecutorRecord, JobRecords, read_records
 from bridge.job.safepath import UnsafePathError
-from bridge.naming import is_task_id
 
 #: The files adopt writes, with their modes (the script must be executable by its owner only).
 FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}

@@ -26,9 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, get_args
 
+from bridge.core.naming import format_time_now
 from bridge.job import safepath
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
-from bridge.naming import format_time_now
 
 Outcome = Literal["complete", "executor_error", "system_error"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)

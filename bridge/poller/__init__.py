@@ -20,7 +20,7 @@ share) and ``loop`` (the cycle, the lock, the factory and the process loop).
 
 from __future__ import annotations
 
-from bridge.naming import job_name
+from bridge.core.naming import job_name
 from bridge.poller.context import CycleStats
 from bridge.poller.decisions import Decision, decide
 from bridge.poller.loop import Poller, PollerLock, build_poller, run_poller

@@ -13,9 +13,9 @@ from dataclasses import asdict
 from typing import Any
 
 from bridge.poller.context import PollerContext, format_time_now, short
-from bridge.proc import CommandError, run
 from bridge.slurm import Partition, SlurmError
 from bridge.store import CAPABILITIES_KEY
+from bridge.system.proc import CommandError, run
 
 log = logging.getLogger("bridge.poller")
 

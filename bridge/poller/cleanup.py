@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import shutil
 
+from bridge.core.tes import State
 from bridge.poller.context import ImageSource, PollerContext
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
-from bridge.tes import State
 
 log = logging.getLogger("bridge.poller")
 

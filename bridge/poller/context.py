@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Protocol
 
 from bridge.config import Config
-from bridge.naming import format_time_now as format_time_now
+from bridge.core.naming import format_time_now as format_time_now
 from bridge.slurm import SlurmBackend
 from bridge.store import Store
 
 
 class ImageSource(Protocol):
-    """What the poller needs of the image cache (bridge.images.ImageCache; a fake in tests)."""
+    """What the poller needs of the image cache (`ImageCache`; a fake in tests)."""
 
     def resolve(self, images: Sequence[str]) -> dict[str, str] | None: ...
 

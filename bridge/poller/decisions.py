@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import slurm
+from bridge.core.naming import format_time
+from bridge.core.tes import State
 from bridge.job.records import JobRecords
-from bridge.naming import format_time
 from bridge.slurm import JobInfo
-from bridge.tes import State
 
 Logs = list[dict[str, Any]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bridge import metrics
+from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords, read_records
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import (
@@ -23,7 +23,7 @@ from bridge.poller.decisions import (
 from bridge.poller.owners import OwnerRunner
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import JobDecision, TaskRecord, unavailable_reason
-from bridge.tes import TERMINAL_STATES, State
+from bridge.system import metrics
 
 log = logging.getLogger("bridge.poller")
 

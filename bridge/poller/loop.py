@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bridge import metrics
 from bridge.config import Config
-from bridge.images import ImageCache
+from bridge.core.tes import TERMINAL_STATES
+from bridge.images.cache import ImageCache
 from bridge.job.layout import TaskLayout
 from bridge.poller.cancel import Canceller
 from bridge.poller.capabilities import CapabilitiesReader
@@ -27,8 +27,8 @@ from bridge.poller.recover import Recovery
 from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import Store, unavailable_reason
-from bridge.tes import TERMINAL_STATES
-from bridge.wake import WakeReceiver
+from bridge.system import metrics
+from bridge.system.wake import WakeReceiver
 
 log = logging.getLogger("bridge.poller")
 
@@ -184,7 +184,7 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     stop = threading.Event()
     #: Set by a finished image pull (or a stop request): the next cycle starts at once.
     wake = threading.Event()
-    #: Set by an API worker's nudge (bridge.wake), and with `wake`: look now, not in 0.2 s.
+    #: Set by an API worker's nudge (bridge.system.wake), and with `wake`: look now, not in 0.2 s.
     nudge = threading.Event()
 
     def wake_now() -> None:

@@ -11,15 +11,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from bridge.auth import UserMap
 from bridge.config import Config
 from bridge.job.owner import records_from_json
 from bridge.job.records import JobRecords
+from bridge.jobscript.render import task_files
 from bridge.poller.context import short
-from bridge.proc import CommandError, as_user, run
-from bridge.render import task_files
 from bridge.slurm import TmpDisk
 from bridge.store import TaskRecord
+from bridge.system.proc import CommandError, as_user, run
+from bridge.system.users import UserMap
 
 log = logging.getLogger("bridge.poller")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from bridge.naming import job_name
+from bridge.core.naming import job_name
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import TaskRecord

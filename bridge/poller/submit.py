@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bridge import backend_params
 from bridge.config import Config
-from bridge.images import ImagePullError
-from bridge.naming import job_name
+from bridge.core import backend_params
+from bridge.core.naming import job_name
+from bridge.images.cache import ImagePullError
+from bridge.jobscript.render import RenderError, prepare_task_dir
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (
@@ -24,7 +25,6 @@ from bridge.poller.decisions import (
     set_image_notes,
 )
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
-from bridge.render import RenderError, prepare_task_dir
 from bridge.slurm import SlurmError, SlurmRejected, TmpDisk
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
 
@@ -83,7 +83,7 @@ def _time_limit(document: dict[str, Any], config: Config) -> str | None:
     """The job's --time and where it came from, for the message of a TIMEOUT."""
     params = (document.get("resources") or {}).get("backend_parameters")
     try:
-        limit = backend_params.time_limit(params, config)
+        limit = backend_params.time_limit(params, config.slurm.times)
     except backend_params.ParameterError:
         return None  # the render refused it already
     return limit.describe() if limit else None

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
 from bridge.config import load_config
-from bridge.tes import State
+from bridge.core.tes import State
 
 PREFIXES = ["/ga4gh/tes/v1", "/v1"]
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
@@ -928,7 +928,7 @@ def test_absurd_resources_are_400_naming_the_field(client, resources, field):
 
 def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp_path, config):
     from bridge.job.layout import TaskLayout
-    from bridge.render import sbatch_directives
+    from bridge.jobscript.render import sbatch_directives
     from bridge.slurm import TmpDisk
 
     resources = {"cpu_cores": 65533, "ram_gb": 1e9, "disk_gb": 1e9}

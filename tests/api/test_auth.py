@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from falcon import testing
 
-from bridge.app import create_app
-from bridge.auth import AdminPolicy, AuthError, BasicAuth, UserMap
+from bridge.api.app import create_app
+from bridge.api.auth import AdminPolicy, AuthError, BasicAuth, UserMap
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
 from tests.fixtures.auth import (

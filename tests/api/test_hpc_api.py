@@ -13,7 +13,7 @@ import pytest
 import tes
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
 from bridge.config import load_config
 from bridge.poller import Poller
 from bridge.slurm import SlurmClient, parse_sinfo_partitions

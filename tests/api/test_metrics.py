@@ -12,12 +12,12 @@ import pytest
 from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge import metrics
-from bridge.app import create_app
-from bridge.cli import prepare_metrics_dir
+from bridge.api.app import create_app
+from bridge.api.metrics_api import TaskStates, scrape
+from bridge.cli.main import prepare_metrics_dir
 from bridge.config import ConfigError, load_config
-from bridge.metrics_api import TaskStates, scrape
 from bridge.store import Store
+from bridge.system import metrics
 from tests.fixtures.auth import PASSWORDS
 
 API = "/ga4gh/tes/v1"
@@ -158,7 +158,7 @@ def test_serve_start_drops_the_files_of_dead_processes_only(
 
 def test_the_cli_imports_no_prometheus_client_before_the_directory_is_set() -> None:
     # prometheus_client picks single- or multiprocess mode once, when it is first imported.
-    code = "import sys, bridge.cli; print('prometheus_client' in sys.modules)"
+    code = "import sys, bridge.cli.main; print('prometheus_client' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True)
     assert result.stdout.strip() == "False", result.stderr
 

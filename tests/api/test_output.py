@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
 from bridge.config import Config, load_config
 from bridge.store import Store
 

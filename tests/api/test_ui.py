@@ -9,10 +9,10 @@ from pathlib import Path
 
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
+from bridge.api.ui import FILES
 from bridge.config import load_config
 from bridge.store import Store
-from bridge.ui import FILES
 
 
 def _basic_client(tmp_path: Path, store: Store, htpasswd: Path) -> testing.TestClient:
@@ -39,7 +39,7 @@ def test_the_page_is_public_and_its_data_is_not(tmp_path, sqlite_store, htpasswd
 
 
 def test_only_the_pages_own_files_are_served(client):
-    for path in ("/ui/../bridge/app.py", "/ui/%2e%2e/setup.py", "/ui/app.py", "/ui/webui"):
+    for path in ("/ui/../bridge/api/app.py", "/ui/%2e%2e/setup.py", "/ui/app.py", "/ui/webui"):
         assert client.simulate_get(path).status_code == 404, path
 
 

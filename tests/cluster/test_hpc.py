@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import requests
 
-from bridge.naming import job_name
+from bridge.core.naming import job_name
 from tests.fixtures.service import BridgeService, start_bridge_service
 
 pytestmark = pytest.mark.cluster

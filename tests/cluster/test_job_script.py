@@ -1,7 +1,7 @@
 """Job scripts run for real: images pulled from the local registry, Apptainer, and Slurm.
 
-Each task is rendered by bridge.render and run with `bash job.sh` (SLURM_JOB_ID set by hand),
-and a few through `sbatch` on the local cluster; the outcome is read back with the same
+Each task is rendered by bridge.jobscript.render and run with `bash job.sh` (SLURM_JOB_ID set
+by hand), and a few through `sbatch` on the local cluster; the outcome is read back with the same
 `read_records` the poller uses.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.images import ImageCache, ImagePullError
+from bridge.images.cache import ImageCache, ImagePullError
 from bridge.job.records import JobRecords, read_records
-from bridge.render import prepare_task_dir
+from bridge.jobscript.render import prepare_task_dir
 
 pytestmark = pytest.mark.cluster
 

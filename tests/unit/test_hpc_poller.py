@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from bridge.config import load_config
+from bridge.core.tes import State
 from bridge.poller import Poller, decide
 from bridge.slurm import JobInfo, SlurmUnavailable
 from bridge.store import Store
-from bridge.tes import State
 from tests.unit.test_poller import ECHO, FakeImages, FakeSlurm, job, records
 
 #: What sbatch prints when refused for a limit. The first two are Slurm's own words for a

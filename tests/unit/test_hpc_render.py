@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from bridge import backend_params
 from bridge.config import ConfigError, load_config
+from bridge.core import backend_params
 from bridge.job.layout import TaskLayout
-from bridge.render import RenderError, sbatch_directives
+from bridge.jobscript.render import RenderError, sbatch_directives
 from tests.unit.test_render import bash_syntax_ok, directives, make_config, make_task, render
 
 

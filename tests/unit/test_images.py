@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.images import ImageCache, ImagePullError, image_format, sandbox_of
-from bridge.tes import local_image_problem
+from bridge.core.tes import local_image_problem
+from bridge.images.cache import ImageCache, ImagePullError, image_format, sandbox_of
 
 FAKE_RUNTIME = """#!{python}
 import json, os, subprocess, sys, time
@@ -255,7 +255,7 @@ def test_two_processes_never_pull_the_same_image_at_once(
 ) -> None:
     # Another process (another cache object holding the lock file) pulls the same image.
     code = (
-        "import sys; from bridge.config import Config; from bridge.images import ImageCache; "
+        "import sys; from bridge.config import Config; from bridge.images.cache import ImageCache; "
         f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
         f"'container': {{'runtime': {str(runtime['bin'])!r}, "
         f"'default_registry': {registry.address!r}, "
@@ -532,7 +532,7 @@ def test_images_commands_list_pull_and_forget(
     registry: Registry,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from bridge.cli import main
+    from bridge.cli.main import main
 
     config = tmp_path / "tes-bridge.toml"
     config.write_text(
@@ -570,7 +570,8 @@ def test_a_pull_dies_with_the_process_that_started_it(
     # kill -9 of the poller mid-pull: the runtime it started must not pull on as an orphan.
     pids_file = tmp_path / "pids"
     code = (
-        "import time; from bridge.config import Config; from bridge.images import ImageCache; "
+        "import time; from bridge.config import Config; "
+        "from bridge.images.cache import ImageCache; "
         f"c = ImageCache(Config.model_validate({{'state_dir': {str(tmp_path / 'state')!r}, "
         f"'container': {{'runtime': {str(runtime['bin'])!r}, "
         f"'default_registry': {registry.address!r}, "

@@ -27,7 +27,7 @@ from bridge.job.stage import (
     stage_in,
     stage_out,
 )
-from bridge.render import prepare_task_dir
+from bridge.jobscript.render import prepare_task_dir
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "100"

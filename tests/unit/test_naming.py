@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from bridge.core.naming import FileUrlError, is_local_url, local_path
+from bridge.core.tes import TaskValidationError, validate_task
 from bridge.job.staging import StagingError
 from bridge.job.staging.file import url_path
-from bridge.naming import FileUrlError, is_local_url, local_path
-from bridge.tes import TaskValidationError, validate_task
 
 ALLOWED = "/shared"
 

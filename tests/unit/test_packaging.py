@@ -22,7 +22,7 @@ import json, sys
 from pathlib import Path
 import bridge
 from bridge.config import Config
-from bridge.render import render_script
+from bridge.jobscript.render import render_script
 
 state = Path(sys.argv[1])
 config = Config.model_validate({"state_dir": str(state)})
@@ -61,7 +61,7 @@ def test_a_wheel_built_from_the_sdist_renders_a_job_script(tmp_path: Path):
         names = archive.getnames()
     assert any(name.endswith("/templates/job.sh.j2") for name in names), names
     for page in ("index.html", "app.js", "style.css"):
-        assert any(name.endswith(f"/bridge/webui/{page}") for name in names), names
+        assert any(name.endswith(f"/bridge/api/webui/{page}") for name in names), names
 
     # The wheel is built from the unpacked sdist alone, as pip does with a source download.
     with tarfile.open(sdist) as archive:
@@ -72,7 +72,7 @@ def test_a_wheel_built_from_the_sdist_renders_a_job_script(tmp_path: Path):
     with zipfile.ZipFile(wheel) as archive:
         assert "bridge/templates/job.sh.j2" in archive.namelist()
         for page in ("index.html", "app.js", "style.css"):
-            assert f"bridge/webui/{page}" in archive.namelist()
+            assert f"bridge/api/webui/{page}" in archive.namelist()
         archive.extractall(tmp_path / "installed")
 
     # The installed copy renders; the checkout's templates/ is out of its reach.

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config, load_config
+from bridge.core.tes import State
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.slurm import (
@@ -30,7 +31,6 @@ from bridge.slurm import (
     parse_sinfo_tmp_disk,
 )
 from bridge.store import Store
-from bridge.tes import State
 
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
 

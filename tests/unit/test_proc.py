@@ -1,4 +1,4 @@
-"""bridge.proc: the one command runner under the Slurm client and the site-mode owner commands."""
+"""bridge.system.proc: the one command runner under the Slurm client and the owner commands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
+from bridge.system.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
 
 
 def test_run_returns_output_and_exit_code_and_feeds_stdin() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
+from bridge.core.naming import is_task_id, job_name
 from bridge.job.layout import TaskLayout
-from bridge.naming import is_task_id, job_name
-from bridge.render import (
+from bridge.jobscript.render import (
     Bind,
     BindPlan,
     RenderError,

@@ -1,4 +1,4 @@
-"""bridge.server.call_wsgi_app: one whole WSGI call on the pool's thread."""
+"""bridge.api.server.call_wsgi_app: one whole WSGI call on the pool's thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bridge.server import call_wsgi_app
+from bridge.api.server import call_wsgi_app
 
 
 class _Body:

@@ -1,4 +1,4 @@
-"""bridge.server.watch_master: an API worker never outlives its gunicorn master for long."""
+"""bridge.api.server.watch_master: an API worker never outlives its gunicorn master for long."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ MASTER = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     from types import SimpleNamespace
-    from bridge.server import watch_master
+    from bridge.api.server import watch_master
 
     pid = os.fork()
     if pid == 0:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from falcon import testing
 
-from bridge.app import create_app
+from bridge.api.app import create_app
 from bridge.config import ConfigError, load_config
 from bridge.job.settings import read_settings
 from bridge.job.staging import StagingOptions
-from bridge.render import prepare_task_dir
+from bridge.jobscript.render import prepare_task_dir
 
 ECHO = {"executors": [{"image": "alpine", "command": ["true"]}]}
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bridge.core.tes import State
 from bridge.store import (
     SCHEMA_VERSION,
     JobDecision,
@@ -18,7 +19,6 @@ from bridge.store import (
     TaskRow,
     _prefix_successor,
 )
-from bridge.tes import State
 
 ECHO = {"executors": [{"image": "alpine", "command": ["true"]}]}
 

@@ -1,4 +1,4 @@
-"""bridge.wake: the API's nudge makes the poller look for new tasks at once."""
+"""bridge.system.wake: the API's nudge makes the poller look for new tasks at once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bridge.poller import loop
-from bridge.wake import WAKE_SOCKET, WakeReceiver, WakeSender
+from bridge.system.wake import WAKE_SOCKET, WakeReceiver, WakeSender
 
 
 def test_a_nudge_reaches_the_poller_and_the_socket_is_private(tmp_path: Path) -> None:

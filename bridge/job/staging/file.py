@@ -2,7 +2,7 @@
 
 Only paths inside `storage.allowed_dirs` may be read or written, judged after resolving
 links, so a link inside an allowed directory cannot lead outside it. What a URL names is
-`bridge.naming.local_path`'s to say, for the server and the job side alike: the path taken
+`bridge.core.naming.local_path`'s to say, for the server and the job side alike: the path taken
 literally (no percent-decoding), as Funnel and the usual TES clients do (`file:///a b` is the
 file `/a b`).
 """
@@ -18,15 +18,15 @@ import stat
 import tempfile
 from pathlib import Path
 
+from bridge.core.naming import FileUrlError, local_path
 from bridge.job.staging import FileKind, StagingContext, StagingError
-from bridge.naming import FileUrlError, local_path
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
 
 def url_path(url: str) -> str:
-    """The host path of a `file:` URL or bare path (see `bridge.naming.local_path`)."""
+    """The host path of a `file:` URL or bare path (see `bridge.core.naming.local_path`)."""
     try:
         return local_path(url)
     except FileUrlError as exc:

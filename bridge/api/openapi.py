@@ -1,6 +1,6 @@
 """The API's own OpenAPI 3 document, served at `<prefix>/openapi.json`.
 
-Request schemas come from the same pydantic models that validate requests (bridge.tes), so the
+Request schemas come from the same pydantic models that validate requests (bridge.core.tes), so the
 document cannot drift from what the server accepts; response schemas follow TES 1.1.0 and
 describe the views as served: in a MINIMAL task only `id` and `state` are present.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from bridge import __version__
 from bridge.config import Config
-from bridge.tes import State, TaskModel
+from bridge.core.tes import State, TaskModel
 
 _REF = "#/components/schemas/"
 

@@ -58,11 +58,12 @@ import requests
 from dxf import DXF, DXFBase
 from spython.main import Client as _spython_client
 
-from bridge import imageref, metrics, proc
 from bridge.config import Config
-from bridge.imageref import DIGEST, DOCKER_HUB
-from bridge.imageref import ImagePullError as ImagePullError
-from bridge.tes import local_image_problem
+from bridge.core.tes import local_image_problem
+from bridge.images import ref as imageref
+from bridge.images.ref import DIGEST, DOCKER_HUB
+from bridge.images.ref import ImagePullError as ImagePullError
+from bridge.system import metrics, proc
 
 log = logging.getLogger(__name__)
 

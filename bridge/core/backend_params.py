@@ -13,10 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from bridge.config import Config
+from typing import Any
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 #: Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -124,11 +121,16 @@ def _lowered(params: Mapping[str, str] | None) -> dict[str, str]:
     return {key.lower(): value for key, value in (params or {}).items()}
 
 
-def time_limit(params: Mapping[str, str] | None, config: Config) -> TimeLimit | None:
-    """The task's --time: the tighter of backend_parameters `time` (or `time_limit`) and
-    `max_time` (hours, rounded up to a second), else slurm.default_time; None: the partition's
-    own limit. Raises ParameterError above slurm.max_time."""
-    values = _lowered(params)
+@dataclass(frozen=True)
+class SiteTimes:
+    """The site's time settings (`slurm.default_time`, `slurm.max_time`), in Slurm's formats."""
+
+    default: str | None = None
+    maximum: str | None = None
+
+
+def _asked_limits(values: Mapping[str, str]) -> list[TimeLimit]:
+    """The limits a task's own parameters ask for: `time`, `time_limit`, `max_time` (hours)."""
     where = "resources.backend_parameters"
     asked: list[TimeLimit] = []
     for key in ("time", "time_limit"):
@@ -141,20 +143,27 @@ def time_limit(params: Mapping[str, str] | None, config: Config) -> TimeLimit | 
         if not _HOURS.fullmatch(values["max_time"]) or float(values["max_time"]) <= 0:
             raise ParameterError(f"{where}.max_time", "must be a positive number of hours")
         asked.append(TimeLimit(math.ceil(float(values["max_time"]) * 3600), f"{where}.max_time"))
+    return asked
+
+
+def time_limit(params: Mapping[str, str] | None, site: SiteTimes) -> TimeLimit | None:
+    """The task's --time: the tighter of backend_parameters `time` (or `time_limit`) and
+    `max_time` (hours, rounded up to a second), else slurm.default_time; None: the partition's
+    own limit. Raises ParameterError above slurm.max_time."""
+    asked = _asked_limits(_lowered(params))
     limits = [t for t in asked if t.seconds is not None] or asked
     chosen = min(limits, key=lambda t: t.seconds or 0) if limits else None
-    if chosen is None and config.slurm.default_time:
-        default = config.slurm.default_time
-        chosen = TimeLimit(parse_time(default), "slurm.default_time", default)
-    maximum = parse_time(config.slurm.max_time) if config.slurm.max_time else None
+    if chosen is None and site.default:
+        chosen = TimeLimit(parse_time(site.default), "slurm.default_time", site.default)
+    maximum = parse_time(site.maximum) if site.maximum else None
     if maximum is not None:
         if chosen is None:
-            return TimeLimit(maximum, "slurm.max_time", config.slurm.max_time)
+            return TimeLimit(maximum, "slurm.max_time", site.maximum)
         if chosen.seconds is None or chosen.seconds > maximum:
             raise ParameterError(
                 chosen.source,
                 f"asks for {chosen.option}; this server allows at most "
-                f"{config.slurm.max_time} (slurm.max_time)",
+                f"{site.maximum} (slurm.max_time)",
             )
     if chosen is not None and chosen.seconds == 0:
         raise ParameterError(chosen.source, "must be more than 0 (0 would mean no limit)")
@@ -186,13 +195,15 @@ def checked_values(params: Mapping[str, str] | None, supported: list[str]) -> di
     return values
 
 
-def check_task(document: Mapping[str, Any], config: Config) -> list[tuple[str, str]]:
+def check_task(
+    document: Mapping[str, Any], supported: list[str], site: SiteTimes
+) -> list[tuple[str, str]]:
     """The problems of a stored task's backend_parameters, as (field, message) for a 400."""
     resources = document.get("resources") or {}
     params = resources.get("backend_parameters")
     try:
-        checked_values(params, config.backend_parameters.supported)
-        time_limit(params, config)
+        checked_values(params, supported)
+        time_limit(params, site)
     except ParameterError as exc:
         return [(exc.field, exc.message)]
     return []

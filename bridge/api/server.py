@@ -37,7 +37,7 @@ from tornado.ioloop import IOLoop
 from tornado.wsgi import WSGIContainer
 
 from bridge.config import Config
-from bridge.proc import set_parent_death_signal
+from bridge.system.proc import set_parent_death_signal
 
 
 class BridgeApplication(BaseApplication):

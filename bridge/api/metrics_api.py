@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_s
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from bridge import metrics
-from bridge.tes import State
+from bridge.core.tes import State
+from bridge.system import metrics
 
 
 class TaskStates:

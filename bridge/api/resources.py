@@ -11,14 +11,12 @@ from typing import Any
 
 import falcon
 
-from bridge import __version__, backend_params
+from bridge import __version__
+from bridge.api.openapi import openapi_document
+from bridge.api.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
 from bridge.config import Config
-from bridge.job.output import OutputChunk, chunk_to_json
-from bridge.metrics import TASKS_CREATED
-from bridge.openapi import openapi_document
-from bridge.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
-from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
-from bridge.tes import (
+from bridge.core import backend_params
+from bridge.core.tes import (
     Limits,
     TaskValidationError,
     View,
@@ -27,7 +25,10 @@ from bridge.tes import (
     render_task,
     validate_task,
 )
-from bridge.wake import WakeSender
+from bridge.job.output import OutputChunk, chunk_to_json
+from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
+from bridge.system.metrics import TASKS_CREATED
+from bridge.system.wake import WakeSender
 
 DEFAULT_PAGE_SIZE = 256
 MAX_PAGE_SIZE = 2047
@@ -93,7 +94,9 @@ class Tasks:
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )
             # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
-            problems = backend_params.check_task(task.document, self.config)
+            problems = backend_params.check_task(
+                task.document, self.config.backend_parameters.supported, self.config.slurm.times
+            )
             if problems:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
@@ -103,7 +106,7 @@ class Tasks:
         )
         TASKS_CREATED.inc()
         if self.wake is not None:
-            self.wake.nudge()  # the poller submits it now (bridge.wake)
+            self.wake.nudge()  # the poller submits it now (bridge.system.wake)
         resp.media = {"id": record.id}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -222,7 +225,7 @@ class Task:
         if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
             raise _not_found(task_id)
         if self.wake is not None:
-            self.wake.nudge()  # its job is canceled now (bridge.wake)
+            self.wake.nudge()  # its job is canceled now (bridge.system.wake)
         resp.media = {}
 
 

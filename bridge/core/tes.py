@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from bridge.naming import FileUrlError, has_wildcards, is_local_url, local_path
+from bridge.core.naming import FileUrlError, has_wildcards, is_local_url, local_path
 
 
 class State(StrEnum):

@@ -17,10 +17,10 @@ from typing import Any
 
 from bridge import __version__
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
-from bridge.logs import JsonFormatter, setup_logging
-from bridge.proc import die_with_parent
+from bridge.system.logs import JsonFormatter, setup_logging
+from bridge.system.proc import die_with_parent
 
-log = logging.getLogger("bridge.cli")
+log = logging.getLogger("bridge.cli.main")
 
 DESCRIPTION = """\
 tes-slurm-bridge: a GA4GH Task Execution Service (TES 1.1) server that runs tasks on Slurm
@@ -235,7 +235,7 @@ def poller_command(config: Config, *, once: bool) -> int:
 
 def check_command(args: argparse.Namespace) -> int:
     """`tes-bridge check`: one line per check (or JSON); 1 when any failed."""
-    from bridge.check import Doctor, Result
+    from bridge.cli.check import Doctor, Result
 
     try:
         config = load_config(args.config)
@@ -254,7 +254,7 @@ def check_command(args: argparse.Namespace) -> int:
 
 
 def images_command(config: Config, args: argparse.Namespace) -> int:
-    from bridge.images import ImageCache, ImagePullError, sandbox_of
+    from bridge.images.cache import ImageCache, ImagePullError, sandbox_of
 
     cache = ImageCache(config, max_workers=config.container.pull_workers)
     try:
@@ -374,7 +374,7 @@ def start_metrics_server(config: Config) -> None:
     The store is opened for each scrape only, so no worker inherits an open connection."""
     if not (config.metrics.enabled and config.metrics.bind):
         return
-    from bridge.metrics_api import serve_metrics
+    from bridge.api.metrics_api import serve_metrics
     from bridge.store import Store
 
     store = Store.from_url(config.database_url)
@@ -494,8 +494,8 @@ def serve(
         return 2
     from prometheus_client.multiprocess import mark_process_dead
 
-    from bridge.app import create_app
-    from bridge.server import (
+    from bridge.api.app import create_app
+    from bridge.api.server import (
         WORKER_CLASS,
         BridgeApplication,
         BridgeWSGIContainer,
@@ -529,7 +529,7 @@ def serve(
             supervisor.kill()
 
     class Application(BridgeApplication):
-        #: For the workers (bridge.server.Worker reads its limits here).
+        #: For the workers (bridge.api.server.Worker reads its limits here).
         bridge_config = config
 
         def load_config(self) -> None:
@@ -544,7 +544,7 @@ def serve(
                 # A worker whose master was killed -9 ends at once (see watch_master).
                 "post_fork": watch_master,
                 "when_ready": lambda arbiter: start_metrics_server(config),
-                # Slow clients cost no worker: see bridge.server.
+                # Slow clients cost no worker: see bridge.api.server.
                 "worker_class": WORKER_CLASS,
                 "proc_name": "tes-bridge",
                 "timeout": 60,

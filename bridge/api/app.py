@@ -1,7 +1,7 @@
 """The Falcon application: routes under both prefixes, one error shape, request logging.
 
 `create_app(config, store=...)` builds the app from its collaborators (tests pass their own);
-`get_app()` is what gunicorn loads: ``gunicorn 'bridge.app:get_app()'``.
+`get_app()` is what gunicorn loads: ``gunicorn 'bridge.api.app:get_app()'``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from typing import Any
 
 import falcon
 
-from bridge.auth import Authenticator, AuthError, build_authenticator
-from bridge.config import Config, load_config
-from bridge.metrics_api import MetricsResource, RequestMetrics
-from bridge.resources import (
+from bridge.api.auth import Authenticator, AuthError, build_authenticator
+from bridge.api.metrics_api import MetricsResource, RequestMetrics
+from bridge.api.resources import (
     Capabilities,
     LegacyServiceInfo,
     OpenAPI,
@@ -25,10 +24,11 @@ from bridge.resources import (
     TaskOutput,
     Tasks,
 )
+from bridge.api.ui import add_routes as add_ui_routes
+from bridge.api.ui import is_ui_path
+from bridge.config import Config, load_config
 from bridge.store import Store, unavailable_reason
-from bridge.ui import add_routes as add_ui_routes
-from bridge.ui import is_ui_path
-from bridge.wake import WakeSender
+from bridge.system.wake import WakeSender
 
 #: The spec's base path, and the one most clients use (Nextflow, py-tes, Funnel's CLI, Cromwell).
 PREFIXES = ("/ga4gh/tes/v1", "/v1")
@@ -177,7 +177,7 @@ def create_app(
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _handle_unexpected)
 
-    # One socket per worker, shared by its threads; the nudge is a hint (bridge.wake).
+    # One socket per worker, shared by its threads; the nudge is a hint (bridge.system.wake).
     wake = WakeSender(config.state_dir)
     tasks = Tasks(config, store, wake)
     task = Task(store, wake)

@@ -17,8 +17,8 @@ from bridge.config import Config
 from bridge.job.output import OutputChunk, Stream, chunk_from_json, read_output
 from bridge.job.owner import EXIT_REFUSED
 from bridge.job.safepath import UnsafePathError
-from bridge.proc import CommandError, as_user, run
 from bridge.store import TaskRecord
+from bridge.system.proc import CommandError, as_user, run
 
 
 class OutputUnavailable(Exception):

@@ -29,8 +29,17 @@ from typing import Any, TypeGuard
 import jinja2
 
 import bridge
-from bridge import backend_params, tes
 from bridge.config import Config, SiteRule
+from bridge.core import backend_params, tes
+from bridge.core.naming import FileUrlError, is_local_url, is_task_id, job_name, local_path
+from bridge.core.tes import (
+    ExecutorModel,
+    FileType,
+    InputModel,
+    OutputModel,
+    ResourcesModel,
+    TaskModel,
+)
 from bridge.job.layout import (
     LayoutError,
     TaskLayout,
@@ -41,9 +50,7 @@ from bridge.job.layout import (
     write_atomically,
 )
 from bridge.job.settings import JobSettings
-from bridge.naming import FileUrlError, is_local_url, is_task_id, job_name, local_path
 from bridge.slurm import TmpDisk
-from bridge.tes import ExecutorModel, FileType, InputModel, OutputModel, ResourcesModel, TaskModel
 
 TEMPLATE = "job.sh.j2"
 JOB_MODULE = "bridge.job"
@@ -216,7 +223,7 @@ def _backend_values(resources: ResourcesModel, config: Config) -> dict[str, str]
         values = backend_params.checked_values(
             resources.backend_parameters, config.backend_parameters.supported
         )
-        limit = backend_params.time_limit(resources.backend_parameters, config)
+        limit = backend_params.time_limit(resources.backend_parameters, config.slurm.times)
     except backend_params.ParameterError as exc:
         raise RenderError(str(exc)) from None
     for key in ("time", "time_limit", "max_time"):

@@ -1,4 +1,4 @@
-"""The web page of tasks: static files from the package (bridge/webui/), served at `/ui/`.
+"""The web page of tasks: static files from the package (bridge/api/webui/), served at `/ui/`.
 
 The page is plain HTML and JavaScript that calls the TES API itself, so its files are public
 and the data stays behind the API's authentication. Only the files named in `FILES` are
@@ -42,7 +42,7 @@ def is_ui_path(path: str) -> bool:
 
 class WebUI:
     def __init__(self) -> None:
-        package = resources.files("bridge") / "webui"
+        package = resources.files("bridge.api") / "webui"
         self.files = {name: (package / name).read_bytes() for name in FILES}
         self.etags = {
             name: hashlib.sha256(body).hexdigest()[:20] for name, body in self.files.items()

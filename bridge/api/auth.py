@@ -1,7 +1,7 @@
 """Who is calling: authenticators for the `[auth]` modes and the identity -> Unix user mapping.
 
 No HTTP framework here: an authenticator takes the raw `Authorization` header and returns an
-:class:`Identity` or raises :class:`AuthError`; the Falcon middleware in ``bridge.app`` turns
+:class:`Identity` or raises :class:`AuthError`; the Falcon middleware in ``bridge.api.app`` turns
 that into a 401. The reason in an AuthError is for the server log only, never for the client.
 
 Modes:
@@ -19,38 +19,30 @@ from __future__ import annotations
 
 import base64
 import binascii
-import grp
 import hashlib
 import hmac
 import json
 import logging
 import os
-import pwd
-import re
 import secrets
 import threading
 import time
-import tomllib
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import bcrypt
 
+from bridge.system.users import AdminPolicy, UnknownUser, UserMap
+
 if TYPE_CHECKING:  # jwt is imported when bearer authentication is first used
     import jwt
 
     from bridge.config import Config
 
-log = logging.getLogger("bridge.auth")
-
-#: POSIX-portable user names (what useradd accepts by default on Debian), without `$`.
-UNIX_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-#: Slurm account names as sbatch takes them on the command line.
-SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+log = logging.getLogger("bridge.api.auth")
 
 
 class AuthError(Exception):
@@ -70,105 +62,6 @@ class Identity:
 
 
 ANONYMOUS = Identity(user=None, is_admin=True)
-
-
-# ------------------------------------------------------------------------------ user mapping
-@dataclass(frozen=True)
-class MappedUser:
-    user: str
-    #: Default Slurm account for this user's jobs (None: Slurm's default for the user).
-    account: str | None = None
-
-
-class UserMap:
-    """Identity -> Unix user (and default Slurm account).
-
-    The mapping file is TOML::
-
-        [users]
-        "alice@example.org" = "alice"                          # identity = Unix user
-        "bob@example.org" = { user = "bob", account = "lab-b" }
-
-    With a file, an identity that is not in it is refused. Without one, the identity itself is
-    the Unix user name and must look like one. With `require_local` (site mode) the user must
-    also exist on this host, since jobs will run under that account.
-    """
-
-    def __init__(
-        self, entries: dict[str, MappedUser] | None = None, *, require_local: bool = False
-    ):
-        self.entries = entries
-        self.require_local = require_local
-
-    @classmethod
-    def load(cls, path: Path | None, *, require_local: bool = False) -> UserMap:
-        if path is None:
-            return cls(None, require_local=require_local)
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-        entries: dict[str, MappedUser] = {}
-        for identity, value in (data.get("users") or {}).items():
-            if isinstance(value, str):
-                mapped = MappedUser(value)
-            elif isinstance(value, dict) and isinstance(value.get("user"), str):
-                mapped = MappedUser(value["user"], value.get("account"))
-            else:
-                raise ValueError(f"{path}: users.{identity}: expected a user name or a table")
-            if not UNIX_USER.fullmatch(mapped.user):
-                raise ValueError(f"{path}: users.{identity}: {mapped.user!r} is not a user name")
-            if mapped.account is not None and not SLURM_ACCOUNT.fullmatch(mapped.account):
-                raise ValueError(f"{path}: users.{identity}: invalid account {mapped.account!r}")
-            entries[identity] = mapped
-        return cls(entries, require_local=require_local)
-
-    def resolve(self, identity: str) -> MappedUser:
-        if self.entries is not None:
-            mapped = self.entries.get(identity)
-            if mapped is None:
-                raise AuthError(f"identity {identity!r} is not in the user mapping file")
-        elif UNIX_USER.fullmatch(identity):
-            mapped = MappedUser(identity)
-        else:
-            raise AuthError(f"identity {identity!r} is not a valid Unix user name")
-        if self.require_local:
-            try:
-                entry = pwd.getpwnam(mapped.user)
-            except KeyError:
-                raise AuthError(f"user {mapped.user!r} does not exist on this host") from None
-            if entry.pw_uid == 0:
-                raise AuthError("tasks never run as root")
-        return mapped
-
-    def account_for(self, user: str) -> str | None:
-        """The default Slurm account of a Unix user (the first mapping entry that names one)."""
-        for mapped in (self.entries or {}).values():
-            if mapped.user == user and mapped.account:
-                return mapped.account
-        return None
-
-
-class AdminPolicy:
-    """Admins see and cancel every task: listed users and members of a Unix group."""
-
-    def __init__(self, users: Iterable[str] = (), group: str | None = None):
-        self.users = frozenset(users)
-        self.group = group
-
-    def is_admin(self, user: str) -> bool:
-        if user in self.users:
-            return True
-        if not self.group:
-            return False
-        try:
-            group = grp.getgrnam(self.group)
-        except KeyError:
-            return False
-        if user in group.gr_mem:
-            return True
-        try:
-            return pwd.getpwnam(user).pw_gid == group.gr_gid
-        except KeyError:
-            return False
 
 
 # ------------------------------------------------------------------------------ authenticators
@@ -204,7 +97,10 @@ class _Mapped:
         self.admins = admins
 
     def identity(self, name: str) -> Identity:
-        user = self.users.resolve(name).user
+        try:
+            user = self.users.resolve(name).user
+        except UnknownUser as exc:
+            raise AuthError(str(exc)) from None
         return Identity(user=user, is_admin=self.admins.is_admin(user))
 
 
