@@ -12,7 +12,7 @@ from typing import Any
 from bridge.config import Config
 from bridge.core import backend_params
 from bridge.core.naming import job_name
-from bridge.images.cache import ImagePullError
+from bridge.images.ref import ImagePullError
 from bridge.jobscript.render import prepare_task_dir
 from bridge.jobscript.task import RenderError
 from bridge.poller.cancel import Canceller
