@@ -184,7 +184,7 @@ class FilesystemChecks(CheckGroup):
             raise Failed(message, "check its filesystem (full, read-only?)") from None
 
     def image_cache(self) -> str:
-        from bridge.images.cache import image_format
+        from bridge.images.sandboxes import image_format
 
         cache = self.config.image_cache_dir
         kind, why = image_format(self.config)
@@ -264,7 +264,8 @@ class RuntimeChecks(CheckGroup):
         self.image = image
 
     def apptainer(self) -> str:
-        from bridge.images.cache import ImageCache, ImagePullError
+        from bridge.images.cache import ImageCache
+        from bridge.images.ref import ImagePullError
 
         container = self.config.container
         runtime = shutil.which(container.runtime)

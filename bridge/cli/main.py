@@ -254,7 +254,9 @@ def check_command(args: argparse.Namespace) -> int:
 
 
 def images_command(config: Config, args: argparse.Namespace) -> int:
-    from bridge.images.cache import ImageCache, ImagePullError, sandbox_of
+    from bridge.images.cache import ImageCache
+    from bridge.images.index import sandbox_of
+    from bridge.images.ref import ImagePullError
 
     cache = ImageCache(config, max_workers=config.container.pull_workers)
     try:

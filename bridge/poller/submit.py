@@ -12,8 +12,9 @@ from typing import Any
 from bridge.config import Config
 from bridge.core import backend_params
 from bridge.core.naming import job_name
-from bridge.images.cache import ImagePullError
-from bridge.jobscript.render import RenderError, prepare_task_dir
+from bridge.images.ref import ImagePullError
+from bridge.jobscript.render import prepare_task_dir
+from bridge.jobscript.task import RenderError
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import (

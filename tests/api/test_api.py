@@ -928,7 +928,7 @@ def test_absurd_resources_are_400_naming_the_field(client, resources, field):
 
 def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp_path, config):
     from bridge.job.layout import TaskLayout
-    from bridge.jobscript.render import sbatch_directives
+    from bridge.jobscript.directives import sbatch_directives
     from bridge.slurm import TmpDisk
 
     resources = {"cpu_cores": 65533, "ram_gb": 1e9, "disk_gb": 1e9}

@@ -312,7 +312,8 @@ def test_a_full_cache_disk_is_transient_and_the_pull_succeeds_once_there_is_room
     local_cluster: Any, tmp_path: Path
 ) -> None:
     from bridge.config import Config
-    from bridge.images.cache import ImageCache, ImagePullError
+    from bridge.images.cache import ImageCache
+    from bridge.images.ref import ImagePullError
 
     cache_dir = tmp_path / "small"
     cache_dir.mkdir()

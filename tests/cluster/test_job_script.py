@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.images.cache import ImageCache, ImagePullError
+from bridge.images.cache import ImageCache
+from bridge.images.ref import ImagePullError
 from bridge.job.records import JobRecords, read_records
 from bridge.jobscript.render import prepare_task_dir
 

@@ -14,7 +14,8 @@ import pytest
 from bridge.config import ConfigError, load_config
 from bridge.core import backend_params
 from bridge.job.layout import TaskLayout
-from bridge.jobscript.render import RenderError, sbatch_directives
+from bridge.jobscript.directives import sbatch_directives
+from bridge.jobscript.task import RenderError
 from tests.unit.test_render import bash_syntax_ok, directives, make_config, make_task, render
 
 

@@ -28,7 +28,10 @@ import pytest
 
 from bridge.config import Config
 from bridge.core.tes import local_image_problem
-from bridge.images.cache import ImageCache, ImagePullError, image_format, sandbox_of
+from bridge.images.cache import ImageCache
+from bridge.images.index import sandbox_of
+from bridge.images.ref import ImagePullError
+from bridge.images.sandboxes import image_format
 
 FAKE_RUNTIME = """#!{python}
 import json, os, subprocess, sys, time

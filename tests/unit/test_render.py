@@ -15,16 +15,10 @@ import pytest
 from bridge.config import Config
 from bridge.core.naming import is_task_id, job_name
 from bridge.job.layout import TaskLayout
-from bridge.jobscript.render import (
-    Bind,
-    BindPlan,
-    RenderError,
-    bind_args,
-    compute_binds,
-    prepare_task_dir,
-    render_script,
-    sbatch_directives,
-)
+from bridge.jobscript.binds import Bind, BindPlan, bind_args, compute_binds
+from bridge.jobscript.directives import sbatch_directives
+from bridge.jobscript.render import prepare_task_dir, render_script
+from bridge.jobscript.task import RenderError
 from bridge.slurm import parse_sinfo_tmp_disk
 
 REPO = Path(__file__).resolve().parents[2]
