@@ -3,9 +3,12 @@
 Knows nothing of HTTP or the store. Every command goes through :func:`run_slurm` (on
 :func:`bridge.system.proc.run`), and a failed one becomes, through :func:`command_error`, a
 :class:`SlurmError` carrying argv, exit code, stdout and stderr. :class:`SlurmBackend` is what
-the poller needs of a Slurm client; the real one and the tests' fake both satisfy it. The error
-subclass tells the caller what to do: :class:`SlurmUnavailable` (try again later, with back-off)
-or :class:`SlurmRejected` (sbatch refused this job for good).
+the poller needs of a Slurm client; the real one and the tests' fake (tests/fakes/slurm.py,
+type-checked against it) both satisfy it. A command's error output is read here only, once: the
+error's subclass tells the caller what to do, :class:`SlurmUnavailable` (try again later, with
+back-off; its :class:`Outage` says whether the command may have been done all the same) or
+:class:`SlurmRejected` (sbatch refused this job for good; its :class:`Refusal` says for what),
+and its ``reason`` is Slurm's own words.
 
 Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data/slurm/):
 
@@ -49,8 +52,9 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from bridge.system.metrics import observe_slurm_command
 from bridge.system.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
@@ -164,50 +168,195 @@ def tes_state_for(slurm_state: str) -> str:
 # --- errors ----------------------------------------------------------------------------------
 
 
+class Refusal(StrEnum):
+    """What of a job sbatch refused for good (:attr:`SlurmRejected.refusal`)."""
+
+    #: `--tmp` above the TmpDisk every node declares (tests/data/slurm/sbatch-too-much-tmp.txt).
+    TMP_DISK = "tmp_disk"
+    #: `--mem` above what any node has.
+    MEMORY = "memory"
+    #: More CPUs than a node, or the partition, allows.
+    CPUS = "cpus"
+    #: `--time` unreadable, or above the partition's or the association's limit.
+    TIME_LIMIT = "time_limit"
+    PARTITION = "partition"
+    ACCOUNT = "account"
+    QOS = "qos"
+    #: Another resource no node has (GRES, features, node count).
+    NODE_CONFIGURATION = "node_configuration"
+    #: Anything else (an unreadable script, an option sbatch does not know).
+    OTHER = "other"
+
+
+class Outage(StrEnum):
+    """Why Slurm could not do a command now (:attr:`SlurmUnavailable.outage`)."""
+
+    #: slurmctld (slurmdbd for sacct) could not be contacted at all (down, the connection
+    #: refused, munge failing on this host): the command did nothing.
+    UNREACHABLE = "unreachable"
+    #: Refused for one of Slurm's limits (a QOS or association submit limit, MaxJobCount): the
+    #: command did nothing unless it was killed while it waited the limit out, and the refusal
+    #: clears when earlier jobs end.
+    LIMIT = "limit"
+    #: No clear answer (a time-out, a lost connection, a controller in standby): the command may
+    #: have been done all the same.
+    UNCERTAIN = "uncertain"
+
+
 class SlurmError(CommandError):
     """A Slurm command failed. Carries the command, its exit code and what it printed."""
+
+    @property
+    def reason(self) -> str:
+        """What Slurm said: its last error lines, without the tool's prefix or retry notices."""
+        return _slurm_words(self.stderr or self.stdout)
+
+    @property
+    def may_have_acted(self) -> bool:
+        """Whether the command may have been done all the same (sbatch: a job may exist). Only
+        a refusal, or an outage that says so, rules it out."""
+        return True
 
 
 class SlurmUnavailable(SlurmError):
     """The controller or the accounting daemon did not answer: try again later, with back-off."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        outage: Outage,
+        argv: Sequence[str] = (),
+        returncode: int | None = None,
+        stdout: str = "",
+        stderr: str = "",
+    ) -> None:
+        super().__init__(message, argv=argv, returncode=returncode, stdout=stdout, stderr=stderr)
+        self.outage = outage
+
+    @property
+    def may_have_acted(self) -> bool:
+        # A command killed at its time-out (no exit code) while it waited out a limit may have
+        # got through at last.
+        return self.outage is Outage.UNCERTAIN or (
+            self.outage is Outage.LIMIT and self.returncode is None
+        )
+
 
 class SlurmRejected(SlurmError):
     """sbatch refused this job for good (resources no node has, unknown partition, ...)."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        refusal: Refusal,
+        argv: Sequence[str] = (),
+        returncode: int | None = None,
+        stdout: str = "",
+        stderr: str = "",
+    ) -> None:
+        super().__init__(message, argv=argv, returncode=returncode, stdout=stdout, stderr=stderr)
+        self.refusal = refusal
 
-# stderr text that means "Slurm is not reachable right now", not "your request is wrong".
-_UNAVAILABLE = re.compile(
-    "|".join(
-        re.escape(s)
-        for s in (
+    @property
+    def may_have_acted(self) -> bool:
+        return False
+
+
+def _any_of(*texts: str) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(text) for text in texts), re.IGNORECASE)
+
+
+#: stderr text that means "Slurm is not reachable right now", not "your request is wrong", by
+#: what it means for the command.
+_OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
+    # sbatch refused for a limit. A submit limit of the user's QOS or association (MaxSubmitJobs:
+    # "sbatch: error: QOSMaxSubmitJobPerUserLimit" then "Batch job submission failed: Job
+    # violates accounting/QOS policy (job submit limit, ...)"), or slurmctld's MaxJobCount
+    # ("Slurm temporarily unable to accept job, sleeping and retrying", then "Resource
+    # temporarily unavailable" once sbatch gives up).
+    (
+        Outage.LIMIT,
+        _any_of(
+            "Job violates accounting/QOS policy",
+            "temporarily unable to accept job",
+            "Resource temporarily unavailable",
+        ),
+    ),
+    # The request never reached slurmctld.
+    (
+        Outage.UNREACHABLE,
+        _any_of(
             "Unable to contact slurm controller",
+            "Connection refused",
+            # munged down or overloaded on this host.
+            "Munge encode failed",
+        ),
+    ),
+    (
+        Outage.UNCERTAIN,
+        _any_of(
             "Socket timed out on send/recv",
             "Slurm backup controller in standby mode",
-            "Connection refused",
             "Connection timed out",
             "Problem talking to the database",
             "Zero Bytes were transmitted or received",
             "Transport endpoint is not connected",
             "Communication connection failure",
-            "Resource temporarily unavailable",
-            "temporarily unable to accept job",
             "Requested operation is presently disabled",
-            # munged down or overloaded on this host.
-            "Munge encode failed",
             "Protocol authentication error",
-            # A submit limit (MaxSubmitJobs): clears when the user's earlier jobs end.
-            "Job violates accounting/QOS policy",
-        )
+        ),
     ),
-    re.IGNORECASE,
+)
+
+#: sbatch's words for each refusal (its own checks and slurmctld's errors), the first that
+#: matches wins: "Temporary disk specification can not be satisfied" comes with "Requested node
+#: configuration is not available".
+_REFUSALS: tuple[tuple[Refusal, re.Pattern[str]], ...] = (
+    (Refusal.TMP_DISK, _any_of("Temporary disk specification can not be satisfied")),
+    (Refusal.MEMORY, _any_of("Memory specification can not be satisfied")),
+    (Refusal.CPUS, _any_of("More processors requested than permitted")),
+    (Refusal.TIME_LIMIT, _any_of("Requested time limit is invalid", "Invalid --time")),
+    (Refusal.PARTITION, _any_of("Invalid partition name specified", "invalid partition")),
+    (Refusal.ACCOUNT, _any_of("Invalid account")),
+    (Refusal.QOS, _any_of("Invalid qos specification")),
+    (
+        Refusal.NODE_CONFIGURATION,
+        _any_of(
+            "Requested node configuration is not available",
+            "Invalid generic resource (gres) specification",
+            "Invalid feature specification",
+            "Node count specification invalid",
+        ),
+    ),
 )
 _INVALID_JOB_ID = "Invalid job id specified"
+#: What Slurm's tools put before their error lines ("sbatch: error: ").
+_TOOL_PREFIX = re.compile(r"^[a-z]+: error: ")
 
 
-def _error_lines(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return "; ".join(lines[-3:]) or "no error message"
+def _outage_in(stderr: str) -> Outage | None:
+    """The outage a Slurm tool's error lines tell of; None when they tell of none."""
+    for outage, pattern in _OUTAGES:
+        if pattern.search(stderr):
+            return outage
+    return None
+
+
+def _refusal_in(stderr: str) -> Refusal:
+    """What of a job sbatch's error lines say it refused."""
+    for refusal, pattern in _REFUSALS:
+        if pattern.search(stderr):
+            return refusal
+    return Refusal.OTHER
+
+
+def _slurm_words(text: str) -> str:
+    """A tool's last three error lines, without its prefix and its retry notices, once each."""
+    lines = [_TOOL_PREFIX.sub("", line.strip()) for line in text.splitlines()]
+    kept = [line for line in lines if line and "sleeping and retrying" not in line]
+    return "; ".join(list(dict.fromkeys(kept))[-3:]) or "no error message"
 
 
 # --- job information -------------------------------------------------------------------------
@@ -348,6 +497,17 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
     """Parse ``sacct -P -n --format=SACCT_FIELDS`` output, merging steps into their job."""
     jobs: dict[str, JobInfo] = {}
     steps: dict[str, list[list[str]]] = {}
+    for fields in _sacct_records(text):
+        job_id, _, step = fields[0].partition(".")
+        if step:
+            steps.setdefault(job_id, []).append(fields)
+        elif (info := _sacct_job(job_id, fields)) is not None:
+            jobs[job_id] = info
+    return {job_id: _with_steps(info, steps.get(job_id, [])) for job_id, info in jobs.items()}
+
+
+def _sacct_records(text: str) -> Iterator[list[str]]:
+    """The fields of each sacct line, job and step lines alike; malformed lines are skipped."""
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -355,52 +515,55 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
         if len(fields) != _SACCT_NFIELDS:
             log.warning("skipping sacct line with %d fields: %r", len(fields), line)
             continue
-        job_id, _, step = fields[0].partition(".")
-        if step:
-            steps.setdefault(job_id, []).append(fields)
-            continue
-        _, name, state_text, exit_text, reason, node, part, start, end, elapsed, rss, comment = (
-            fields
-        )
-        if not part.strip():
-            # slurmdbd's placeholder until the job's own record arrives (see the module doc).
-            log.debug("sacct has only a placeholder for job %s so far", job_id)
-            continue
-        state = base_state(state_text)
-        node_name = _opt(node)
-        ended = state in ENDED_STATES
-        exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
-        jobs[job_id] = JobInfo(
-            job_id=job_id,
-            name=name,
-            state=state,
-            reason=_opt(reason),
-            exit_code=exit_code,
-            signal=signal,
-            node=node_name,
-            partition=_opt(part),
-            # A job cancelled before it ran has Start "None" or its end time: it never started.
-            start_time=parse_time(start) if node_name is not None else None,
-            end_time=parse_time(end) if ended else None,
-            elapsed_seconds=int(elapsed) if elapsed.strip().isdigit() else None,
-            max_rss_bytes=parse_size(rss),
-            comment=_opt(comment),
-        )
-    for job_id, job_steps in steps.items():
-        job = jobs.get(job_id)
-        if job is None:
-            continue
-        sizes = [r for r in (parse_size(s[10]) for s in job_steps) if r is not None]
-        if job.max_rss_bytes is not None:
-            sizes.append(job.max_rss_bytes)
-        signal = job.signal
-        if job.ended and job.exit_code == 0 and job.signal == 0:
-            # Cancel and time-out leave 0:0 on the job line; the batch step has the signal.
-            for s in job_steps:
-                if s[0].endswith(".batch"):
-                    signal = parse_exit_code(s[3])[1] or 0
-        jobs[job_id] = replace(job, max_rss_bytes=max(sizes) if sizes else None, signal=signal)
-    return jobs
+        yield fields
+
+
+def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
+    """A job line; None for slurmdbd's placeholder until the job's own record arrives (see the
+    module doc)."""
+    _, name, state_text, exit_text, reason, node, part, start, end, elapsed, rss, comment = fields
+    if not part.strip():
+        log.debug("sacct has only a placeholder for job %s so far", job_id)
+        return None
+    state = base_state(state_text)
+    node_name = _opt(node)
+    ended = state in ENDED_STATES
+    exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
+    return JobInfo(
+        job_id=job_id,
+        name=name,
+        state=state,
+        reason=_opt(reason),
+        exit_code=exit_code,
+        signal=signal,
+        node=node_name,
+        partition=_opt(part),
+        # A job cancelled before it ran has Start "None" or its end time: it never started.
+        start_time=parse_time(start) if node_name is not None else None,
+        end_time=parse_time(end) if ended else None,
+        elapsed_seconds=int(elapsed) if elapsed.strip().isdigit() else None,
+        max_rss_bytes=parse_size(rss),
+        comment=_opt(comment),
+    )
+
+
+_SACCT_MAX_RSS = SACCT_FIELDS.split(",").index("MaxRSS")
+_SACCT_EXIT_CODE = SACCT_FIELDS.split(",").index("ExitCode")
+
+
+def _with_steps(job: JobInfo, steps: list[list[str]]) -> JobInfo:
+    """The job with what only its steps' lines hold: the largest MaxRSS and, for an ended job
+    whose line says 0:0, the signal on its batch step."""
+    sizes = [size for size in (parse_size(s[_SACCT_MAX_RSS]) for s in steps) if size is not None]
+    if job.max_rss_bytes is not None:
+        sizes.append(job.max_rss_bytes)
+    signal = job.signal
+    if job.ended and job.exit_code == 0 and job.signal == 0:
+        # Cancel and time-out leave 0:0 on the job line; the batch step has the signal.
+        for step in steps:
+            if step[0].endswith(".batch"):
+                signal = parse_exit_code(step[_SACCT_EXIT_CODE])[1] or 0
+    return replace(job, max_rss_bytes=max(sizes, default=None), signal=signal)
 
 
 # --- the client --------------------------------------------------------------------------------
@@ -633,6 +796,8 @@ def run_slurm(argv: Sequence[str], timeout: float) -> subprocess.CompletedProces
         raise SlurmUnavailable(
             f"{Path(argv[0]).name} did not answer within {timeout:g} s "
             f"(slurmctld or slurmdbd overloaded or unreachable); try again later",
+            # Killed while it waited out a limit, or with no answer at all.
+            outage=_outage_in(exc.stderr) or Outage.UNCERTAIN,
             argv=argv,
             stdout=exc.stdout,
             stderr=exc.stderr,
@@ -641,39 +806,51 @@ def run_slurm(argv: Sequence[str], timeout: float) -> subprocess.CompletedProces
         observe_slurm_command(argv, time.monotonic() - started, failed)
 
 
+class _Command(TypedDict):
+    """What a failed command's error carries of it."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
 def command_error(
     proc: subprocess.CompletedProcess[str], what: str, *, sbatch: str = "sbatch"
 ) -> SlurmError:
-    """The error for a Slurm command that exited non-zero: its subclass tells what to do, its
-    message what went wrong (`what`: the operation) and where to look."""
+    """The error for a Slurm command that exited non-zero, read once for every caller: its
+    subclass and kind (:class:`Outage`, :class:`Refusal`) tell what to do, its message what went
+    wrong (`what`: the operation) and where to look."""
     argv = [str(a) for a in proc.args]
-    detail = _error_lines(proc.stderr or proc.stdout)
+    detail = _slurm_words(proc.stderr or proc.stdout)
     # Through sudo (site mode) the Slurm tool is the word after `--`.
     tool = Path(argv[argv.index("--") + 1] if "--" in argv[:5] else argv[0]).name
-    kind: type[SlurmError] = SlurmError
-    if _UNAVAILABLE.search(proc.stderr):
-        daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
-        kind = SlurmUnavailable
-        message = (
-            f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
-            f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log"
-        )
-    elif tool == Path(sbatch).name:
-        kind = SlurmRejected
-        message = (
-            f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
-            f"with `sinfo -o '%P %c %m %l'`"
-        )
-    elif "accounting storage is disabled" in proc.stderr:
-        message = (
-            f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
-            f"accounting_storage/slurmdbd in slurm.conf)"
-        )
-    else:
-        message = f"{what}: {tool} exited {proc.returncode} ({detail})"
-    return kind(
-        message, argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+    command = _Command(
+        argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
     )
+    outage = _outage_in(proc.stderr)
+    if outage is not None:
+        daemon = "slurmdbd" if tool == "sacct" else "slurmctld"
+        return SlurmUnavailable(
+            f"{what}: Slurm is not reachable ({detail}); try again later, and if this lasts "
+            f"check `scontrol ping` / `sacctmgr show cluster` and {daemon}'s log",
+            outage=outage,
+            **command,
+        )
+    if tool == Path(sbatch).name:
+        return SlurmRejected(
+            f"{what}: sbatch refused the job ({detail}); compare its resources and partition "
+            f"with `sinfo -o '%P %c %m %l'`",
+            refusal=_refusal_in(proc.stderr),
+            **command,
+        )
+    if "accounting storage is disabled" in proc.stderr:
+        return SlurmError(
+            f"{what}: {detail}; sacct needs slurmdbd (AccountingStorageType="
+            f"accounting_storage/slurmdbd in slurm.conf)",
+            **command,
+        )
+    return SlurmError(f"{what}: {tool} exited {proc.returncode} ({detail})", **command)
 
 
 class SlurmClient:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from bridge.poller.decisions import (
     set_image_notes,
 )
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
-from bridge.slurm import SlurmError, SlurmRejected, TmpDisk
+from bridge.slurm import Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable, TmpDisk
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
 
 log = logging.getLogger("bridge.poller")
@@ -39,33 +39,9 @@ TRANSIENT_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOMEM, errno.EMFILE,
      errno.ENFILE, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
 )  # fmt: skip
-#: sbatch errors that mean it never reached slurmctld, so no job was created.
-_NEVER_CONNECTED = re.compile(
-    r"Unable to contact slurm controller|Connection refused|Munge encode failed", re.I
-)
-#: sbatch refusing a job for one of Slurm's limits: no job was created, and the refusal clears
-#: when earlier jobs end. A submit limit of the user's QOS or association (MaxSubmitJobs:
-#: "sbatch: error: QOSMaxSubmitJobPerUserLimit" then "Batch job submission failed: Job violates
-#: accounting/QOS policy (job submit limit, ...)"), or slurmctld's MaxJobCount ("Slurm
-#: temporarily unable to accept job, sleeping and retrying", then "Resource temporarily
-#: unavailable" once sbatch gives up).
-_LIMIT_REFUSED = re.compile(
-    r"MaxSubmitJob|Job violates accounting/QOS policy|temporarily unable to accept job"
-    r"|Resource temporarily unavailable",
-    re.I,
-)
 #: After sbatch refuses a `--tmp`, TmpDisk is read again if the last read is older than this
 #: (at most one sinfo per this many seconds, however many tasks are refused).
 TMP_DISK_RECHECK = 30.0
-#: sbatch's words for a `--tmp` no node can give (tests/data/slurm/sbatch-too-much-tmp.txt).
-_TMP_REFUSED = "Temporary disk specification can not be satisfied"
-
-
-def _slurm_reason(stderr: str) -> str:
-    """sbatch's error lines, without its prefix and its retry notices, joined."""
-    lines = [line.strip().removeprefix("sbatch: error: ") for line in stderr.splitlines()]
-    kept = [line for line in lines if line and "sleeping and retrying" not in line]
-    return "; ".join(dict.fromkeys(kept)) or "no message"
 
 
 class _Wait(Exception):
@@ -80,14 +56,13 @@ class _Fail(Exception):
     """The task cannot run: SYSTEM_ERROR with this message."""
 
 
-def _time_limit(document: dict[str, Any], config: Config) -> str | None:
-    """The job's --time and where it came from, for the message of a TIMEOUT."""
+def _time_limit(document: dict[str, Any], config: Config) -> backend_params.TimeLimit | None:
+    """The --time the render gave the job (it refuses a task whose limit raises here)."""
     params = (document.get("resources") or {}).get("backend_parameters")
     try:
-        limit = backend_params.time_limit(params, config.slurm.times)
+        return backend_params.time_limit(params, config.slurm.times)
     except backend_params.ParameterError:
-        return None  # the render refused it already
-    return limit.describe() if limit else None
+        return None
 
 
 def disk_gb(document: dict[str, Any]) -> float:
@@ -95,6 +70,30 @@ def disk_gb(document: dict[str, Any]) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return 0.0
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A task's job script, with what it asks Slurm for that explains a refusal or a TIMEOUT."""
+
+    script: Path
+    #: The job's --time and where it came from; None: the partition's own limit.
+    time_limit: backend_params.TimeLimit | None
+    #: resources.disk_gb (0: none), which sbatch --tmp asks for per slurm.disk_request.
+    disk_gb: float
+
+
+def _time_limit_hint(limit: backend_params.TimeLimit | None) -> str:
+    """Why sbatch refused a --time, and how to ask for one it takes."""
+    if limit is None:
+        return (
+            ". The job asked for no --time of its own (the partition's limit applies): set "
+            "slurm.default_time, or ask for a time limit"
+        )
+    return (
+        f". The job asked for {limit.describe()}: ask for less time, or for a partition whose "
+        "limit is longer (sinfo -o '%P %l')"
+    )
 
 
 class Backoff:
@@ -149,8 +148,8 @@ class TmpDiskCache:
             self._read_at = now
         return self._tmp_disk
 
-    def hint(self, document: dict[str, Any], stats: CycleStats) -> str:
-        """Why sbatch refused `--tmp`, and the setting that decides it."""
+    def hint(self, disk: float, stats: CycleStats) -> str:
+        """Why sbatch refused the `--tmp` of `disk` GB, and the setting that decides it."""
         mode = self.ctx.config.slurm.disk_request
         if self.ctx.clock() - self._read_at > TMP_DISK_RECHECK:
             self._read_at = float("-inf")  # what the nodes declare may have changed
@@ -159,7 +158,7 @@ class TmpDiskCache:
         except SlurmError:
             declared = "the nodes' TmpDisk could not be read"
         hint = (
-            f". resources.disk_gb = {disk_gb(document):g} asks Slurm for that much node-local "
+            f". resources.disk_gb = {disk:g} asks Slurm for that much node-local "
             f'disk (sbatch --tmp, slurm.disk_request = "{mode}"), and {declared}'
         )
         if mode == "tmp":
@@ -231,17 +230,30 @@ class Preparer:
         stats: CycleStats,
         *,
         task_owner: str | None = None,
-    ) -> Path:
+    ) -> PreparedJob:
         """Raises _Fail or _Wait. `owner`: who writes it (site mode), `task_owner`: whose groups
         `slurm.rules` look at."""
+        disk = disk_gb(document)
         tmp_disk = None
-        if self.ctx.config.slurm.disk_request == "auto" and disk_gb(document) > 0:
+        if self.ctx.config.slurm.disk_request == "auto" and disk > 0:
             try:
                 tmp_disk = self.tmp_disk.get(stats)
             except SlurmError as exc:
                 reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
                 log.warning("sinfo failed: %s", exc)
                 raise _Wait(reason) from exc
+        script = self._write(document, owner, image_paths, tmp_disk, task_owner)
+        return PreparedJob(script, _time_limit(document, self.ctx.config), disk)
+
+    def _write(
+        self,
+        document: dict[str, Any],
+        owner: str | None,
+        image_paths: dict[str, str],
+        tmp_disk: TmpDisk | None,
+        task_owner: str | None,
+    ) -> Path:
+        """The task directory, rendered and written; returns its job script."""
         try:
             if owner and self.owners is not None:
                 return self.owners.adopt(owner, document, image_paths, tmp_disk)
@@ -348,7 +360,7 @@ class Submitter:
         try:
             if self.owners is not None and not owner:
                 raise _Fail("this task has no owner; in site mode tasks run only as their owner")
-            script = self.prepare(document, owner, image_paths, stats, task_owner=task.owner)
+            prepared = self.prepare(document, owner, image_paths, stats, task_owner=task.owner)
         except _Fail as exc:
             self._fail(task, str(exc))
             return False
@@ -359,7 +371,7 @@ class Submitter:
         # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
         if not self.ctx.store.mark_submitting(task.id, attempt=attempt, now=self.ctx.clock()):
             return False  # canceled meanwhile
-        job_id = self._sbatch(task, attempt, script, document, owner, stats)
+        job_id = self._sbatch(task, attempt, prepared, document, owner, stats)
         if job_id is None:
             return False
         self.backoff.failures = 0
@@ -368,9 +380,8 @@ class Submitter:
         set_condition(entry, None)
         metadata = entry.setdefault("metadata", {})
         metadata["slurm_job_id"] = job_id
-        limit = _time_limit(document, self.ctx.config)
-        if limit:
-            metadata[TIME_LIMIT_KEY] = limit
+        if prepared.time_limit:
+            metadata[TIME_LIMIT_KEY] = prepared.time_limit.describe()
         canceled = self.ctx.store.record_job(task.id, job_id, logs=logs)
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
         if canceled:
@@ -400,7 +411,7 @@ class Submitter:
         self,
         task: TaskRecord,
         attempt: int,
-        script: Path,
+        prepared: PreparedJob,
         document: dict[str, Any],
         owner: str | None,
         stats: CycleStats,
@@ -410,37 +421,41 @@ class Submitter:
         try:
             stats.slurm_calls += 1
             return self.ctx.slurm.submit(
-                script, job_name=job_name(task.id), comment=task.id, extra_args=account,
-                as_user=owner,
+                prepared.script, job_name=job_name(task.id), comment=task.id,
+                extra_args=account, as_user=owner,
             )  # fmt: skip
         except SlurmRejected as exc:
-            message = f"Slurm refused the job: {exc.stderr.strip() or exc}"
-            if _TMP_REFUSED in exc.stderr:
-                message += self.prepare.tmp_disk.hint(document, stats)
-            self._fail(task, message, attempt=attempt)
-            return None
+            self._fail(task, self._refusal(exc, prepared, stats), attempt=attempt)
         except SlurmError as exc:
-            if _LIMIT_REFUSED.search(exc.stderr):
-                # Refused for a limit: no job exists, it is submitted again after the back-off.
-                reason = (
-                    f"waiting: Slurm refused the job for a limit ({_slurm_reason(exc.stderr)}); "
-                    "submitted again when earlier jobs have ended"
-                )
-                # sbatch gave its answer; one killed at its time-out may have got a job at last.
-                maybe = None if exc.returncode is not None else self._maybe_started()
-                self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe))
-                log.warning("sbatch for task %s refused for a limit: %s", task.id, exc)
-                return None
-            # Maybe the job exists anyway (a time-out): recovery looks for it by name. This
-            # sbatch has ended (its process group was killed on a time-out), so only the
-            # settle time is left to wait: the submission's start is moved back accordingly.
-            maybe_started_at: float | None = None
-            if not _NEVER_CONNECTED.search(exc.stderr):
-                maybe_started_at = self._maybe_started()
+            self._wait_for_slurm(task, attempt, exc)
+        return None
+
+    def _refusal(self, exc: SlurmRejected, prepared: PreparedJob, stats: CycleStats) -> str:
+        """What a task that sbatch refused says in its system_logs: Slurm's words, and for a
+        request that can be changed, what the job asked for and where to change it."""
+        message = f"Slurm refused the job: {exc.reason}"
+        if exc.refusal is Refusal.TMP_DISK:
+            return message + self.prepare.tmp_disk.hint(prepared.disk_gb, stats)
+        if exc.refusal is Refusal.TIME_LIMIT:
+            return message + _time_limit_hint(prepared.time_limit)
+        return message
+
+    def _wait_for_slurm(self, task: TaskRecord, attempt: int, exc: SlurmError) -> None:
+        """sbatch could not be done now: the task waits for the back-off. When the job may exist
+        all the same (no answer), recovery looks for it by name before it is submitted again."""
+        # This sbatch has ended (its process group was killed on a time-out), so only the settle
+        # time is left to wait: the submission's start is moved back accordingly.
+        maybe_started_at = self._maybe_started() if exc.may_have_acted else None
+        if isinstance(exc, SlurmUnavailable) and exc.outage is Outage.LIMIT:
+            reason = (
+                f"waiting: Slurm refused the job for a limit ({exc.reason}); "
+                "submitted again when earlier jobs have ended"
+            )
+            log.warning("sbatch for task %s refused for a limit: %s", task.id, exc)
+        else:
             reason = f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off"
-            self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe_started_at))
             log.warning("sbatch for task %s failed: %s", task.id, exc)
-            return None
+        self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe_started_at))
 
     def _maybe_started(self) -> float:
         """When an sbatch that ended without an answer may have started: its own time-out ago

@@ -17,8 +17,9 @@ from bridge.api.app import create_app
 from bridge.config import load_config
 from bridge.poller import Poller
 from bridge.slurm import SlurmClient, parse_sinfo_partitions
+from tests.fakes.slurm import FakeSlurm
 from tests.fixtures.auth import PASSWORDS
-from tests.unit.test_poller import FakeImages, FakeSlurm
+from tests.unit.test_poller import FakeImages
 
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hi"]}]}
 
@@ -138,8 +139,7 @@ def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
             "backend_parameters.supported": ["time", "gpus"],
         },
     )
-    fake = FakeSlurm()
-    fake.sinfo_partitions = GPU_SINFO
+    fake = FakeSlurm(sinfo_partitions=GPU_SINFO)
     poller = Poller(config, sqlite_store, slurm_client=fake, images=FakeImages())
     client = testing.TestClient(create_app(config, store=sqlite_store))
     empty = client.simulate_get("/ga4gh/tes/v1/capabilities").json

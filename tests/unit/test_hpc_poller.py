@@ -1,5 +1,5 @@
 """Admission control, refusals for Slurm's limits and the time-limit message, with the fake
-Slurm of test_poller (the real cluster runs them in tests/cluster/test_hpc.py)."""
+Slurm of tests/fakes/slurm.py (the real cluster runs them in tests/cluster/test_hpc.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 from bridge.config import load_config
 from bridge.core.tes import State
 from bridge.poller import Poller, decide
-from bridge.slurm import JobInfo, SlurmUnavailable
+from bridge.slurm import JobInfo
 from bridge.store import Store
-from tests.unit.test_poller import ECHO, FakeImages, FakeSlurm, job, records
+from tests.fakes.slurm import FakeSlurm, job
+from tests.unit.test_poller import ECHO, FakeImages, records
 
 #: What sbatch prints when refused for a limit. The first two are Slurm's own words for a
 #: QOS or association submit limit (ESLURM_ACCOUNTING_POLICY after the limit's name) and for
@@ -32,28 +33,12 @@ LIMIT_REFUSALS = [
 ]
 
 
-class LimitedSlurm(FakeSlurm):
-    """Refuses sbatch with `refusal` while it is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refusal: str | None = None
-
-    def submit(self, script: Path, **kw: Any) -> str:
-        if self.refusal:
-            self.calls.append("sbatch")
-            raise SlurmUnavailable(
-                "refused", argv=["sbatch"], returncode=1, stdout="", stderr=self.refusal
-            )
-        return super().submit(script, **kw)
-
-
-def make_poller(tmp_path: Path, store: Store, **slurm: Any) -> tuple[Poller, LimitedSlurm]:
+def make_poller(tmp_path: Path, store: Store, **slurm: Any) -> tuple[Poller, FakeSlurm]:
     config = load_config(
         environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
         overrides={f"slurm.{k}": v for k, v in slurm.items()},
     )
-    fake = LimitedSlurm()
+    fake = FakeSlurm()
     return Poller(config, store, slurm_client=fake, images=FakeImages()), fake
 
 
@@ -131,7 +116,7 @@ def test_an_owner_at_the_limit_does_not_hold_back_the_owners_queued_behind(
 def test_a_refusal_for_a_limit_waits_and_is_submitted_again(tmp_path, sqlite_store, refusal):
     poller, fake = make_poller(tmp_path, sqlite_store)
     task = sqlite_store.create_task(ECHO)
-    fake.refusal = refusal
+    fake.sbatch_error = refusal
     poller.cycle()
     record = sqlite_store.get_task(task.id)
     assert record.state == "QUEUED" and not record.job_id and not record.submit_started_at
@@ -140,7 +125,7 @@ def test_a_refusal_for_a_limit_waits_and_is_submitted_again(tmp_path, sqlite_sto
         "waiting: Slurm refused the job for a limit ("
     ), lines
     assert "sleeping and retrying" not in lines[0]
-    fake.refusal = None
+    fake.sbatch_error = None
     poller.clock = lambda: 1e12  # after the back-off
     poller.cycle()
     record = sqlite_store.get_task(task.id)
@@ -179,3 +164,20 @@ def test_the_submitted_attempt_records_its_time_limit(tmp_path, sqlite_store):
     poller.cycle()
     metadata = sqlite_store.get_task(task.id).logs[0]["metadata"]
     assert metadata["slurm_time_limit"] == "--time=2:00:00, from slurm.default_time"
+
+
+def test_a_time_limit_refusal_names_the_limit_the_job_was_given(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store, default_time="2:00:00")
+    fake.sbatch_error = (
+        "sbatch: error: Batch job submission failed: Requested time limit is invalid "
+        "(missing or exceeds some limit)\n"
+    )
+    task = sqlite_store.create_task(ECHO)
+    poller.cycle()
+    assert sqlite_store.get_task(task.id).state == "SYSTEM_ERROR"
+    assert condition(sqlite_store, task.id) == [
+        "Slurm refused the job: Batch job submission failed: Requested time limit is invalid "
+        "(missing or exceeds some limit). The job asked for --time=2:00:00, from "
+        "slurm.default_time: ask for less time, or for a partition whose limit is longer "
+        "(sinfo -o '%P %l')"
+    ]

@@ -7,13 +7,10 @@ database write, a controller that times out, lost nodes).
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Collection, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,137 +18,12 @@ from bridge.config import Config, load_config
 from bridge.core.tes import State
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
-from bridge.slurm import (
-    JobInfo,
-    Partition,
-    SlurmRejected,
-    SlurmUnavailable,
-    TmpDisk,
-    parse_sinfo_partitions,
-    parse_sinfo_tmp_disk,
-)
 from bridge.store import Store
+from tests.fakes.slurm import FakeSlurm, job
 
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
-
-
-def job(job_id: str = "1", state: str = "RUNNING", **kw: Any) -> JobInfo:
-    fields: dict[str, Any] = dict(
-        job_id=job_id,
-        name="tes-x",
-        state=state,
-        reason=None,
-        exit_code=None,
-        signal=None,
-        node="n1",
-        partition="main",
-        start_time=None,
-        end_time=None,
-        elapsed_seconds=None,
-        max_rss_bytes=None,
-        comment=None,
-    )
-    fields.update(kw)
-    return JobInfo(**fields)
-
-
-class FakeSlurm:
-    """Keeps jobs in memory; counts calls; can be told to fail."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, JobInfo] = {}
-        self.ids = itertools.count(100)
-        self.calls: list[str] = []
-        self.unavailable = False
-        self.unavailable_message = "Unable to contact slurm controller"
-        self.reject: str | None = None
-        self.create_then_fail = False  # sbatch creates the job but the answer is lost
-        #: What `sinfo -h -a -o '%P|%d'` prints (None: sinfo cannot reach slurmctld).
-        self.sinfo: str | None = "main*|102400\n"
-        self.scripts: list[str] = []
-        #: What `sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT` prints.
-        self.sinfo_partitions = "main*|n1|2|4000|infinite|(null)|0|up|idle\n"
-        self.partition_reads = 0
-
-    def _check(self, command: str) -> None:
-        self.calls.append(command)
-        if self.unavailable:
-            raise SlurmUnavailable(
-                "slurm_load_jobs error: Unable to contact slurm controller",
-                argv=[command],
-                returncode=1,
-                stdout="",
-                stderr=self.unavailable_message,
-            )
-
-    def submit(
-        self,
-        script: Path,
-        *,
-        job_name: str,
-        comment: str | None = None,
-        extra_args: Sequence[str] = (),
-        as_user: str | None = None,
-    ) -> str:
-        if self.create_then_fail:
-            job_id = str(next(self.ids))
-            self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
-            self.calls.append("sbatch")
-            raise SlurmUnavailable(
-                "timed out",
-                argv=["sbatch"],
-                returncode=1,
-                stdout="",
-                stderr="Socket timed out on send/recv operation",
-            )
-        self._check("sbatch")
-        if self.reject:
-            raise SlurmRejected(
-                self.reject, argv=["sbatch"], returncode=1, stdout="", stderr=self.reject
-            )
-        job_id = str(next(self.ids))
-        self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
-        self.scripts.append(script.read_text())
-        return job_id
-
-    def tmp_disk(self) -> TmpDisk:
-        self._check("sinfo")
-        if self.sinfo is None:
-            raise SlurmUnavailable(
-                "unreachable", argv=["sinfo"], returncode=1, stdout="", stderr="Unable to contact"
-            )
-        return parse_sinfo_tmp_disk(self.sinfo)
-
-    def partitions(self) -> list[Partition]:
-        # Counted apart from `calls`: the capabilities are read once a minute, whatever the
-        # test, and the tests above count the calls of the steps they drive.
-        self.partition_reads += 1
-        if self.unavailable:
-            raise SlurmUnavailable(
-                "unreachable", argv=["sinfo"], returncode=1, stdout="", stderr="Unable to contact"
-            )
-        return parse_sinfo_partitions(self.sinfo_partitions)
-
-    def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
-        self._check("squeue")
-        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
-
-    def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
-        self._check("sacct")
-        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
-
-    def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]:
-        self._check("find")
-        found: dict[str, list[JobInfo]] = {}
-        for info in self.jobs.values():
-            if info.name in names:
-                found.setdefault(info.name, []).append(info)
-        return found
-
-    def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
-        self._check("scancel")
-        for job_id in job_ids:
-            self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED")
+#: Slurm's output, captured on the local cluster (tests/data/slurm/README).
+DATA = Path(__file__).parents[1] / "data" / "slurm"
 
 
 class FakeImages:
@@ -378,15 +250,18 @@ def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
 def test_rejected_job_is_a_system_error_with_slurm_message(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
-    slurm.reject = "sbatch: error: Memory specification can not be satisfied"
+    slurm.sbatch_error = (DATA / "sbatch-too-much-memory.txt.stderr").read_text()
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "SYSTEM_ERROR"
-    assert any("Memory specification" in line for line in record.logs[0]["system_logs"])
+    # Slurm's words on one line, without sbatch's prefix.
+    assert record.logs[0]["system_logs"] == [
+        "Slurm refused the job: Memory specification can not be satisfied; "
+        "Batch job submission failed: Requested node configuration is not available"
+    ]
 
 
 DISK = {**ECHO, "resources": {"disk_gb": 2.15}}
-DATA = Path(__file__).parents[1] / "data" / "slurm"
 
 
 def tmp_lines(script: str) -> list[str]:
@@ -446,7 +321,7 @@ def test_tmp_disk_request_on_nodes_without_tmp_disk_fails_saying_why(tmp_path, s
     slurm = FakeSlurm()
     poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
     # What sbatch says (captured on the local cluster), on nodes that declare no TmpDisk.
-    slurm.reject = (DATA / "sbatch-too-much-tmp.txt.stderr").read_text()
+    slurm.sbatch_error = (DATA / "sbatch-too-much-tmp.txt.stderr").read_text()
     slurm.sinfo = "main*|0\n"
     task = sqlite_store.create_task(DISK)
     other = sqlite_store.create_task(DISK)

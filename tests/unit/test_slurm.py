@@ -25,6 +25,8 @@ from bridge.slurm import (
     RETRYABLE_STATES,
     SLURM_TO_TES,
     JobInfo,
+    Outage,
+    Refusal,
     SlurmClient,
     SlurmError,
     SlurmRejected,
@@ -289,17 +291,17 @@ def test_submit_strips_the_cluster_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "capture",
+    ("capture", "refusal"),
     [
-        "sbatch-too-much-memory.txt",
-        "sbatch-too-many-cpus.txt",
-        "sbatch-bad-partition.txt",
-        "sbatch-bad-time.txt",
-        "sbatch-missing-script.txt",
-        "sbatch-too-much-tmp.txt",
+        ("sbatch-too-much-memory.txt", Refusal.MEMORY),
+        ("sbatch-too-many-cpus.txt", Refusal.CPUS),
+        ("sbatch-bad-partition.txt", Refusal.PARTITION),
+        ("sbatch-bad-time.txt", Refusal.TIME_LIMIT),
+        ("sbatch-missing-script.txt", Refusal.OTHER),
+        ("sbatch-too-much-tmp.txt", Refusal.TMP_DISK),
     ],
 )
-def test_sbatch_refusals_are_rejections(tmp_path: Path, capture: str) -> None:
+def test_sbatch_refusals_are_rejections(tmp_path: Path, capture: str, refusal: Refusal) -> None:
     client = SlurmClient(sbatch=replay(tmp_path, "sbatch", capture))
     with pytest.raises(SlurmRejected) as caught:
         client.submit(tmp_path / "job.sh", job_name="tes-x")
@@ -308,6 +310,78 @@ def test_sbatch_refusals_are_rejections(tmp_path: Path, capture: str) -> None:
     assert err.argv[0].endswith("sbatch") and "--parsable" in err.argv
     assert err.stderr == data(f"{capture}.stderr")
     assert "sbatch refused the job" in str(err)
+    assert err.refusal is refusal and not err.may_have_acted
+
+
+@pytest.mark.parametrize(
+    ("stderr", "refusal"),
+    [
+        ("Batch job submission failed: Requested time limit is invalid (missing or exceeds "
+         "some limit)", Refusal.TIME_LIMIT),
+        ("Batch job submission failed: Invalid account or account/partition combination "
+         "specified", Refusal.ACCOUNT),
+        ("Batch job submission failed: Invalid qos specification", Refusal.QOS),
+        ("Batch job submission failed: Invalid generic resource (gres) specification",
+         Refusal.NODE_CONFIGURATION),
+        ("Batch job submission failed: Requested node configuration is not available",
+         Refusal.NODE_CONFIGURATION),
+    ],
+)  # fmt: skip
+def test_slurmctld_refusals_say_what_was_refused(stderr: str, refusal: Refusal) -> None:
+    proc = subprocess.CompletedProcess(["sbatch", "job.sh"], 1, "", f"sbatch: error: {stderr}\n")
+    err = slurm.command_error(proc, "submitting job.sh")
+    assert isinstance(err, SlurmRejected) and err.refusal is refusal
+    assert err.reason == stderr
+
+
+def test_the_reason_is_slurms_words_without_prefix_and_retry_notices() -> None:
+    stderr = data("sbatch-too-much-tmp.txt.stderr")
+    err = SlurmError("x", stderr=stderr)
+    assert err.reason == (
+        "Temporary disk specification can not be satisfied; "
+        "Batch job submission failed: Requested node configuration is not available"
+    )
+    retried = "sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying\n"
+    err = SlurmError("x", stderr=retried * 2 + "sbatch: error: Batch job submission failed: x\n")
+    assert err.reason == "Batch job submission failed: x"
+    assert SlurmError("x").reason == "no error message"
+
+
+def _sbatch_saying(tmp_path: Path, stderr: str, *, sleep: float = 0) -> str:
+    """An sbatch that prints `stderr`, then sleeps `sleep` seconds (if any) and exits 1."""
+    (tmp_path / "stderr").write_text(stderr)
+    script = tmp_path / "sbatch"
+    script.write_text(f'#!/bin/sh\ncat "{tmp_path / "stderr"}" >&2\nsleep {sleep}\nexit 1\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+SUBMIT_LIMIT = (
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit\n"
+    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+    "(job submit limit, user's size and/or time limits)\n"
+)
+MAX_JOB_COUNT_RETRY = (
+    "sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying\n"
+)
+
+
+def test_a_refusal_for_a_limit_is_an_outage_that_created_no_job(tmp_path: Path) -> None:
+    client = SlurmClient(sbatch=_sbatch_saying(tmp_path, SUBMIT_LIMIT))
+    with pytest.raises(SlurmUnavailable) as caught:
+        client.submit(tmp_path / "job.sh", job_name="tes-x")
+    assert caught.value.outage is Outage.LIMIT and not caught.value.may_have_acted
+    assert caught.value.reason.startswith("QOSMaxSubmitJobPerUserLimit; Batch job submission")
+
+
+def test_sbatch_killed_while_it_waits_out_a_limit_may_have_created_the_job(
+    tmp_path: Path,
+) -> None:
+    client = SlurmClient(sbatch=_sbatch_saying(tmp_path, MAX_JOB_COUNT_RETRY, sleep=5), timeout=1)
+    with pytest.raises(SlurmUnavailable) as caught:
+        client.submit(tmp_path / "job.sh", job_name="tes-x")
+    assert caught.value.returncode is None and caught.value.outage is Outage.LIMIT
+    assert caught.value.may_have_acted
 
 
 @pytest.mark.parametrize(
@@ -333,6 +407,8 @@ def test_unreachable_daemons_are_unavailable(tmp_path: Path, tool: str, capture:
     assert caught.value.returncode == exit_code_of(capture)
     assert "try again later" in str(caught.value)
     assert not isinstance(caught.value, SlurmRejected)
+    # The daemon never got the request (connection refused): the command did nothing.
+    assert caught.value.outage is Outage.UNREACHABLE and not caught.value.may_have_acted
 
 
 def test_sacct_answers_while_slurmctld_is_down() -> None:
@@ -342,8 +418,9 @@ def test_sacct_answers_while_slurmctld_is_down() -> None:
 
 def test_command_time_out_is_unavailable(tmp_path: Path) -> None:
     client = SlurmClient(squeue=replay(tmp_path, "squeue", sleep=5), timeout=0.3)
-    with pytest.raises(SlurmUnavailable, match=r"did not answer within 0\.3 s"):
+    with pytest.raises(SlurmUnavailable, match=r"did not answer within 0\.3 s") as caught:
         client.queue(["1"])
+    assert caught.value.outage is Outage.UNCERTAIN and caught.value.may_have_acted
 
 
 def test_missing_command_is_an_error_that_says_how_to_fix_it(tmp_path: Path) -> None:

@@ -1,0 +1,156 @@
+"""Slurm in memory, for the poller's tests: a :class:`bridge.slurm.SlurmBackend` that mypy checks
+against the protocol (see the end of this module), so that the fake cannot drift from it.
+
+It fails the way :class:`bridge.slurm.SlurmClient` does: a failing command's stderr goes through
+:func:`bridge.slurm.command_error`, so a test that hands it sbatch's words gets the error, and
+the kind of it, that the real client raises for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bridge.slurm import (
+    JobInfo,
+    Partition,
+    SlurmBackend,
+    SlurmError,
+    TmpDisk,
+    command_error,
+    parse_sinfo_partitions,
+    parse_sinfo_tmp_disk,
+)
+
+#: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
+UNREACHABLE = "Unable to contact slurm controller (connect failure)"
+#: What sbatch prints when its answer is lost: the job may exist all the same.
+NO_ANSWER = "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation"
+
+
+def job(job_id: str = "1", state: str = "RUNNING", **fields: Any) -> JobInfo:
+    """A job as squeue or sacct would report it; `fields` replace the defaults."""
+    defaults: dict[str, Any] = dict(
+        job_id=job_id,
+        name="tes-x",
+        state=state,
+        reason=None,
+        exit_code=None,
+        signal=None,
+        node="n1",
+        partition="main",
+        start_time=None,
+        end_time=None,
+        elapsed_seconds=None,
+        max_rss_bytes=None,
+        comment=None,
+    )
+    return JobInfo(**(defaults | fields))
+
+
+def failure(argv: Sequence[str], stderr: str) -> SlurmError:
+    """The error SlurmClient raises for a command that printed `stderr` and exited 1."""
+    proc = subprocess.CompletedProcess(list(argv), 1, "", stderr)
+    return command_error(proc, f"running {argv[0]} (fake)")
+
+
+class FakeSlurm:
+    """Keeps jobs in memory; counts calls; can be told to fail. Each switch is an attribute,
+    set at construction or flipped in the middle of a test."""
+
+    def __init__(
+        self,
+        *,
+        sinfo: str | None = "main*|102400\n",
+        sinfo_partitions: str = "main*|n1|2|4000|infinite|(null)|0|up|idle\n",
+    ) -> None:
+        self.jobs: dict[str, JobInfo] = {}
+        self.ids = itertools.count(100)
+        #: The commands run, in order ("find" for find_by_names; partitions() apart).
+        self.calls: list[str] = []
+        #: Every command fails, printing `unavailable_message`.
+        self.unavailable = False
+        self.unavailable_message = UNREACHABLE
+        #: sbatch exits 1 printing this: a refusal for good or for a limit, as its words say.
+        self.sbatch_error: str | None = None
+        #: sbatch creates the job but its answer is lost.
+        self.create_then_fail = False
+        #: What `sinfo -h -a -o '%P|%d'` prints (None: sinfo cannot reach slurmctld).
+        self.sinfo = sinfo
+        #: What `sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT` prints.
+        self.sinfo_partitions = sinfo_partitions
+        #: Each submitted job script's text.
+        self.scripts: list[str] = []
+        self.partition_reads = 0
+
+    def _check(self, command: str) -> None:
+        self.calls.append(command)
+        if self.unavailable:
+            raise failure([command], self.unavailable_message)
+
+    def submit(
+        self,
+        script: Path,
+        *,
+        job_name: str,
+        comment: str | None = None,
+        extra_args: Sequence[str] = (),
+        as_user: str | None = None,
+    ) -> str:
+        if self.create_then_fail:
+            self._queue(job_name)
+            self.calls.append("sbatch")
+            raise failure(["sbatch", str(script)], NO_ANSWER)
+        self._check("sbatch")
+        if self.sbatch_error is not None:
+            raise failure(["sbatch", str(script)], self.sbatch_error)
+        self.scripts.append(script.read_text())
+        return self._queue(job_name)
+
+    def _queue(self, job_name: str) -> str:
+        job_id = str(next(self.ids))
+        self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
+        return job_id
+
+    def tmp_disk(self) -> TmpDisk:
+        self._check("sinfo")
+        if self.sinfo is None:
+            raise failure(["sinfo"], UNREACHABLE)
+        return parse_sinfo_tmp_disk(self.sinfo)
+
+    def partitions(self) -> list[Partition]:
+        # Counted apart from `calls`: the capabilities are read once a minute, whatever the
+        # test, and the tests count the calls of the steps they drive.
+        self.partition_reads += 1
+        if self.unavailable:
+            raise failure(["sinfo"], UNREACHABLE)
+        return parse_sinfo_partitions(self.sinfo_partitions)
+
+    def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        self._check("squeue")
+        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+
+    def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
+        self._check("sacct")
+        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+
+    def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]:
+        self._check("find")
+        found: dict[str, list[JobInfo]] = {}
+        for info in self.jobs.values():
+            if info.name in names:
+                found.setdefault(info.name, []).append(info)
+        return found
+
+    def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
+        self._check("scancel")
+        for job_id in job_ids:
+            self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED")
+
+
+# mypy checks here that the fake has every method of the protocol, with its signature.
+_: SlurmBackend = FakeSlurm()
