@@ -251,6 +251,9 @@ class ContainerConfig(_Section):
     gpu_flag: Literal["--nv", "--rocm"] = "--nv"
     #: Directories whose `.sif` files tasks may name as an absolute image path; empty: none.
     local_image_dirs: list[Path] = Field(default_factory=list)
+    #: The executors' umask (octal): what they write, in shared directories too, is readable
+    #: by others with the default. The job's own files keep umask 077.
+    umask: str = Field(default="022", pattern=r"^[0-7]{3,4}$")
 
 
 class StorageConfig(_Section):
@@ -263,6 +266,10 @@ class StorageConfig(_Section):
     shared_dirs: list[Path] = Field(default_factory=list)
     #: How a shared-filesystem input enters the task directory: copy, hardlink or bind.
     file_input_mode: str = "copy"
+    #: An output (without wildcards) that does not exist after the executors ran: `ignore`
+    #: logs it in system_logs and goes on (workflow engines declare optional outputs), `fail`
+    #: ends the task SYSTEM_ERROR when every executor succeeded.
+    missing_outputs: Literal["ignore", "fail"] = "ignore"
 
     @field_validator("file_input_mode")
     @classmethod

@@ -218,6 +218,10 @@ class ExecutorModel(_Document):
                     f"{name!r} is not a valid environment variable name "
                     "(letters, digits and '_', not starting with a digit)"
                 )
+        home = (value or {}).get("HOME")
+        # HOME becomes the runtime's `--home` (see bridge.jobscript.render), which splits at ':'.
+        if home is not None and (not home.startswith("/") or any(c in home for c in ":\n\r")):
+            raise ValueError(f"HOME {home!r} must be an absolute path without ':'")
         return value
 
 

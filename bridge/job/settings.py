@@ -42,6 +42,9 @@ class JobSettings:
     in_place_outputs: list[int] = field(default_factory=list)
     #: container.allow_root: executors may run as root (refused otherwise, see bridge.job.execute).
     allow_root: bool = False
+    #: storage.missing_outputs: "ignore" or "fail" (see bridge.job.stage). A file written
+    #: before the setting existed keeps the behaviour of then, "fail".
+    missing_outputs: str = "fail"
     #: `[staging]` options for the protocol modules (bridge.job.staging.StagingOptions): endpoint
     #: names and paths of credential files only, never a secret.
     staging: dict[str, Any] = field(default_factory=dict)

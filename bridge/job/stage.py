@@ -2,7 +2,8 @@
 
 Exit codes (the job script turns them into the outcome):
   stage-in   0 everything staged; 1 something failed (reasons in system_logs)
-  stage-out  0 everything uploaded; 2 only missing outputs; 1 an upload failed
+  stage-out  0 everything uploaded (an output not found counts with storage.missing_outputs
+             "ignore"); 2 only missing or unusable outputs; 1 an upload failed
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from bridge.job.staging.content import write_content
 STAGE_OK = 0
 STAGE_FAILED = 1
 STAGE_MISSING_OUTPUTS = 2
+
+#: A FILE output the executors made a directory: uploaded as a DIRECTORY output is (Nextflow's
+#: nf-ga4gh sends every output not declared `type: 'dir'` as FILE, nf-core modules declare
+#: directories as `path "index"`).
+FILE_IS_A_DIRECTORY = "is a directory (output type is FILE); uploaded as a directory"
 
 
 def _load(layout: TaskLayout, log: RecordsWriter) -> tuple[dict[str, Any], JobSettings] | None:
@@ -251,7 +257,8 @@ def stage_out(task_dir: Path, records_dir: Path) -> int:
     if loaded is None:
         return STAGE_FAILED
     task, settings = loaded
-    outputs = StageOut(layout, _context(layout, settings, log), log)
+    ignore_missing = settings.missing_outputs == "ignore"
+    outputs = StageOut(layout, _context(layout, settings, log), log, ignore_missing=ignore_missing)
     for index, item in enumerate(items(task, "outputs")):
         outputs.stage(index, item, in_place=index in settings.in_place_outputs)
     return outputs.exit_code()
@@ -265,13 +272,23 @@ class StageOut:
     """Uploads the outputs of one run, counting what is missing and what failed.
 
     Everything under root/ is read through `safepath` (never following a link an executor
-    planted); each upload goes to the `StagingBackend` of the output's URL.
+    planted); each upload goes to the `StagingBackend` of the output's URL. With
+    `ignore_missing` (storage.missing_outputs "ignore"), an output that does not exist is only
+    logged: workflow engines list optional outputs an executor may not write.
     """
 
-    def __init__(self, layout: TaskLayout, ctx: StagingContext, log: RecordsWriter) -> None:
+    def __init__(
+        self,
+        layout: TaskLayout,
+        ctx: StagingContext,
+        log: RecordsWriter,
+        *,
+        ignore_missing: bool = False,
+    ) -> None:
         self.layout = layout
         self.ctx = ctx
         self.log = log
+        self.ignore_missing = ignore_missing
         self.missing = 0
         self.failed = 0
 
@@ -303,6 +320,15 @@ class StageOut:
         self.missing += 1
         self.log.system_log(f"{label}: {why}")
 
+    def not_found(self, label: str) -> None:
+        """An output (without wildcards) that the executors did not write."""
+        if self.ignore_missing:
+            self.log.system_log(
+                f"{label}: not found after the executors ran; ignored (storage.missing_outputs)"
+            )
+        else:
+            self.missing_output(label, "not found after the executors ran")
+
     def _record_in_place(self, output: TaskOutput, label: str) -> None:
         """An output the executors wrote at its own path in a shared directory: already where
         it belongs, so it is only recorded (a copy onto itself would truncate it)."""
@@ -310,25 +336,30 @@ class StageOut:
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
-            self.missing_output(label, "not found after the executors ran")
+            self.not_found(label)
             return
-        if kind == "DIRECTORY":
-            if not stat.S_ISDIR(st.st_mode):
-                self.missing_output(label, "is not a directory (output type is DIRECTORY)")
-                return
-            for dirpath, _dirs, names in os.walk(path):
-                for name in sorted(names):
-                    entry = os.path.join(dirpath, name)
-                    entry_st = os.stat(entry, follow_symlinks=False)
-                    if stat.S_ISREG(entry_st.st_mode):
-                        rel = os.path.relpath(entry, path)
-                        self.log.output(
-                            url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size
-                        )
+        if kind == "DIRECTORY" and not stat.S_ISDIR(st.st_mode):
+            self.missing_output(label, "is not a directory (output type is DIRECTORY)")
+        elif stat.S_ISDIR(st.st_mode):
+            if kind != "DIRECTORY":
+                self.log.system_log(f"{label}: {FILE_IS_A_DIRECTORY}")
+            self._record_in_place_tree(path, url)
         elif not stat.S_ISREG(st.st_mode):
             self.missing_output(label, "is not a regular file (output type is FILE)")
         else:
             self.log.output(url=url, path=path, size_bytes=st.st_size)
+
+    def _record_in_place_tree(self, path: str, url: str) -> None:
+        """Every regular file under the in-place directory `path` (os.walk enters no link)."""
+        for dirpath, _dirs, names in os.walk(path):
+            for name in sorted(names):
+                entry = os.path.join(dirpath, name)
+                entry_st = os.stat(entry, follow_symlinks=False)
+                if stat.S_ISREG(entry_st.st_mode):
+                    rel = os.path.relpath(entry, path)
+                    self.log.output(
+                        url=_join_url(url, rel), path=entry, size_bytes=entry_st.st_size
+                    )
 
 
 class _Upload:
@@ -352,7 +383,7 @@ class _Upload:
         parts = relative_parts(path)
         found = safepath.lstat_kind(self.root, parts)
         if found is None:
-            self.stage.missing_output(self.label, "not found after the executors ran")
+            self.stage.not_found(self.label)
         elif found == "link":
             self.stage.missing_output(self.label, "is a symbolic link; not uploaded")
         elif kind == "DIRECTORY":
@@ -362,6 +393,9 @@ class _Upload:
                 )
             else:
                 self._tree(parts, url)
+        elif found == "dir":
+            self._note(FILE_IS_A_DIRECTORY)
+            self._tree(parts, url)
         elif found != "file":
             self.stage.missing_output(self.label, "is not a regular file (output type is FILE)")
         else:

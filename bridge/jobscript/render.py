@@ -85,6 +85,7 @@ def _call(
         flags.gpu,
     ]
     groups += [flags.binds[i : i + 2] for i in range(0, len(flags.binds), 2)]
+    groups.append(_home_flags(executor))
     if executor.workdir is not None:
         groups.append(["--pwd", container_path(executor.workdir, f"executors[{index}].workdir")])
     groups += [[sif], list(executor.command)]
@@ -102,11 +103,21 @@ def _call(
     return call
 
 
+def _home_flags(executor: ExecutorModel) -> list[str]:
+    """`env.HOME` (cwl-tes sends the output directory) as the runtime takes it: Apptainer
+    refuses APPTAINERENV_HOME, and `--home DIR` alone binds the host's DIR into the container;
+    with `--no-home` it only sets $HOME (an absolute path without ':', checked by the model)."""
+    home = (executor.env or {}).get("HOME")
+    return [] if home is None else ["--no-home", "--home", home]
+
+
 def _env_assignments(executor: ExecutorModel, config: Config) -> list[str]:
     prefix = _env_prefix(config.container.runtime)
     evaluated = "--no-eval" not in [*config.container.exec_flags, *config.container.extra_flags]
     assignments = []
     for name, value in (executor.env or {}).items():
+        if name == "HOME":
+            continue  # passed as --home (see _home_flags)
         if evaluated:
             value = _ENV_EVAL_SPECIAL.sub(r"\\\g<0>", value)
         assignments.append(f"{prefix}{name}={shlex.quote(value)}")
@@ -221,6 +232,7 @@ def render_script(
         # Known for every executor: building `executors` above checked that.
         "images": sorted(set(image_paths[ex.image] for ex in typed.model.executors)),
         "env_prefix": _env_prefix(config.container.runtime),
+        "executor_umask": config.container.umask,
         "executors": executors,
     }
     template = _environment(tuple(_template_dirs(config))).get_template(TEMPLATE)
@@ -251,6 +263,7 @@ def job_settings(
         in_place_inputs=plan.in_place_inputs,
         in_place_outputs=plan.in_place_outputs,
         allow_root=config.container.allow_root,
+        missing_outputs=config.storage.missing_outputs,
         staging=config.staging.job_options(),
     )
 

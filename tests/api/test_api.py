@@ -360,6 +360,11 @@ def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[s
             "not a valid environment variable name",
         ),
         (
+            {"executors": [{"image": "a", "command": ["x"], "env": {"HOME": "/a:/b"}}]},
+            "executors[0].env",
+            "HOME '/a:/b' must be an absolute path without ':'",
+        ),
+        (
             {"executors": [{"image": "a", "command": ["x"], "ignore_error": "yes"}]},
             "executors[0].ignore_error",
             "true or false",

@@ -130,6 +130,40 @@ def test_files_workdir_env_volumes_content_and_directory_output(bridge_service):
     assert all(isinstance(o["size_bytes"], str) for o in log["outputs"])
 
 
+def test_env_home_is_the_executors_home_and_binds_nothing_of_the_host(bridge_service):
+    """cwl-tes sends HOME = the output directory. Apptainer refuses APPTAINERENV_HOME: it
+    arrives as `--no-home --home`, which sets $HOME without binding the host's directory."""
+    out_dir = bridge_service.data_dir / "home-out"
+    host_home = bridge_service.data_dir / "host-home"
+    host_home.mkdir()
+    (host_home / "secret.txt").write_text("host file\n")
+    task = bridge_service.run(
+        {
+            "outputs": [{"path": "/out", "url": f"file://{out_dir}", "type": "DIRECTORY"}],
+            "executors": [
+                executor(
+                    "sh",
+                    "-c",
+                    'echo "$HOME|$OTHER"; cd && pwd; echo hi > "$HOME/h.txt"',
+                    env={"HOME": "/out", "OTHER": "x"},
+                ),
+                executor(
+                    "sh",
+                    "-c",
+                    'echo "$HOME"; cat "$HOME/secret.txt" 2>/dev/null || echo absent',
+                    env={"HOME": str(host_home)},
+                    workdir="/tmp",
+                ),
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    first, second = only_log(task)["logs"]
+    assert first["stdout"] == "/out|x\n/out\n"
+    assert (out_dir / "h.txt").read_text() == "hi\n"
+    assert second["stdout"] == f"{host_home}\nabsent\n"
+
+
 def test_file_input_from_an_allowed_directory(bridge_service):
     source = bridge_service.data_dir / "input.bin"
     source.write_bytes(bytes(range(256)) * 1000)

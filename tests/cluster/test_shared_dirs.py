@@ -5,6 +5,7 @@ engines (Toil's job store, Snakemake's `fs` storage) expect of a site's shared f
 from __future__ import annotations
 
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,19 @@ def test_executor_sees_a_shared_dir_read_write_without_declaring_it(
     assert task["state"] == "COMPLETE", task
     assert only_log(task)["logs"][0]["stdout"] == "archive\n"
     assert (shared_dir / "workflow" / "result.txt").read_text() == "result\n"
+
+
+def test_files_an_executor_writes_in_a_shared_dir_get_the_executor_umask(
+    service: BridgeService, shared_dir: Path
+) -> None:
+    """container.umask ("022" by default) reaches the executors, not the job's own umask 077:
+    what they write in a shared directory is readable by the site's other users."""
+    target = shared_dir / "umask"
+    task = service.run({"executors": [sh(f"umask; mkdir {target} && echo x > {target}/f.txt")]})
+    assert task["state"] == "COMPLETE", task
+    assert only_log(task)["logs"][0]["stdout"] == "0022\n"
+    assert stat.S_IMODE((target / "f.txt").stat().st_mode) == 0o644
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
 
 
 def test_same_path_input_and_output_are_used_in_place_and_other_inputs_stay_read_only(

@@ -185,11 +185,34 @@ def test_missing_output_is_logged_and_the_others_are_still_uploaded(
             "executors": [sh("echo here > /out/there.txt")],
         }
     )
-    # Every executor succeeded but an output is missing: SYSTEM_ERROR (docs/staging.md, "Outcomes").
-    assert task["state"] == "SYSTEM_ERROR"
-    assert "/out/absent.txt" in system_logs(task) and "not found" in system_logs(task)
+    # storage.missing_outputs = "ignore", the default (docs/staging.md, "Outcomes"): an optional
+    # output a workflow engine declared; the log names it.
+    assert task["state"] == "COMPLETE", task
+    assert "output 0 /out/absent.txt -> " in system_logs(task)
+    assert "not found after the executors ran; ignored" in system_logs(task)
     assert (storage_servers.bucket_dir / "missing-out" / "there.txt").read_text() == "here\n"
     assert [o["path"] for o in task["logs"][0]["outputs"]] == ["/out/there.txt"]
+
+
+def test_a_file_output_that_is_a_directory_is_uploaded_as_one(staging_service, storage_servers):
+    """What Nextflow's nf-ga4gh sends for an nf-core `path "index"` output: type FILE."""
+    url = f"s3://{BUCKET}/nf-index/index"
+    task = staging_service.run(
+        {
+            "outputs": [{"path": "/work/index", "url": url}],
+            "executors": [
+                sh("cd /work && mkdir -p index/sub && echo a > index/a && echo b > index/sub/b")
+            ],
+        }
+    )
+    assert task["state"] == "COMPLETE", task
+    assert (storage_servers.bucket_dir / "nf-index" / "index" / "a").read_text() == "a\n"
+    assert (storage_servers.bucket_dir / "nf-index" / "index" / "sub" / "b").read_text() == "b\n"
+    assert sorted((o["path"], o["url"]) for o in task["logs"][0]["outputs"]) == [
+        ("/work/index/a", f"{url}/a"),
+        ("/work/index/sub/b", f"{url}/sub/b"),
+    ]
+    assert "is a directory (output type is FILE); uploaded as a directory" in system_logs(task)
 
 
 def test_traversal_and_links_never_reach_outside(staging_service, storage_servers):

@@ -59,6 +59,12 @@ def test_defaults_derive_paths_from_the_state_dir():
         ("[server]\nworkerz = 2\n", "server.workerz"),
         ("[server]\nworkers = 0\n", "server.workers"),
         ("[storage]\nfile_input_mode = 'teleport'\n", "storage.file_input_mode"),
+        ("[storage]\nmissing_outputs = 'skip'\n", "storage.missing_outputs"),
+        ("[container]\numask = '22'\n", "container.umask"),
+        ("[container]\numask = '0o22'\n", "container.umask"),
+        ("[container]\numask = '089'\n", "container.umask"),
+        ("[container]\numask = '00022'\n", "container.umask"),
+        ("[container]\numask = 22\n", "container.umask"),
         ("[limits]\nmax_content_bytes = 1000\n", "limits.max_content_bytes"),
         ("not toml [", "not valid TOML"),
     ],
@@ -68,6 +74,15 @@ def test_bad_config_names_the_key(tmp_path, text, expected):
     config_file.write_text(text)
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
         load_config(config_file, environ={})
+
+
+def test_executor_umask_and_missing_outputs_defaults_and_values(tmp_path):
+    config = Config()
+    assert (config.container.umask, config.storage.missing_outputs) == ("022", "ignore")
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[container]\numask = "0002"\n[storage]\nmissing_outputs = "fail"\n')
+    config = load_config(config_file, environ={})
+    assert (config.container.umask, config.storage.missing_outputs) == ("0002", "fail")
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path):

@@ -411,6 +411,87 @@ def test_missing_output_is_logged_and_the_others_still_uploaded(tmp_path: Path) 
     assert "/out/missing.txt" in records.system_logs[0] and "not found" in records.system_logs[0]
 
 
+def test_file_output_that_is_a_directory_is_uploaded_as_a_directory(tmp_path: Path) -> None:
+    """nf-ga4gh sends `path "index"` as a FILE output: the executor made a directory there."""
+    shared = tmp_path / "shared"
+    task = Task(tmp_path, {"outputs": [{"path": "/work/index", "url": f"{shared}/res/index"}]})
+    task.host("/work/index/sub/empty").mkdir(parents=True)
+    task.host("/work/index/a.txt").write_text("aa")
+    task.host("/work/index/sub/b.txt").write_text("bbb")
+    task.host("/work/index/escape").symlink_to("/etc/hostname")
+    assert task.stage_out() == STAGE_OK
+    assert (shared / "res" / "index" / "a.txt").read_text() == "aa"
+    assert (shared / "res" / "index" / "sub" / "b.txt").read_text() == "bbb"
+    assert (shared / "res" / "index" / "sub" / "empty").is_dir()
+    assert not (shared / "res" / "index" / "escape").exists()
+    records = task.read()
+    assert sorted(records.outputs, key=lambda o: o["path"]) == [
+        {"url": f"{shared}/res/index/a.txt", "path": "/work/index/a.txt", "size_bytes": "2"},
+        {
+            "url": f"{shared}/res/index/sub/b.txt",
+            "path": "/work/index/sub/b.txt",
+            "size_bytes": "3",
+        },
+    ]
+    assert records.system_logs[0] == (
+        f"output 0 /work/index -> {shared}/res/index: is a directory (output type is FILE); "
+        "uploaded as a directory"
+    )
+    assert "/work/index/escape is a symbolic link; not uploaded" in records.system_logs[1]
+
+
+def test_in_place_file_output_that_is_a_directory_is_recorded_as_a_directory(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    (shared / "index" / "sub").mkdir(parents=True)
+    (shared / "index" / "sub" / "b.txt").write_text("bbb")
+    outputs = [{"path": f"{shared}/index", "url": f"file://{shared}/index"}]
+    task = Task(tmp_path, {"outputs": outputs}, in_place_outputs=[0])
+    assert task.stage_out() == STAGE_OK
+    records = task.read()
+    assert records.outputs == [
+        {
+            "url": f"file://{shared}/index/sub/b.txt",
+            "path": f"{shared}/index/sub/b.txt",
+            "size_bytes": "3",
+        }
+    ]
+    assert (
+        "is a directory (output type is FILE); uploaded as a directory" in (records.system_logs[0])
+    )
+
+
+def test_missing_outputs_ignored_are_logged_by_path_and_not_listed(tmp_path: Path) -> None:
+    """storage.missing_outputs = "ignore": optional outputs of Nextflow's processes."""
+    shared = tmp_path / "shared"
+    (shared / "inplace").mkdir(parents=True)
+    outputs = [
+        {"path": "/out/extra.txt", "url": f"{shared}/extra.txt"},
+        {"path": "/out/dir", "url": f"{shared}/dir", "type": "DIRECTORY"},
+        {"path": "/out/present.txt", "url": f"{shared}/present.txt"},
+        {"path": f"{shared}/inplace/none.txt", "url": f"file://{shared}/inplace/none.txt"},
+        {"path": "/out/*.bam", "url": f"{shared}/bams", "path_prefix": "/out"},
+    ]
+    task = Task(tmp_path, {"outputs": outputs}, missing_outputs="ignore", in_place_outputs=[3])
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/present.txt").write_text("here")
+    assert task.stage_out() == STAGE_OK
+    records = task.read()
+    assert [o["path"] for o in records.outputs] == ["/out/present.txt"]
+    ignored = "not found after the executors ran; ignored (storage.missing_outputs)"
+    assert records.system_logs[:3] == [
+        f"output 0 /out/extra.txt -> {shared}/extra.txt: {ignored}",
+        f"output 1 /out/dir -> {shared}/dir: {ignored}",
+        f"output 3 {shared}/inplace/none.txt -> file://{shared}/inplace/none.txt: {ignored}",
+    ]
+    # What is there but unusable still fails the task.
+    task = Task(tmp_path / "b", {"outputs": outputs[:1]}, missing_outputs="ignore")
+    task.host("/out").mkdir(parents=True)
+    task.host("/out/extra.txt").symlink_to("/etc/hostname")
+    assert task.stage_out() == STAGE_MISSING_OUTPUTS
+
+
 def test_output_outside_the_allowed_dirs_is_an_upload_failure(tmp_path: Path) -> None:
     task = Task(tmp_path, {"outputs": [{"path": "/out/x", "url": "file:///etc/tes-test-x"}]})
     task.host("/out").mkdir(parents=True)
@@ -670,7 +751,11 @@ FAKE_RUNTIME = """#!/bin/bash
 while [[ $1 != exec ]]; do shift; done
 shift
 while [[ $# -gt 0 && $1 == -* ]]; do
-  case $1 in --bind|--mount|--pwd) shift 2 ;; *) shift ;; esac
+  case $1 in
+    --home) export HOME=$2; shift 2 ;;
+    --bind|--mount|--pwd) shift 2 ;;
+    *) shift ;;
+  esac
 done
 shift
 for v in ${!APPTAINERENV_@}; do export "${v#APPTAINERENV_}=${!v}"; done
@@ -678,7 +763,9 @@ exec "$@"
 """
 
 
-def run_job(tmp_path: Path, task: dict[str, Any], **storage: Any) -> tuple[int, Any]:
+def run_job(
+    tmp_path: Path, task: dict[str, Any], container_umask: str = "022", **storage: Any
+) -> tuple[int, Any]:
     tmp_path.mkdir(exist_ok=True)
     runtime = tmp_path / "apptainer"
     runtime.write_text(FAKE_RUNTIME)
@@ -688,7 +775,7 @@ def run_job(tmp_path: Path, task: dict[str, Any], **storage: Any) -> tuple[int, 
     config = Config.model_validate(
         {
             "state_dir": str(tmp_path / "state"),
-            "container": {"runtime": str(runtime), "allow_root": True},
+            "container": {"runtime": str(runtime), "allow_root": True, "umask": container_umask},
             "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
         }
     )
@@ -743,10 +830,49 @@ def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Pat
         "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
         "executors": [sh("true")],
     }
-    code, records = run_job(tmp_path, task)
+    code, records = run_job(tmp_path, task, missing_outputs="fail")
     assert (code, records.outcome) == (1, "system_error")
-    code, records = run_job(tmp_path / "b", {**task, "executors": [sh("exit 1")]})
+    code, records = run_job(
+        tmp_path / "b", {**task, "executors": [sh("exit 1")]}, missing_outputs="fail"
+    )
     assert (code, records.outcome) == (0, "executor_error")
+    # The default, "ignore": the task completes, the log names the output.
+    code, records = run_job(tmp_path / "c", task)
+    assert (code, records.outcome) == (0, "complete")
+    assert "output 0 /out/x -> " in records.system_logs[0]
+
+
+def test_job_script_gives_an_executor_its_env_home(tmp_path: Path) -> None:
+    task = {"executors": [sh('echo "$HOME|$OTHER"', env={"HOME": "/out", "OTHER": "x"})]}
+    code, records = run_job(tmp_path, task)
+    assert (code, records.outcome) == (0, "complete")
+    assert records.executors[0].stdout == "/out|x\n"
+
+
+def test_executors_run_with_the_configured_umask_and_records_stay_private(
+    tmp_path: Path,
+) -> None:
+    task = {
+        "executors": [
+            sh("umask"),
+            sh("umask", stdout="/out/umask.txt"),  # through the Python exec wrapper
+            sh("umask"),
+        ],
+        "outputs": [{"path": "/out/umask.txt", "url": str(tmp_path / "shared" / "x")}],
+    }
+    code, records = run_job(tmp_path, task)
+    assert (code, records.outcome) == (0, "complete")
+    assert [e.stdout for e in records.executors] == ["0022\n", "0022\n", "0022\n"]
+    task_dir = tmp_path / "state" / "work" / "job-1"
+    assert (task_dir / "root" / "out" / "umask.txt").stat().st_mode & 0o777 == 0o644
+    for name in ("stdout", "stderr"):
+        assert (task_dir / "records" / "9" / "executors" / "0" / name).stat().st_mode & 0o777 == (
+            0o600
+        )
+    # The job's own files after the executors ran keep the strict umask.
+    assert (task_dir / "records" / "9" / "outcome").stat().st_mode & 0o777 == 0o600
+    code, records = run_job(tmp_path / "b", task, container_umask="0007")
+    assert [e.stdout for e in records.executors] == ["0007\n", "0007\n", "0007\n"]
 
 
 def test_exec_refuses_to_run_an_executor_as_root(tmp_path: Path, monkeypatch) -> None:

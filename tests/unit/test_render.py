@@ -641,6 +641,49 @@ def test_singularity_gets_its_own_environment_prefix(tmp_path: Path) -> None:
     assert "APPTAINERENV_" not in script
 
 
+def test_env_home_becomes_the_runtimes_home_flag_not_an_env_assignment(tmp_path: Path) -> None:
+    """Apptainer refuses APPTAINERENV_HOME; `--home` alone would bind that host path, so
+    `--no-home` comes with it (HOME is then only the variable, as the task asked)."""
+    executor = {
+        "image": "alpine",
+        "command": ["env"],
+        "env": {"HOME": "/out/cwl dir", "A": "1"},
+        "workdir": "/out",
+    }
+    script = render(
+        tmp_path, make_task(executors=[executor, {"image": "alpine", "command": ["x"]}])
+    )
+    bash_syntax_ok(script, tmp_path)
+    first = script[script.index("executor_0() {") : script.index("executor_1() {")]
+    assert "    --no-home --home '/out/cwl dir' \\\n" in first
+    assert first.index("--home") < first.index("/cache/alpine.sif")
+    assert "APPTAINERENV_A=1" in first and "ENV_HOME" not in first
+    second = script[script.index("executor_1() {") :]
+    assert "--home" not in second
+
+
+@pytest.mark.parametrize("home", ["relative", "", "/a:/b", "/a\nb"])
+def test_env_home_the_runtime_cannot_take_is_refused(tmp_path: Path, home: str) -> None:
+    executor = {"image": "alpine", "command": ["env"], "env": {"HOME": home}}
+    with pytest.raises(RenderError, match=r"executors\[0\]\.env: .*HOME"):
+        render(tmp_path, make_task(executors=[executor]))
+
+
+def test_executors_get_the_configured_umask_and_the_job_keeps_its_own(tmp_path: Path) -> None:
+    executors = [
+        {"image": "alpine", "command": ["a"]},
+        {"image": "alpine", "command": ["b"], "stdout": "/out/log"},
+    ]
+    script = render(tmp_path, make_task(executors=executors), container={"umask": "0002"})
+    bash_syntax_ok(script, tmp_path)
+    assert script.count("umask 077\n") == 1
+    for index in (0, 1):
+        body = script[script.index(f"executor_{index}() {{") :]
+        body = body[: body.index("\n}\n")]
+        assert "umask 0002" in body
+    assert "umask 022" not in script
+
+
 # --------------------------------------------------------------------------- files and templates
 
 
@@ -656,7 +699,12 @@ def test_prepare_task_dir_writes_private_files(tmp_path: Path) -> None:
     assert settings["allowed_dirs"] == [str(tmp_path)]
     assert settings["mkdirs"] == ["/outputs"]
     assert settings["images"] == ["/cache/alpine.sif"]
+    assert settings["missing_outputs"] == "ignore"
     assert os.access(script, os.X_OK)
+    config = make_config(tmp_path / "b", storage={"missing_outputs": "fail"})
+    prepare_task_dir(task, config=config, image_paths=IMAGES)
+    settings = json.loads((config.work_dir / "task-1" / "job-config.json").read_text())
+    assert settings["missing_outputs"] == "fail"
 
 
 def test_render_error_leaves_no_task_directory(tmp_path: Path) -> None:

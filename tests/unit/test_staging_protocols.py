@@ -333,6 +333,23 @@ def test_stage_out_uploads_files_trees_and_wildcards(storage_servers, tmp_path, 
     assert "/out/link" in logs and "escape is a symbolic link" in logs
 
 
+def test_file_output_that_is_a_directory_is_uploaded_as_a_tree_to_s3(storage_servers, tmp_path):
+    url = storage_servers.url_for("s3", "nf-index/index")
+    task = TaskDir(tmp_path, storage_servers, {"outputs": [{"path": "/work/index", "url": url}]})
+    task.host("/work/index/sub").mkdir(parents=True)
+    task.host("/work/index/a.bin").write_bytes(b"a" * 1000)
+    task.host("/work/index/sub/b.txt").write_bytes(b"b\n")
+    assert stage_out(task.layout.task_dir, task.records) == STAGE_OK
+    assert storage_servers.server_path("s3", "nf-index/index/a.bin").read_bytes() == b"a" * 1000
+    assert storage_servers.server_path("s3", "nf-index/index/sub/b.txt").read_bytes() == b"b\n"
+    records = task.read()
+    assert sorted((o["path"], o["url"], o["size_bytes"]) for o in records.outputs) == [
+        ("/work/index/a.bin", f"{url}/a.bin", "1000"),
+        ("/work/index/sub/b.txt", f"{url}/sub/b.txt", "2"),
+    ]
+    assert "uploaded as a directory" in records.system_logs[0]
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_stage_in_failure_names_the_url_and_leaks_no_secret(storage_servers, tmp_path, protocol):
     storage_servers.put("s3", "ok.txt", b"fine\n")
