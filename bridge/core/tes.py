@@ -60,6 +60,9 @@ TERMINAL_STATES = frozenset(
 
 #: Earlier TES versions (and clients generated from them) spell it this way.
 STATE_ALIASES = {"INITILIZING": State.INITIALIZING}
+#: Stored on a task log, never rendered: the kinds of the passing conditions whose lines end
+#: its system_logs, one per line (bridge.poller.attempt).
+CONDITION_KINDS_KEY = "condition_kinds"
 
 
 class View(StrEnum):
@@ -671,7 +674,7 @@ def _render_task_log(entry: Mapping[str, Any], view: View) -> dict[str, Any]:
                 }
                 for executor_log in value
             ]
-        elif key == "system_logs" and view is not View.FULL:
+        elif key == CONDITION_KINDS_KEY or (key == "system_logs" and view is not View.FULL):
             continue
         log[key] = value
     # TES requires both lists on every task log, even when empty.

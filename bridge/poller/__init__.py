@@ -12,10 +12,12 @@ Each cycle it
 
 Run exactly one poller per store: it holds a lock file in the state directory.
 
-Modules: ``decisions`` (pure: the TES state and logs from Slurm and the job's records),
-``recover``, ``submit``, ``follow``, ``cancel`` and ``cleanup`` (the steps above, each a small
-collaborator), ``owners`` (site mode's commands as each task's owner), ``context`` (what they
-share) and ``loop`` (the cycle, the lock, the factory and the process loop).
+Modules: ``attempt`` (a task's logs: the typed attempt log and the conditions it states while
+they last), ``decisions`` (pure: the TES state and logs from Slurm and the job's records),
+``watch`` (what Slurm and the jobs said, read once per cycle), ``recover``, ``submit``,
+``follow``, ``cancel`` and ``cleanup`` (the steps above, each a small collaborator), ``owners``
+(site mode's commands as each task's owner), ``context`` (what they share) and ``loop`` (the
+cycle, the lock, the factory and the process loop).
 """
 
 from __future__ import annotations

@@ -5,32 +5,21 @@ Nothing here calls Slurm, the store or the file system.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import slurm
 from bridge.core.naming import format_time
-from bridge.core.tes import State
+from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
+from bridge.poller.attempt import AttemptLog, Condition, ConditionKind
 from bridge.slurm import JobInfo
-
-Logs = list[dict[str, Any]]
 
 #: How long a job may be unknown to both squeue and sacct before the task is failed
 #: (slurmdbd can lag behind slurmctld for a moment after a job ends).
 MISSING_JOB_GRACE = 120.0
 #: The attempt's metadata key for the --time its job was given and where it came from.
 TIME_LIMIT_KEY = "slurm_time_limit"
-#: How ImageCache.problem() lines start (replaced while the trouble lasts, dropped after).
-IMAGE_NOTE = "pulling image "
-#: system_logs lines that describe a passing condition. A task has at most one: a new one
-#: replaces the last, and it goes when the task moves on (a finished task never says
-#: "pending").
-_CONDITION = re.compile(
-    r"^(Slurm job \S+ is (pending|suspended|stopped)\b|cannot reach Slurm to submit|waiting: )"
-)
 
 OUTCOME_STATES = {
     "complete": State.COMPLETE,
@@ -47,8 +36,17 @@ class Decision:
     retry: bool = False
     #: The job must be canceled (it can never start).
     cancel_job: bool = False
-    #: What the task waits for now (replaces the last such line; None clears it).
-    condition: str | None = None
+    #: What the task waits for now (replaces the last condition; None clears it).
+    condition: Condition | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def job_done(self) -> bool:
+        """The task is done with this job: finished, or to be submitted again."""
+        return self.final or self.retry
 
 
 def decide(
@@ -59,13 +57,21 @@ def decide(
     retries: int,
     current: State,
     time_limit: str | None = None,
+    missing_for: float | None = None,
 ) -> Decision:
     """The TES state of a task from what Slurm says of its job and what the job recorded.
-    `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY)."""
+    `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY);
+    `missing_for`: how long neither squeue nor sacct has known the job (None: they know it)."""
     if records.outcome is not None:
         # The script writes its outcome last: the task is done, whatever Slurm says yet.
         return Decision(OUTCOME_STATES[records.outcome])
     if job is None:
+        # The grace rule: slurmdbd can lag behind slurmctld for a moment after a job ends.
+        if missing_for is not None and missing_for > MISSING_JOB_GRACE:
+            return Decision(
+                State.SYSTEM_ERROR,
+                [f"Slurm no longer knows job {records.job_id} and it recorded no outcome"],
+            )
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
@@ -106,10 +112,16 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
                 [f"Slurm job {job.job_id} can never start ({job.reason}); it was canceled"],
                 cancel_job=True,
             )
-        reason = f"Slurm job {job.job_id} is pending ({job.reason})" if job.reason else None
-        return Decision(State.QUEUED, condition=reason)
+        if not job.reason:
+            return Decision(State.QUEUED)
+        pending = f"Slurm job {job.job_id} is pending ({job.reason})"
+        return Decision(State.QUEUED, condition=Condition(ConditionKind.SLURM_PENDING, pending))
     if tes_state == State.PAUSED.value:
-        return Decision(State.PAUSED, condition=f"Slurm job {job.job_id} is {job.state.lower()}")
+        kind = ConditionKind.SLURM_SUSPENDED
+        if job.state == "STOPPED":
+            kind = ConditionKind.SLURM_STOPPED
+        paused = f"Slurm job {job.job_id} is {job.state.lower()}"
+        return Decision(State.PAUSED, condition=Condition(kind, paused))
     if tes_state in (State.INITIALIZING.value, State.RUNNING.value):
         if records.phase and (records.phase.startswith("running") or records.phase == "uploading"):
             return Decision(State.RUNNING)
@@ -117,71 +129,24 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
     return Decision(current)  # a state we do not know: keep what we had (slurm.py warns)
 
 
-def missing_job(job_id: str, missing_since: float, now: float) -> Decision | None:
-    """The grace rule: a job neither squeue nor sacct knows, which recorded no outcome, fails
-    its task once it has been missing for MISSING_JOB_GRACE seconds; None until then."""
-    if now - missing_since <= MISSING_JOB_GRACE:
-        return None
-    return Decision(
-        State.SYSTEM_ERROR, [f"Slurm no longer knows job {job_id} and it recorded no outcome"]
-    )
+def in_queue(job: JobInfo | None) -> bool:
+    """The job waits in Slurm's queue: it has not started, so it has recorded nothing yet."""
+    return job is not None and not job.ended and job.tes_state == State.QUEUED.value
 
 
 # ---------------------------------------------------------------------------------- logs
-def copy_logs(logs: Logs | None) -> Logs:
-    """A deep copy of a task's logs (through JSON: 2x faster than deepcopy)."""
-    copied: Logs = json.loads(json.dumps(logs or []))
-    return copied
+def log_decision(
+    entry: AttemptLog, decision: Decision, records: JobRecords, job: JobInfo | None
+) -> None:
+    """Write into the attempt's log what the job recorded, what sacct or squeue said of it, and
+    the decision's messages and condition. A job still pending has recorded nothing yet."""
+    if not in_queue(job):
+        fill_attempt_log(entry, records, job, final=decision.job_done)
+    entry.add_system_logs(decision.messages)
+    entry.set_condition(None if decision.job_done else decision.condition)
 
 
-def attempt_log(logs: Logs, attempt: int) -> dict[str, Any]:
-    """The `logs` entry of an attempt (1-based), created with its required lists."""
-    while len(logs) < attempt:
-        logs.append({"logs": [], "outputs": []})
-    return logs[attempt - 1]
-
-
-def add_system_logs(entry: dict[str, Any], lines: list[str]) -> None:
-    if not any(lines):
-        return
-    existing = entry.setdefault("system_logs", [])
-    for line in lines:
-        if line and line not in existing:
-            existing.append(line)
-
-
-def set_condition(entry: dict[str, Any], line: str | None) -> None:
-    """Make `line` the attempt's one condition line (see _CONDITION); None removes it."""
-    existing = entry.get("system_logs")
-    kept = [x for x in existing or [] if not _CONDITION.match(x)]
-    if line:
-        kept.append(line)
-    if kept or existing is not None:
-        entry["system_logs"] = kept
-
-
-def set_image_notes(entry: dict[str, Any], notes: list[str]) -> bool:
-    """Replace the entry's "pulling image" lines by `notes`; returns whether they changed."""
-    old = entry.get("system_logs", [])
-    new = [line for line in old if not line.startswith(IMAGE_NOTE)] + notes
-    if new == old:
-        return False
-    entry["system_logs"] = new
-    if not new:
-        del entry["system_logs"]
-    return True
-
-
-def failure_logs(logs: Logs | None, attempt: int, message: str, now: str) -> Logs:
-    """`logs` with `message` in the attempt's system_logs, ended at `now` unless already."""
-    logs = logs or []
-    entry = attempt_log(logs, max(attempt, 1))
-    add_system_logs(entry, [message])
-    entry.setdefault("end_time", now)
-    return logs
-
-
-def slurm_facts(metadata: dict[str, Any], job: JobInfo) -> None:
+def slurm_facts(metadata: dict[str, str], job: JobInfo) -> None:
     for key, value in (
         ("slurm_state", job.state),
         ("slurm_node", job.node),
@@ -194,25 +159,30 @@ def slurm_facts(metadata: dict[str, Any], job: JobInfo) -> None:
 
 
 def fill_attempt_log(
-    entry: dict[str, Any], records: JobRecords, job: JobInfo | None, *, final: bool
+    entry: AttemptLog, records: JobRecords, job: JobInfo | None, *, final: bool
 ) -> None:
     """Executor logs, outputs and metadata of one attempt, from its records and sacct."""
     start = records.start_time or (job.start_time if job else None)
     if start:
-        entry["start_time"] = format_time(start)
+        entry.start_time = format_time(start)
     end = records.end_time or (job.end_time if job else None)
     if final and end:
-        entry["end_time"] = format_time(end)
-    entry["logs"] = executor_logs(records)
-    entry["outputs"] = list(records.outputs)
-    add_system_logs(entry, records.system_logs)
-    metadata = entry.setdefault("metadata", {})
+        entry.end_time = format_time(end)
+    entry.logs = executor_logs(records)
+    entry.outputs = list(records.outputs)
+    entry.add_system_logs(records.system_logs)
+    _fill_metadata(entry.ensure_metadata(), records, job, final=final)
+
+
+def _fill_metadata(
+    metadata: dict[str, str], records: JobRecords, job: JobInfo | None, *, final: bool
+) -> None:
     metadata["slurm_job_id"] = records.job_id
     if records.memory_peak_bytes is not None:
         metadata["memory_peak_bytes"] = str(records.memory_peak_bytes)
     if final and (job is None or not job.ended):
         # The job recorded its outcome before Slurm ended it: squeue's RUNNING is not a final
-        # fact. sacct's final record is read on a following cycle (Follower.refresh_facts).
+        # fact. sacct's final record is read on a following cycle (Follower._refresh_facts).
         metadata.pop("slurm_state", None)
         if job is not None and job.node:
             metadata["slurm_node"] = job.node

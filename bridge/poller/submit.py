@@ -15,16 +15,10 @@ from bridge.core.naming import job_name
 from bridge.images.ref import ImagePullError
 from bridge.jobscript.render import prepare_task_dir
 from bridge.jobscript.task import RenderError
+from bridge.poller.attempt import Condition, ConditionKind, TaskLogs, failure_logs
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
-from bridge.poller.decisions import (
-    TIME_LIMIT_KEY,
-    attempt_log,
-    copy_logs,
-    failure_logs,
-    set_condition,
-    set_image_notes,
-)
+from bridge.poller.decisions import TIME_LIMIT_KEY
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable, TmpDisk
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
@@ -47,8 +41,8 @@ TMP_DISK_RECHECK = 30.0
 class _Wait(Exception):
     """The task waits in QUEUED (submissions paused) for `reason`."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: Condition) -> None:
+        super().__init__(reason.text)
         self.reason = reason
 
 
@@ -107,9 +101,9 @@ class Backoff:
         self.failures = 0
         self.paused_until = 0.0
         #: Why the last task that could not be submitted waits.
-        self.reason: str | None = None
+        self.reason: Condition | None = None
 
-    def pause(self, reason: str) -> float:
+    def pause(self, reason: Condition) -> float:
         self.failures += 1
         self.reason = reason
         cfg = self.ctx.config.slurm
@@ -187,17 +181,19 @@ class Admission:
     def full(self) -> bool:
         return bool(self.max_total) and self.total >= self.max_total
 
-    def refusal(self, owner: str | None) -> str | None:
-        """Why a task of `owner` waits (a condition line), or None when it may be submitted."""
+    def refusal(self, owner: str | None) -> Condition | None:
+        """Why a task of `owner` waits, or None when it may be submitted."""
         if self.full:
-            return (
+            return Condition(
+                ConditionKind.ADMISSION,
                 f"waiting: {self.total} jobs of this service are in Slurm, the most it submits "
-                f"at once (slurm.max_jobs_in_flight = {self.max_total})"
+                f"at once (slurm.max_jobs_in_flight = {self.max_total})",
             )
         if self.max_owner and self.by_owner.get(owner, 0) >= self.max_owner:
-            return (
+            return Condition(
+                ConditionKind.ADMISSION,
                 f"waiting: {self.by_owner.get(owner, 0)} jobs of this task's owner are in Slurm, "
-                f"the most one owner may have (slurm.max_jobs_per_owner = {self.max_owner})"
+                f"the most one owner may have (slurm.max_jobs_per_owner = {self.max_owner})",
             )
         return None
 
@@ -241,7 +237,7 @@ class Preparer:
             except SlurmError as exc:
                 reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
                 log.warning("sinfo failed: %s", exc)
-                raise _Wait(reason) from exc
+                raise _Wait(Condition(ConditionKind.TMP_DISK_UNKNOWN, reason)) from exc
         script = self._write(document, owner, image_paths, tmp_disk, task_owner)
         return PreparedJob(script, _time_limit(document, self.ctx.config), disk)
 
@@ -269,24 +265,24 @@ class Preparer:
                 raise _Fail(f"cannot prepare the task directory: {exc}") from exc
             # Every task would meet the same full disk: all submissions wait for the back-off.
             log.warning("cannot prepare the directory of task %s: %s", document["id"], exc)
-            raise _Wait(f"waiting: cannot prepare the task directory ({exc})") from exc
+            reason = f"waiting: cannot prepare the task directory ({exc})"
+            raise _Wait(Condition(ConditionKind.TASK_DIR_UNWRITABLE, reason)) from exc
         except RenderError as exc:
             raise _Fail(f"cannot run this task here: {exc}") from exc
         except OwnerCommandError as exc:
             raise _Fail(f"cannot create the task directory as {owner}: {exc}") from exc
 
 
-def tell_waiting(ctx: PollerContext, tasks: list[TaskRecord], reason: str | None) -> None:
+def tell_waiting(ctx: PollerContext, tasks: list[TaskRecord], reason: Condition | None) -> None:
     """Say in each task's system_logs why it waits in QUEUED (stored only when it changes)."""
     if reason is None:
         return
     for task in tasks:
-        logs = copy_logs(task.logs)
-        entry = attempt_log(logs, task.attempt + 1)
-        before = list(entry.get("system_logs", []))
-        set_condition(entry, reason)
-        if entry.get("system_logs") != before:
-            ctx.store.note(task.id, logs)
+        logs = TaskLogs(task.logs)
+        logs.attempt(task.attempt + 1).set_condition(reason)
+        updated = logs.to_json()
+        if updated != task.logs:
+            ctx.store.note(task.id, updated)
 
 
 class Submitter:
@@ -375,14 +371,14 @@ class Submitter:
         if job_id is None:
             return False
         self.backoff.failures = 0
-        logs = task.logs or []
-        entry = attempt_log(logs, attempt)
-        set_condition(entry, None)
-        metadata = entry.setdefault("metadata", {})
+        logs = TaskLogs(task.logs)
+        entry = logs.attempt(attempt)
+        entry.set_condition(None)
+        metadata = entry.ensure_metadata()
         metadata["slurm_job_id"] = job_id
         if prepared.time_limit:
             metadata[TIME_LIMIT_KEY] = prepared.time_limit.describe()
-        canceled = self.ctx.store.record_job(task.id, job_id, logs=logs)
+        canceled = self.ctx.store.record_job(task.id, job_id, logs=logs.to_json())
         log.info("submitted task %s as Slurm job %s", task.id, job_id)
         if canceled:
             # Canceled while sbatch ran (the API saw no job yet): scancel before it can start.
@@ -447,15 +443,19 @@ class Submitter:
         # time is left to wait: the submission's start is moved back accordingly.
         maybe_started_at = self._maybe_started() if exc.may_have_acted else None
         if isinstance(exc, SlurmUnavailable) and exc.outage is Outage.LIMIT:
-            reason = (
+            waiting = Condition(
+                ConditionKind.SLURM_LIMIT,
                 f"waiting: Slurm refused the job for a limit ({exc.reason}); "
-                "submitted again when earlier jobs have ended"
+                "submitted again when earlier jobs have ended",
             )
             log.warning("sbatch for task %s refused for a limit: %s", task.id, exc)
         else:
-            reason = f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off"
+            waiting = Condition(
+                ConditionKind.SLURM_UNREACHABLE,
+                f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off",
+            )
             log.warning("sbatch for task %s failed: %s", task.id, exc)
-        self._wait(task, attempt, reason, SubmissionFailure(task.attempt, maybe_started_at))
+        self._wait(task, attempt, waiting, SubmissionFailure(task.attempt, maybe_started_at))
 
     def _maybe_started(self) -> float:
         """When an sbatch that ended without an answer may have started: its own time-out ago
@@ -466,28 +466,30 @@ class Submitter:
         self,
         task: TaskRecord,
         log_attempt: int,
-        reason: str,
+        reason: Condition,
         submission: SubmissionFailure | None = None,
     ) -> None:
         """Keep the task QUEUED, saying why (in the log of `log_attempt`), pause submissions,
         and try it again after the back-off."""
         delay = self.backoff.pause(reason)
-        logs = copy_logs(task.logs)
-        set_condition(attempt_log(logs, max(log_attempt, 1)), reason)
+        logs = TaskLogs(task.logs)
+        logs.attempt(max(log_attempt, 1)).set_condition(reason)
         until = self.ctx.clock() + delay
-        self.ctx.store.defer_submission(task.id, until=until, logs=logs, submission=submission)
-        log.info("task %s waits %.0fs: %s", task.id, delay, reason)
+        self.ctx.store.defer_submission(
+            task.id, until=until, logs=logs.to_json(), submission=submission
+        )
+        log.info("task %s waits %.0fs: %s", task.id, delay, reason.text)
 
     def _note_images(self, task: TaskRecord, notes: list[str], *, write: bool) -> None:
         """Replace the task's "pulling image" lines by `notes` (stored only when they change)."""
         if not notes and not task.logs:
             return
-        logs = task.logs or []
-        if not set_image_notes(attempt_log(logs, task.attempt + 1), notes):
+        logs = TaskLogs(task.logs)
+        if not logs.attempt(task.attempt + 1).set_image_notes(notes):
             return
-        task.logs = logs
+        task.logs = logs.to_json()
         if write:
-            self.ctx.store.note(task.id, logs)
+            self.ctx.store.note(task.id, task.logs)
 
     def _fail(self, task: TaskRecord, message: str, *, attempt: int | None = None) -> None:
         logs = failure_logs(task.logs, attempt or task.attempt, message, format_time_now())

@@ -18,6 +18,8 @@ from bridge.config import Config, load_config
 from bridge.core.tes import State
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
+from bridge.poller.attempt import Condition, ConditionKind
+from bridge.poller.decisions import MISSING_JOB_GRACE
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
 
@@ -88,7 +90,9 @@ def test_pending_job_is_queued_with_its_reason():
         current=State.QUEUED,
     )
     assert decision.state is State.QUEUED
-    assert decision.condition == "Slurm job 1 is pending (Resources)"
+    assert decision.condition == Condition(
+        ConditionKind.SLURM_PENDING, "Slurm job 1 is pending (Resources)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,6 +168,52 @@ def test_suspended_job_is_paused_and_unknown_states_keep_the_last_one():
     assert unknown.state is State.RUNNING
 
 
+def test_a_job_unknown_to_slurm_fails_its_task_after_the_grace_time_only():
+    unknown = {"job": None, "records": records(), "attempt": 1, "retries": 2}
+    waiting = decide(**unknown, current=State.RUNNING, missing_for=MISSING_JOB_GRACE)
+    assert waiting.state is State.RUNNING and not waiting.messages
+    lost = decide(**unknown, current=State.RUNNING, missing_for=MISSING_JOB_GRACE + 1)
+    assert lost.state is State.SYSTEM_ERROR
+    assert lost.messages == ["Slurm no longer knows job 1 and it recorded no outcome"]
+    done = decide(
+        **{**unknown, "records": records(outcome="complete")},
+        current=State.RUNNING,
+        missing_for=MISSING_JOB_GRACE + 1,
+    )
+    assert done.state is State.COMPLETE
+
+
+def test_the_grace_time_counts_from_the_first_cycle_without_the_job(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    running = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    slurm.jobs[job_id] = running
+    poller.cycle()
+    del slurm.jobs[job_id]  # neither squeue nor sacct knows it
+    poller.cycle()
+    now[0] += 100
+    slurm.jobs[job_id] = running  # back (slurmdbd caught up): the count starts again
+    poller.cycle()
+    del slurm.jobs[job_id]
+    for step in (0, 60, 60):
+        now[0] += step
+        poller.cycle()
+        assert store.get_task(task.id).state == "INITIALIZING"
+    slurm.unavailable = True  # squeue fails: nothing is decided
+    now[0] += 1
+    poller.cycle()
+    assert store.get_task(task.id).state == "INITIALIZING"
+    slurm.unavailable = False
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    assert "Slurm no longer knows job" in record.logs[0]["system_logs"][-1]
+
+
 def test_job_that_can_never_start_fails_and_is_canceled(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -234,6 +284,23 @@ def test_unreachable_slurm_keeps_the_task_queued_and_says_why(env):
     assert store.get_task(task.id).job_id is not None
 
 
+def test_a_task_that_fails_after_waiting_no_longer_says_it_waits(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.unavailable = True
+    poller.cycle()
+    assert any("cannot reach Slurm" in x for x in store.get_task(task.id).logs[0]["system_logs"])
+    slurm.unavailable = False
+    slurm.sbatch_error = "sbatch: error: Memory specification can not be satisfied"
+    poller.clock = lambda: 1e12  # the back-off has passed
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    assert record.logs[0]["system_logs"] == [
+        "Slurm refused the job: Memory specification can not be satisfied"
+    ]
+
+
 def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -301,16 +368,25 @@ def test_auto_disk_request_reads_tmp_disk_once_and_again_after_the_refresh(env):
 
 def test_auto_disk_request_waits_while_tmp_disk_cannot_be_read_at_first(env):
     poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
     slurm.sinfo = None
     task = store.create_task(DISK)
-    poller.cycle()
-    record = store.get_task(task.id)
-    assert record.state == "QUEUED" and "sbatch" not in slurm.calls
-    assert "cannot read the nodes' TmpDisk" in " ".join(record.logs[0]["system_logs"])
+    for _ in range(3):  # back-off rounds: the task says why it waits, once
+        poller.cycle()
+        now[0] += 1e6  # the back-off has passed
+        record = store.get_task(task.id)
+        assert record.state == "QUEUED" and "sbatch" not in slurm.calls
+        waits = [x for x in record.logs[0]["system_logs"] if "cannot read the nodes' TmpDisk" in x]
+        assert len(waits) == 1, record.logs
     slurm.sinfo = "main*|102400\n"
-    poller.clock = lambda: 1e12  # the back-off has passed
     poller.cycle()
     assert tmp_lines(slurm.scripts[-1]) == ["#SBATCH --tmp=2202"]
+    # Submitted: the task no longer waits for TmpDisk, and its log no longer says so.
+    record = store.get_task(task.id)
+    assert record.job_id and record.logs[0]["system_logs"] == [
+        f"Slurm job {record.job_id} is pending (Priority)"
+    ]
 
 
 def test_tmp_disk_request_on_nodes_without_tmp_disk_fails_saying_why(tmp_path, sqlite_store):
@@ -502,7 +578,7 @@ def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
             ExecutorRecord(1, t0, None, None, "two so far", ""),
         ],
     )
-    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: running)
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "RUNNING"
@@ -556,7 +632,7 @@ def test_pending_reason_is_one_line_that_goes_when_the_task_moves_on(env, monkey
     assert lines == [f"Slurm job {job_id} is pending (Resources)"]
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: done)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
@@ -570,13 +646,13 @@ def test_final_log_has_sacct_facts_never_a_leftover_running(env, monkeypatch):
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
     monkeypatch.setattr(
-        "bridge.poller.follow.read_records", lambda *a, **k: JobRecords(job_id=job_id)
+        "bridge.poller.watch.read_records", lambda *a, **k: JobRecords(job_id=job_id)
     )
     poller.cycle()
     assert store.get_task(task.id).logs[0]["metadata"]["slurm_state"] == "RUNNING"
     # The job recorded its outcome; squeue still says RUNNING and sacct has nothing final yet.
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: done)
     poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
@@ -604,7 +680,7 @@ def test_final_facts_are_given_up_after_the_grace_time(env, monkeypatch):
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
     done = JobRecords(job_id=job_id, phase="done", outcome="complete")
-    monkeypatch.setattr("bridge.poller.follow.read_records", lambda *a, **k: done)
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: done)
     poller.cycle()
     later = poller.clock() + 301
     poller.clock = lambda: later
@@ -760,7 +836,7 @@ def test_interrupted_retry_does_not_adopt_the_job_of_an_earlier_attempt(env, mon
     first = store.get_task(task.id).job_id
     slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL", exit_code=0)
     monkeypatch.setattr(
-        "bridge.poller.follow.read_records", lambda *a, **k: JobRecords(job_id=first)
+        "bridge.poller.watch.read_records", lambda *a, **k: JobRecords(job_id=first)
     )
     poller.cycle()  # lost node: a second attempt is due
     record = store.get_task(task.id)

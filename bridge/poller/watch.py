@@ -1,0 +1,106 @@
+"""What Slurm and the jobs said of the followed jobs: one cache, updated once per cycle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from bridge.core.tes import State
+from bridge.job.records import JobRecords, read_records
+from bridge.poller.context import CycleStats, PollerContext, short
+from bridge.poller.decisions import in_queue
+from bridge.poller.owners import OwnerRunner
+from bridge.slurm import JobInfo, SlurmError
+from bridge.store import TaskRecord
+
+log = logging.getLogger("bridge.poller")
+
+
+class JobWatch:
+    """squeue's and sacct's answers for the followed jobs, when Slurm stopped knowing a job,
+    and (site mode) the jobs' records read as their owners. update() reads them all once per
+    cycle and never raises: a failed squeue is kept in `unavailable` (nothing can be decided
+    then), a failed sacct leaves the jobs that left the queue unknown until the next cycle."""
+
+    def __init__(self, ctx: PollerContext, owners: OwnerRunner | None) -> None:
+        self.ctx = ctx
+        #: Site mode: reads the records as each task's owner.
+        self.owners = owners
+        #: Why squeue failed on the last update (None: it answered).
+        self.unavailable: str | None = None
+        self._queue: dict[str, JobInfo] = {}
+        self._accounting: dict[str, JobInfo] = {}
+        #: Site mode: the records read as each owner, by task id.
+        self._records: dict[str, JobRecords] = {}
+        #: Followed jobs that neither squeue nor sacct knows: since when.
+        self._missing_since: dict[str, float] = {}
+
+    def update(self, tasks: list[TaskRecord], awaited: Iterable[str], stats: CycleStats) -> None:
+        """Read what Slurm says of `tasks`' jobs; `awaited`: finished jobs whose final record
+        is still read from sacct (they ride on the same call)."""
+        job_ids = [t.job_id for t in tasks if t.job_id]
+        try:
+            queue = self._squeue(job_ids, stats)
+        except SlurmError as exc:
+            log.warning("squeue failed; keeping the last known states: %s", short(exc))
+            self.unavailable = short(exc)
+            return
+        self.unavailable = None
+        self._queue = queue
+        if self.owners is not None:
+            self._records = self._read_records_as_owners(self.owners, tasks)
+        left = [j for j in job_ids if j not in queue or queue[j].ended]
+        asked = set(left)
+        left += [job_id for job_id in awaited if job_id not in asked]
+        self._accounting = self._sacct(left, stats)
+        now = self.ctx.clock()
+        self._missing_since = {
+            j: self._missing_since.get(j, now) for j in job_ids if self.job(j) is None
+        }
+
+    def _read_records_as_owners(
+        self, owners: OwnerRunner, tasks: list[TaskRecord]
+    ) -> dict[str, JobRecords]:
+        """One read per owner, of the jobs that have started (a pending one recorded nothing)."""
+        waiting = {j for j, info in self._queue.items() if info.tes_state == State.QUEUED.value}
+        return owners.read_records([t for t in tasks if t.job_id not in waiting])
+
+    def _squeue(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
+        if not job_ids:
+            return {}
+        stats.slurm_calls += 1
+        return self.ctx.slurm.queue(job_ids)
+
+    def _sacct(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
+        if not job_ids:
+            return {}
+        try:
+            stats.slurm_calls += 1
+            return self.ctx.slurm.accounting(job_ids)
+        except SlurmError as exc:
+            log.warning("sacct failed; finished jobs wait for the next cycle: %s", short(exc))
+            return {}
+
+    def job(self, job_id: str) -> JobInfo | None:
+        """What Slurm says of the job: sacct's record once it left the queue, else squeue's."""
+        return self._accounting.get(job_id) or self._queue.get(job_id)
+
+    def final_record(self, job_id: str) -> JobInfo | None:
+        """sacct's record of a finished job, when it has one."""
+        job = self._accounting.get(job_id)
+        return job if job is not None and job.ended else None
+
+    def missing_for(self, job_id: str) -> float | None:
+        """How long neither squeue nor sacct has known the job; None while one does."""
+        since = self._missing_since.get(job_id)
+        return None if since is None else self.ctx.clock() - since
+
+    def records(self, task: TaskRecord) -> JobRecords:
+        """What the task's job recorded (nothing while it waits in the queue)."""
+        assert task.job_id is not None
+        if in_queue(self.job(task.job_id)):
+            return JobRecords(job_id=task.job_id)
+        if self.owners is not None:
+            return self._records.get(task.id) or JobRecords(job_id=task.job_id)
+        tail = self.ctx.config.job.log_tail_bytes
+        return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)

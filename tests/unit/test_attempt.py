@@ -1,0 +1,83 @@
+"""The typed attempt log: the conditions it states are kept by kind, and its stored and wire
+forms are the TES task log they always were."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge.core.tes import View, render_task
+from bridge.poller.attempt import AttemptLog, Condition, ConditionKind, TaskLogs, failure_logs
+
+PENDING = Condition(ConditionKind.SLURM_PENDING, "Slurm job 7 is pending (Priority)")
+ADMISSION = Condition(ConditionKind.ADMISSION, "waiting: 2 jobs of this service are in Slurm")
+
+
+def wire(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    task = render_task(
+        task_id="t", state="QUEUED", document={}, creation_time=None, logs=logs, view=View.FULL
+    )
+    rendered: list[dict[str, Any]] = task["logs"]
+    return rendered
+
+
+def test_a_condition_is_a_system_logs_line_whose_kind_never_reaches_the_wire():
+    entry = AttemptLog()
+    entry.add_system_logs(["dropped backend parameter x"])
+    entry.set_condition(PENDING)
+    stored = entry.to_json()
+    assert stored["system_logs"] == ["dropped backend parameter x", PENDING.text]
+    assert wire([stored]) == [
+        {"logs": [], "outputs": [], "system_logs": ["dropped backend parameter x", PENDING.text]}
+    ]
+    # Read back, it is the same attempt: an unchanged task is not written again.
+    again = AttemptLog.from_json(stored)
+    assert again == entry and again.to_json() == stored
+
+
+def test_a_new_condition_replaces_the_last_whatever_their_wording():
+    entry = AttemptLog.from_json(TaskLogs(None).attempt(1).to_json())
+    for _ in range(3):
+        entry.set_condition(ADMISSION)
+        entry.set_condition(PENDING)
+        entry = AttemptLog.from_json(entry.to_json())
+    assert entry.to_json()["system_logs"] == [PENDING.text]
+    tmp_disk = Condition(ConditionKind.TMP_DISK_UNKNOWN, "cannot read the nodes' TmpDisk")
+    entry.set_condition(tmp_disk)
+    entry.set_condition(tmp_disk)
+    assert entry.to_json()["system_logs"] == [tmp_disk.text]
+    entry.set_condition(None)
+    assert entry.to_json()["system_logs"] == []  # said once, the list stays (empty)
+
+
+def test_image_notes_are_replaced_beside_the_condition_and_leave_no_empty_list():
+    entry = AttemptLog()
+    assert entry.set_image_notes(["pulling image a: registry down"])
+    entry.set_condition(ADMISSION)
+    assert not entry.set_image_notes(["pulling image a: registry down"])
+    assert entry.set_image_notes(["pulling image a: retrying in 4 s"])
+    assert entry.to_json()["system_logs"] == [ADMISSION.text, "pulling image a: retrying in 4 s"]
+    entry.set_condition(None)
+    assert entry.set_image_notes([])
+    assert "system_logs" not in entry.to_json()
+
+
+def test_an_attempt_stored_before_the_kinds_has_its_condition_replaced_not_piled_up():
+    logs = [{"logs": [], "outputs": [], "system_logs": ["warning", "waiting: for a slot"]}]
+    task_logs = TaskLogs(logs)
+    task_logs.attempt(1).set_condition(PENDING)
+    assert task_logs.to_json()[0]["system_logs"] == ["warning", PENDING.text]
+    assert logs[0]["system_logs"] == ["warning", "waiting: for a slot"]  # never changed in place
+
+
+def test_a_failed_attempt_no_longer_says_what_it_waited_for():
+    task_logs = TaskLogs(None)
+    task_logs.attempt(1).set_condition(ADMISSION)
+    failed = failure_logs(task_logs.to_json(), 1, "Slurm refused the job", "2026-01-01T00:00:00Z")
+    assert failed == [
+        {
+            "logs": [],
+            "outputs": [],
+            "system_logs": ["Slurm refused the job"],
+            "end_time": "2026-01-01T00:00:00Z",
+        }
+    ]
