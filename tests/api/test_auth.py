@@ -23,9 +23,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from falcon import testing
 
 from bridge.api.app import create_app
-from bridge.api.auth import AdminPolicy, AuthError, BasicAuth, UserMap
+from bridge.api.auth import AuthError, BasicAuth
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
+from bridge.system.users import AdminPolicy, UnknownUser, UserMap
 from tests.fixtures.auth import (
     AUDIENCE,
     OIDC,
@@ -351,13 +352,13 @@ def test_identities_must_be_user_names_without_a_mapping_file(unix_users: UnixUs
     users = UserMap.load(None)
     assert users.resolve("tesalice").user == "tesalice"
     for bad in ("../etc", "-u", "Alice Smith", "a" * 40, ""):
-        with pytest.raises(AuthError):
+        with pytest.raises(UnknownUser):
             users.resolve(bad)
     local = UserMap.load(None, require_local=True)
     assert local.resolve("tesalice").user == "tesalice"
-    with pytest.raises(AuthError):
+    with pytest.raises(UnknownUser):
         local.resolve("no-such-user-here")
-    with pytest.raises(AuthError):
+    with pytest.raises(UnknownUser):
         local.resolve("root")  # tasks never run as root
     admins = AdminPolicy(["tesadmin"], group=unix_users.group)
     assert admins.is_admin("tesadmin") and admins.is_admin("tesalice")

@@ -44,7 +44,7 @@ def test_only_the_pages_own_files_are_served(client):
 
 
 def test_the_page_has_no_inline_script_or_style_and_no_html_from_data():
-    webui = Path(__file__).resolve().parents[2] / "bridge" / "webui"
+    webui = Path(__file__).resolve().parents[2] / "bridge" / "api" / "webui"
     html = (webui / "index.html").read_text()
     assert re.findall(r"<script[^>]*>", html) == ['<script src="app.js" defer>']
     assert "<style" not in html and " style=" not in html
