@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -533,22 +534,9 @@ def load_config(
 ) -> Config:
     """Build the configuration from a TOML file, the environment and explicit overrides."""
     env = os.environ if environ is None else environ
-    data: dict[str, Any] = {}
     path = path or env.get(ENV_CONFIG) or None
-    if path:
-        try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    if env.get(ENV_DATABASE):
-        data["database"] = env[ENV_DATABASE]
-    if env.get(ENV_STATE_DIR):
-        data["state_dir"] = env[ENV_STATE_DIR]
-    if env.get(ENV_WORK_DIR):
-        data.setdefault("job", {})["work_dir"] = env[ENV_WORK_DIR]
+    data = _read_toml(path) if path else {}
+    _apply_environment(data, env)
     for dotted, value in (overrides or {}).items():
         section = data
         *parents, key = dotted.split(".")
@@ -563,3 +551,23 @@ def load_config(
         )
         source = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{source}: {problems}") from exc
+
+
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _apply_environment(data: dict[str, Any], env: Mapping[str, str]) -> None:
+    """TES_BRIDGE_DATABASE, TES_BRIDGE_STATE_DIR and TES_BRIDGE_WORK_DIR win over the file."""
+    if env.get(ENV_DATABASE):
+        data["database"] = env[ENV_DATABASE]
+    if env.get(ENV_STATE_DIR):
+        data["state_dir"] = env[ENV_STATE_DIR]
+    if env.get(ENV_WORK_DIR):
+        data.setdefault("job", {})["work_dir"] = env[ENV_WORK_DIR]

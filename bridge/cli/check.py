@@ -7,7 +7,9 @@ account's. As root it checks them for the owner of the state directory.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -17,8 +19,48 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bridge.config import Config
+from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.system.proc import CommandError, run
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    check = commands.add_parser(
+        "check",
+        help="check this host's setup: config, database, directories, Slurm, Apptainer, sudo",
+        description="Check that the configuration loads, the database takes writes, the work "
+        "directory, image cache and file directories exist with the right permissions for the "
+        "service account, sinfo and sacct answer, the container runtime runs an image, and "
+        "(site mode) the sudo rule is installed. One line per check, with what to fix; exit "
+        "status 1 when any check fails. Run it as the service account (as root, permissions "
+        "are checked for the owner of the state directory).",
+    )
+    check.add_argument(
+        "--image",
+        default="alpine",
+        help="image the runtime must run, as tasks name it (default: alpine, from "
+        "container.default_registry)",
+    )
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
+    # It loads the configuration itself: one that does not load is a failed check.
+    check.set_defaults(run_unconfigured=check_command)
+
+
+def check_command(args: argparse.Namespace) -> int:
+    """One line per check (or JSON); 1 when any failed."""
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        results = [Result("config", False, str(exc), "correct the configuration file")]
+    else:
+        where = args.config or os.environ.get(ENV_CONFIG) or "defaults"
+        results = [Result("config", True, f"loaded ({where})")]
+        results += Doctor(config, image=args.image).run()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.line(), flush=True)
+    return 0 if all(r.ok for r in results) else 1
 
 
 @dataclass

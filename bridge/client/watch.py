@@ -114,32 +114,37 @@ def wait_for(
     progress = Progress(out, err, len(ids))
     started = time.monotonic()
     while True:
-        problem = ""
-        for task_id in [i for i in ids if states[i] not in FINAL_STATES]:
-            try:
-                state = str(client.get(task_id)["state"])
-            except TesError as exc:
-                if exc.status is not None and exc.status < 500:
-                    progress.done(states)
-                    raise
-                problem = str(exc)
-                break
-            except (KeyError, TypeError):
-                raise TesError(f"task {task_id}: the server's answer has no state") from None
-            if state != states[task_id]:
-                states[task_id] = state
-                progress.change(task_id, state)
+        problem = _poll(client, states, progress)
         elapsed = time.monotonic() - started
-        if all(state in FINAL_STATES for state in states.values()):
+        pending = [i for i in ids if states[i] not in FINAL_STATES]
+        if not pending:
             progress.done(states)
             return outcome(s for s in states.values() if s)
         if timeout is not None and elapsed >= timeout:
             progress.done(states)
-            pending = [i for i in ids if states[i] not in FINAL_STATES]
             err.write(f"tes-bridge task: {len(pending)} task(s) not final after {timeout:g} s\n")
             return EXIT_TIMEOUT
         progress.status(states, elapsed, problem)
         time.sleep(interval if timeout is None else max(0.0, min(interval, timeout - elapsed)))
+
+
+def _poll(client: TesClient, states: dict[str, str | None], progress: Progress) -> str:
+    """Ask for the state of each task not final yet, and report those that changed. Returns ""
+    or why the server cannot answer now (the tasks left are asked again next round)."""
+    for task_id in [i for i, state in states.items() if state not in FINAL_STATES]:
+        try:
+            state = str(client.get(task_id)["state"])
+        except TesError as exc:
+            if exc.status is not None and exc.status < 500:
+                progress.done(states)
+                raise
+            return str(exc)
+        except (KeyError, TypeError):
+            raise TesError(f"task {task_id}: the server's answer has no state") from None
+        if state != states[task_id]:
+            states[task_id] = state
+            progress.change(task_id, state)
+    return ""
 
 
 def new_text(shown: str, current: str) -> str:
@@ -172,24 +177,31 @@ class LogPrinter:
         attempts = task.get("logs") or []
         if not attempts:
             return
-        index = len(attempts) - 1
-        if self.attempt is not None and index != self.attempt:
-            if streams:
-                self.err.write(f"--- attempt {index + 1} ---\n")
-            self.shown.clear()
-        self.attempt = index
+        self._follow_attempt(len(attempts) - 1, announce=streams)
         last = attempts[-1] or {}
-        for number, log in enumerate(last.get("logs") or [] if streams else []):
-            for stream, target in (("stdout", self.out), ("stderr", self.err)):
-                text = (log or {}).get(stream) or ""
-                target.write(new_text(self.shown.get((number, stream), ""), text))
-                self.shown[(number, stream)] = text
+        if streams:
+            self._print_streams(last.get("logs") or [])
         for line in last.get("system_logs") or []:
             if line not in self.system_seen:
                 self.system_seen.add(line)
                 self.err.write(f"system: {line}\n")
         self.out.flush()
         self.err.flush()
+
+    def _follow_attempt(self, index: int, *, announce: bool) -> None:
+        """A new attempt's streams start from nothing shown."""
+        if self.attempt is not None and index != self.attempt:
+            if announce:
+                self.err.write(f"--- attempt {index + 1} ---\n")
+            self.shown.clear()
+        self.attempt = index
+
+    def _print_streams(self, executor_logs: list[dict[str, Any] | None]) -> None:
+        for number, log in enumerate(executor_logs):
+            for stream, target in (("stdout", self.out), ("stderr", self.err)):
+                text = (log or {}).get(stream) or ""
+                target.write(new_text(self.shown.get((number, stream), ""), text))
+                self.shown[(number, stream)] = text
 
 
 class OutputUnsupported(Exception):
@@ -220,34 +232,53 @@ class LiveOutput:
         """Print what was written since the last step; with `final` (the task is over), read
         every executor's streams to their ends. An executor whose files are gone (a task
         directory cleaned up) or were never seen here gives its log from the task document."""
-        executors = len(task.get("executors") or [])
+        executors = max(len(task.get("executors") or []), 1)
         attempts = task.get("logs") or []
         documented = ((attempts[-1] or {}).get("logs") or []) if attempts else []
         for stream, target in self.targets.items():
-            while self.position[stream][0] < max(executors, 1):
-                executor, offset = self.position[stream]
-                answer = self._read(executor, stream, offset)
-                attempt = int(answer.get("attempt") or 1)
-                if self.attempt is not None and attempt != self.attempt:
-                    self.targets["stderr"].write(f"--- attempt {attempt} ---\n")
-                    self.position = {s: (0, 0) for s in self.targets}
-                    self.attempt = attempt
-                    continue
-                self.attempt = attempt
-                if not answer.get("started") and final and executor < len(documented):
-                    target.write(str((documented[executor] or {}).get(stream) or ""))
-                    self.position[stream] = (executor + 1, 0)
-                    continue
-                target.write(str(answer.get("text") or ""))
-                target.flush()
-                next_offset = int(answer.get("next_offset") or 0)
-                self.position[stream] = (executor, next_offset)
-                if next_offset < int(answer.get("size") or 0):
-                    continue  # more than one read's worth: read on
-                if not (answer.get("done") or final):
-                    break  # the executor is still writing
-                self.position[stream] = (executor + 1, 0)
+            self._read_on(stream, executors, documented, final=final)
             target.flush()
+
+    def _read_on(self, stream: str, executors: int, documented: list[Any], *, final: bool) -> None:
+        """Print `stream` from where it stopped, executor after executor, up to the end of
+        the one still writing."""
+        while self.position[stream][0] < executors:
+            executor, offset = self.position[stream]
+            answer = self._read(executor, stream, offset)
+            if self._new_attempt(int(answer.get("attempt") or 1)):
+                continue
+            if not answer.get("started") and final and executor < len(documented):
+                self.targets[stream].write(str((documented[executor] or {}).get(stream) or ""))
+                self.position[stream] = (executor + 1, 0)
+                continue
+            if not self._print(stream, answer, final=final):
+                break  # the executor is still writing
+
+    def _new_attempt(self, attempt: int) -> bool:
+        """Whether the server has moved on to another attempt: then every stream starts
+        again from the first executor."""
+        moved = self.attempt is not None and attempt != self.attempt
+        if moved:
+            self.targets["stderr"].write(f"--- attempt {attempt} ---\n")
+            self.position = {s: (0, 0) for s in self.targets}
+        self.attempt = attempt
+        return moved
+
+    def _print(self, stream: str, answer: dict[str, Any], *, final: bool) -> bool:
+        """Print one read of the current executor's `stream` and move past it; False while
+        that executor is still writing (read on at the next step)."""
+        target = self.targets[stream]
+        target.write(str(answer.get("text") or ""))
+        target.flush()
+        executor = self.position[stream][0]
+        next_offset = int(answer.get("next_offset") or 0)
+        self.position[stream] = (executor, next_offset)
+        if next_offset < int(answer.get("size") or 0):
+            return True  # more than one read's worth: read on
+        if not (answer.get("done") or final):
+            return False
+        self.position[stream] = (executor + 1, 0)
+        return True
 
 
 def follow_logs(

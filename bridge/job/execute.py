@@ -45,6 +45,25 @@ def _open_record(path: Path) -> int:
     )
 
 
+def _open_stdio(layout: TaskLayout, edir: Path, target: int, key: str, where: str | None) -> int:
+    """The descriptor for `key` (on `target`): the executor's own file or /dev/null, else
+    nothing for stdin and its record for stdout and stderr."""
+    if where == os.devnull:  # a common way to say "discard" / "no input"
+        return os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    if where:
+        return _open_own(layout, where, write=target != 0)
+    if target == 0:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return _open_record(edir / key)
+
+
+def _cannot_start(records_dir: Path, message: str, stderr: int = 2) -> int:
+    """Say why in the task's system logs and on `stderr`; the exit code of a failed start."""
+    RecordsWriter(records_dir).system_log(message)
+    os.write(stderr, f"tes-bridge: {message}\n".encode(errors="replace"))
+    return EXIT_CANNOT_START
+
+
 def run_executor(task_dir: Path, records_dir: Path, index: int, argv: Sequence[str]) -> int:
     """Exec `argv` with the executor's stdio; returns only when that is impossible."""
     layout = TaskLayout(task_dir)
@@ -53,13 +72,11 @@ def run_executor(task_dir: Path, records_dir: Path, index: int, argv: Sequence[s
     executor = _executor(layout, index)
     if os.geteuid() == 0 and not read_settings(layout.job_config).allow_root:
         # Root in the job is root on the host behind the runtime's user namespace.
-        message = (
+        return _cannot_start(
+            records_dir,
             f"executor {index}: refusing to run as root; run the bridge as an unprivileged "
-            "account (or set container.allow_root, which is dangerous)"
+            "account (or set container.allow_root, which is dangerous)",
         )
-        RecordsWriter(records_dir).system_log(message)
-        os.write(2, f"tes-bridge: {message}\n".encode())
-        return EXIT_CANNOT_START
     fds: dict[int, int] = {}
     try:
         # stderr first, so that a problem with the others can be reported in it.
@@ -67,36 +84,21 @@ def run_executor(task_dir: Path, records_dir: Path, index: int, argv: Sequence[s
             own = executor.get(key)
             where = own if isinstance(own, str) else None
             try:
-                if where == os.devnull:  # a common way to say "discard" / "no input"
-                    fds[target] = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-                elif target == 0:
-                    fds[0] = (
-                        _open_own(layout, where, write=False)
-                        if where
-                        else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                    )
-                elif where:
-                    fds[target] = _open_own(layout, where, write=True)
-                else:
-                    fds[target] = _open_record(edir / key)
+                fds[target] = _open_stdio(layout, edir, target, key, where)
             except (OSError, LayoutError) as exc:
                 if target == 2:
                     # Still keep a stderr, in the records, for the message below.
                     fds[2] = _open_record(edir / "stderr")
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 message = f"executor {index}: cannot open {key} {where}: {reason}"
-                RecordsWriter(records_dir).system_log(message)
-                os.write(fds[2], f"tes-bridge: {message}\n".encode(errors="replace"))
-                return EXIT_CANNOT_START
+                return _cannot_start(records_dir, message, fds[2])
         for target, fd in fds.items():
             os.dup2(fd, target)  # dup2 clears close-on-exec on the target
         try:
             os.execvp(argv[0], list(argv))
         except OSError as exc:
             message = f"executor {index}: cannot run {argv[0]}: {exc.strerror}"
-            RecordsWriter(records_dir).system_log(message)
-            os.write(2, f"tes-bridge: {message}\n".encode(errors="replace"))
-            return EXIT_CANNOT_START
+            return _cannot_start(records_dir, message)
     finally:
         for fd in fds.values():
             if fd > 2:

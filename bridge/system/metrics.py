@@ -3,7 +3,7 @@
 The API's gunicorn workers and the poller are separate processes, so the counters and
 histograms live in prometheus_client's multiprocess mode: each process writes its own files
 in ``PROMETHEUS_MULTIPROC_DIR`` and a scrape sums them. The library reads that variable when
-it is first imported, so ``tes-bridge`` sets it (:func:`bridge.cli.main.prepare_metrics_dir`)
+it is first imported, so ``tes-bridge`` sets it (:func:`bridge.cli.serve.prepare_metrics_dir`)
 before anything imports this module. The scrape and the HTTP side are in
 :mod:`bridge.api.metrics_api`.
 """

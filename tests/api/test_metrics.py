@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.api.app import create_app
 from bridge.api.metrics_api import TaskStates, scrape
-from bridge.cli.main import prepare_metrics_dir
+from bridge.cli.serve import prepare_metrics_dir
 from bridge.config import ConfigError, load_config
 from bridge.store import Store
 from bridge.system import metrics

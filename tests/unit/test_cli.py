@@ -85,7 +85,7 @@ def test_init_db_and_show_config(tmp_path):
 def test_root_is_refused_without_allow_root(tmp_path, command):
     """As root (the suite's own user), serve and poller stop before doing anything and say
     what to do; nothing is created in the state directory."""
-    from bridge.cli.main import refuse_root
+    from bridge.cli.serve import refuse_root
     from bridge.config import load_config
 
     state = tmp_path / "state"
