@@ -10,18 +10,13 @@ built under a temporary name and renamed, so a directory under the final name is
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +30,6 @@ from bridge.system import metrics, proc
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 #: Registry answers and pull errors that say "try again later", not "no such image".
 _TRANSIENT = re.compile(
     r"connection refused|connection reset|no route to host|network is unreachable|"
@@ -47,20 +41,6 @@ _TRANSIENT = re.compile(
 #: A sandbox build is killed past this (the SIF keeps serving); a leftover temporary
 #: directory older than this is removed by `Index.prune`.
 SANDBOX_BUILD_TIMEOUT = 3600.0
-
-
-# Looked up here, not in the forked child (dlopen after fork is unsafe with threads).
-try:
-    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """In the pull child: SIGKILL when the thread that started it ends, e.g. with a poller
-    killed by SIGKILL (no orphan pulls)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # spython is untyped ([tool.mypy] in pyproject.toml): its client class is Any to mypy.
@@ -84,36 +64,23 @@ class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
         return cmd
 
     def _run_command(self, cmd: list[str], *args: Any, **kwargs: Any) -> str:
-        # A session of its own: a stalled pull is killed with everything it started.
-        proc = subprocess.Popen(
-            cmd,
-            env=self._env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        # The one command runner: a process group of its own, killed whole when the pull
+        # stalls, and with the process that started it.
         try:
-            stdout, stderr = proc.communicate(timeout=self._timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            result = proc.run(cmd, timeout=self._timeout, env=self._env)
+        except proc.CommandTimeout:
             raise Transient(
                 f"the pull stalled: no result after {self._timeout:.0f} s "
                 "(container.pull_timeout_seconds); killed it"
             ) from None
-        if proc.returncode != 0:
-            text = (stderr.strip() or stdout.strip())[-2000:]
-            message = f"{os.path.basename(cmd[0])} exited {proc.returncode}: {text}"
+        if result.returncode != 0:
+            text = (result.stderr.strip() or result.stdout.strip())[-2000:]
+            message = f"{os.path.basename(cmd[0])} exited {result.returncode}: {text}"
             if _TRANSIENT.search(text):
                 # Said in system_logs on every retry: the end of the message is enough.
                 raise Transient(short_text(message[:60] + " … " + text[-240:], 320))
             raise _PullFailed(message)
-        return stdout
+        return result.stdout
 
 
 class _PullFailed(Exception):

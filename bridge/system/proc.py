@@ -93,10 +93,11 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run a command to its end and return what it printed, whatever its exit code.
 
-        It gets its own process group, killed whole on a time-out (a wrapper's children too), and
-        SIGKILL when this process dies, so it never outlives its caller (sudo's children excepted,
-        see the module doc). Raises :class:`CommandNotFound`, :class:`CommandTimeout`, or
-    :class:`CommandError` when the program cannot be started.
+    It gets its own process group, killed whole on a time-out (a wrapper's children too), and
+    SIGKILL when this process dies, so it never outlives its caller (sudo's children excepted,
+    see the module doc). Output that is not UTF-8 is read with replacement characters. Raises
+    :class:`CommandNotFound`, :class:`CommandTimeout`, or :class:`CommandError` when the
+    program cannot be started.
     """
     args = list(argv)
     try:
@@ -106,6 +107,7 @@ def run(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            errors="replace",
             env=None if env is None else dict(env),
             cwd=cwd,
             process_group=0,
