@@ -108,6 +108,8 @@ class Follower:
             missing_for=self.watch.missing_for(task.job_id),
         )
         log_decision(entry, decision, records, job)
+        if decision.retry:
+            entry.lose_job()  # the next job continues this attempt (see poller.attempt)
         if decision.job_done:
             self.finished.add(task.id)
         if decision.final and (job is None or not job.ended or job.max_rss_bytes is None):
@@ -124,7 +126,7 @@ class Follower:
         return _Decided(
             update,
             task.creation_time,
-            new_logs[attempt - 1],
+            entry.to_json(),
             current,
             decision.state,
             decision.job_done,
@@ -173,7 +175,10 @@ class Follower:
 
     def _write_facts(self, task_id: str, attempt: int, job: JobInfo) -> None:
         task = self.ctx.store.get_task(task_id)
-        if task is not None and len(task.logs or []) >= attempt:
-            logs = TaskLogs(task.logs)
-            slurm_facts(logs.attempt(attempt).ensure_metadata(), job)
+        if task is None or not task.logs:
+            return
+        logs = TaskLogs(task.logs)
+        metadata = logs.attempt(attempt).ensure_metadata()
+        if metadata.get("slurm_job_id") == job.job_id:
+            slurm_facts(metadata, job)
             self.ctx.store.amend_final_logs(task_id, logs.to_json())
