@@ -52,7 +52,7 @@ class Recovery:
 def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:
     # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name: each attempt's
     # lost jobs, and in logs stored with one entry per job, the entries before this one.
-    earlier = {
+    earlier: set[str | None] = {
         job_id for entry in task.logs or [] for job_id in AttemptLog.from_json(entry).lost_jobs()
     }
     earlier |= {

@@ -20,6 +20,7 @@ from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.poller.attempt import LOST_JOBS_KEY, Condition, ConditionKind
 from bridge.poller.decisions import MISSING_JOB_GRACE
+from bridge.poller.follow import FINAL_FACTS_GRACE
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
 
@@ -534,6 +535,71 @@ def test_cancel_of_submitted_tasks_is_one_scancel(env):
     for task in tasks:
         record = store.get_task(task.id)
         assert record.state == "CANCELED" and not record.cancel_pending
+
+
+def test_a_task_canceled_while_running_gets_its_jobs_final_record(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task({"executors": [ECHO["executors"][0]] * 2})
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    running = JobRecords(
+        job_id=job_id,
+        phase="running 1",
+        start_time=t0,
+        executors=[
+            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
+            ExecutorRecord(1, t0, None, None, "two so far", ""),
+        ],
+    )
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", node="n1")
+    poller.cycle()
+    assert store.get_task(task.id).logs[-1]["metadata"]["slurm_state"] == "RUNNING"
+    store.cancel_task(task.id)
+    # scancel: the job stops; sacct has its final record only a moment later.
+    monkeypatch.setattr(slurm, "cancel", lambda job_ids, as_user=None: slurm.calls.append("x"))
+    poller.cycle()
+    assert not store.get_task(task.id).cancel_pending
+    poller.cycle()  # sacct still says RUNNING: the task waits for the final record
+    assert "end_time" not in store.get_task(task.id).logs[-1]
+    end = datetime(2026, 1, 1, 0, 0, 7, tzinfo=UTC)
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="CANCELLED", end_time=end, elapsed_seconds=7, max_rss_bytes=1000
+    )
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "CANCELED"
+    last = record.logs[-1]
+    assert last["metadata"]["slurm_state"] == "CANCELLED"
+    assert last["metadata"]["slurm_node"] == "n1"
+    assert last["metadata"]["slurm_elapsed_seconds"] == "7"
+    assert last["end_time"] == "2026-01-01T00:00:07.000000Z"
+    # TES wants an integer exit code: the executor the cancel stopped is not listed.
+    assert [e["stdout"] for e in last["logs"]] == ["one\n"]
+    assert any(f"{job_id} ended in state CANCELLED" in line for line in last["system_logs"])
+    slurm.calls.clear()
+    poller.cycle()
+    assert "sacct" not in slurm.calls  # no longer followed
+
+
+def test_a_canceled_task_stops_waiting_for_a_final_record_sacct_never_has(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    store.cancel_task(task.id)
+    poller.cycle()
+    del slurm.jobs[job_id]  # purged from accounting
+    poller.cycle()
+    now[0] += FINAL_FACTS_GRACE + 1
+    poller.cycle()
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls == []
+    assert store.get_task(task.id).state == "CANCELED"
 
 
 def test_cancel_during_an_interrupted_submission_cancels_the_found_job(env):
