@@ -1,6 +1,11 @@
 """A task's logs as the poller edits them: one typed attempt (AttemptLog) at a time, with the
 passing conditions it states while they last (Condition).
 
+A task has one entry per attempt to run it. A Slurm job lost through no fault of the task
+(NODE_FAIL, BOOT_FAIL, PREEMPTED: submitted again) does not start an entry of its own: the next
+job continues the entry (AttemptLog.lose_job), so logs[0] and logs[-1] both hold the executor
+logs of the job that ran to the end, whichever one an engine reads (docs/states.md).
+
 Stored and on the wire an attempt is a TES task log: a condition is one of its `system_logs`
 lines, so clients read it as any other line. The store keeps the conditions' kinds beside
 them (CONDITION_KINDS_KEY, never rendered), so a condition is found again by its kind, never
@@ -18,6 +23,19 @@ from typing import Any
 from bridge.core.tes import CONDITION_KINDS_KEY
 
 Logs = list[dict[str, Any]]
+
+#: The attempt's metadata key for the jobs it lost (NODE_FAIL, ...), comma-separated, oldest first.
+LOST_JOBS_KEY = "slurm_lost_job_ids"
+#: The metadata one Slurm job gives its attempt: the next job's replace them.
+_JOB_FACTS = (
+    "slurm_job_id",
+    "slurm_state",
+    "slurm_node",
+    "slurm_partition",
+    "slurm_elapsed_seconds",
+    "slurm_max_rss_bytes",
+    "memory_peak_bytes",
+)
 
 
 class ConditionKind(enum.Enum):
@@ -152,6 +170,30 @@ class AttemptLog:
     def clear_conditions(self) -> None:
         self.conditions = []
 
+    def lose_job(self) -> None:
+        """The attempt's job was lost through no fault of the task and is submitted again: the
+        next job continues this attempt. The lost job keeps its lines (why it ended, and here
+        its node) and its id in LOST_JOBS_KEY; its times, executor logs, outputs and Slurm
+        facts go, as its executors run again."""
+        metadata = self.ensure_metadata()
+        job_id = metadata.get("slurm_job_id")
+        lost = self.lost_jobs()
+        if job_id and job_id not in lost:
+            node = metadata.get("slurm_node")
+            if node:
+                self.add_system_logs([f"Slurm job {job_id} ran on node {node}"])
+            metadata[LOST_JOBS_KEY] = ",".join([*lost, job_id])
+        for key in _JOB_FACTS:
+            metadata.pop(key, None)
+        self.logs = []
+        self.outputs = []
+        self.start_time = None
+        self.end_time = None
+
+    def lost_jobs(self) -> list[str]:
+        """The ids of the jobs this attempt lost (see lose_job)."""
+        return [j for j in (self.metadata or {}).get(LOST_JOBS_KEY, "").split(",") if j]
+
 
 def _split_conditions(
     lines: list[str], kinds: list[str] | None
@@ -177,7 +219,11 @@ class TaskLogs:
         return len(self._entries)
 
     def attempt(self, number: int) -> AttemptLog:
-        """The log of attempt `number` (1-based), created (with those before it) if missing."""
+        """The log of Slurm attempt `number` (1-based, the store's `attempt`). A job that
+        replaces a lost one continues its entry (see the module doc), so a task has one entry;
+        logs stored with one entry per job (before lost jobs were folded) keep that: attempt N
+        writes entry N there."""
+        number = min(number, max(len(self._entries), 1))
         while len(self._entries) < number:
             self._entries.append(AttemptLog())
         entry = self._entries[number - 1]

@@ -4,6 +4,7 @@ mode)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.slurm import SlurmError
@@ -13,8 +14,13 @@ log = logging.getLogger("bridge.poller")
 
 
 class Canceller:
-    def __init__(self, ctx: PollerContext) -> None:
+    def __init__(
+        self, ctx: PollerContext, follow_up: Callable[[TaskRecord], None] | None = None
+    ) -> None:
         self.ctx = ctx
+        #: Told of each task whose job was scanceled, to record the job's final facts
+        #: (Follower.await_canceled).
+        self.follow_up = follow_up
 
     def carry_out(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
         with_job = [t for t in tasks if t.job_id]
@@ -33,5 +39,7 @@ class Canceller:
                 log.warning("scancel failed; trying again next cycle: %s", short(exc))
         for task in done:
             self.ctx.store.finish_cancel(task.id)
+            if self.follow_up is not None:
+                self.follow_up(task)
             stats.canceled += 1
             log.info("canceled Slurm job %s of task %s", task.job_id, task.id)

@@ -10,7 +10,13 @@ from typing import Any
 from bridge.core.tes import State
 from bridge.poller.attempt import TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
-from bridge.poller.decisions import TIME_LIMIT_KEY, decide, log_decision, slurm_facts
+from bridge.poller.decisions import (
+    TIME_LIMIT_KEY,
+    decide,
+    fill_attempt_log,
+    log_decision,
+    slurm_facts,
+)
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.watch import JobWatch
 from bridge.slurm import JobInfo
@@ -36,6 +42,14 @@ class AwaitedFacts:
 
     job_id: str
     attempt: int
+    since: float
+
+
+@dataclass(frozen=True)
+class _Canceled:
+    """A task whose job was scanceled, until sacct has the job's final record."""
+
+    task: TaskRecord
     since: float
 
 
@@ -66,15 +80,26 @@ class Follower:
         self.watch = JobWatch(ctx, owners)
         #: Finished tasks whose final Slurm facts are still read from sacct, by task id.
         self._awaited: dict[str, AwaitedFacts] = {}
+        #: Canceled tasks whose job's final record is still read from sacct, by task id.
+        self._canceled: dict[str, _Canceled] = {}
         #: Tasks of the last follow() whose job is done with (final, or to be submitted again).
         self.finished: set[str] = set()
 
+    def await_canceled(self, task: TaskRecord) -> None:
+        """`task` was canceled and its job scanceled: the job's final facts (sacct's state, end
+        time, node, elapsed time) and what it recorded (the executor logs whose exit code is
+        known) are written into its log once sacct has them, for at most FINAL_FACTS_GRACE."""
+        if task.job_id:
+            self._canceled[task.id] = _Canceled(task, self.ctx.clock())
+
     def follow(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
         self.finished = set()
-        if not tasks and not self._awaited:
+        if not tasks and not self._awaited and not self._canceled:
             return
         awaited = dict(self._awaited)
-        self.watch.update(tasks, [facts.job_id for facts in awaited.values()], stats)
+        canceled = dict(self._canceled)
+        watched = tasks + [c.task for c in canceled.values()]
+        self.watch.update(watched, [facts.job_id for facts in awaited.values()], stats)
         if self.watch.unavailable:
             return  # the tasks keep their last known states
         batch: list[_Decided] = []
@@ -89,6 +114,7 @@ class Follower:
         if batch:
             stats.updated += self._apply(batch)
         self._refresh_facts(awaited)
+        self._finish_canceled(canceled)
 
     def _decide(self, task: TaskRecord) -> _Decided:
         assert task.job_id is not None
@@ -108,6 +134,8 @@ class Follower:
             missing_for=self.watch.missing_for(task.job_id),
         )
         log_decision(entry, decision, records, job)
+        if decision.retry:
+            entry.lose_job()  # the next job continues this attempt (see poller.attempt)
         if decision.job_done:
             self.finished.add(task.id)
         if decision.final and (job is None or not job.ended or job.max_rss_bytes is None):
@@ -124,7 +152,7 @@ class Follower:
         return _Decided(
             update,
             task.creation_time,
-            new_logs[attempt - 1],
+            entry.to_json(),
             current,
             decision.state,
             decision.job_done,
@@ -173,7 +201,37 @@ class Follower:
 
     def _write_facts(self, task_id: str, attempt: int, job: JobInfo) -> None:
         task = self.ctx.store.get_task(task_id)
-        if task is not None and len(task.logs or []) >= attempt:
-            logs = TaskLogs(task.logs)
-            slurm_facts(logs.attempt(attempt).ensure_metadata(), job)
+        if task is None or not task.logs:
+            return
+        logs = TaskLogs(task.logs)
+        metadata = logs.attempt(attempt).ensure_metadata()
+        if metadata.get("slurm_job_id") == job.job_id:
+            slurm_facts(metadata, job)
             self.ctx.store.amend_final_logs(task_id, logs.to_json())
+
+    def _finish_canceled(self, canceled: dict[str, _Canceled]) -> None:
+        """Write the final record of the scanceled jobs that sacct knows as ended."""
+        now = self.ctx.clock()
+        for task_id, waiting in canceled.items():
+            assert waiting.task.job_id is not None
+            job = self.watch.final_record(waiting.task.job_id)
+            if job is not None:
+                self._canceled.pop(task_id, None)
+                self._write_canceled(task_id, job)
+            elif now - waiting.since > FINAL_FACTS_GRACE:
+                log.warning("sacct has no final record of canceled job %s", waiting.task.job_id)
+                self._canceled.pop(task_id, None)
+
+    def _write_canceled(self, task_id: str, job: JobInfo) -> None:
+        task = self.ctx.store.get_task(task_id)
+        if task is None or task.state != State.CANCELED.value or task.job_id != job.job_id:
+            return
+        logs = TaskLogs(task.logs)
+        attempt = max(task.attempt, 1)
+        entry = logs.attempt(attempt)
+        fill_attempt_log(entry, self.watch.records(task), job, final=True)
+        entry.clear_conditions()
+        entry.add_system_logs([f"Slurm job {job.job_id} ended in state {job.state}"])
+        self.ctx.store.amend_final_logs(task_id, logs.to_json())
+        if job.max_rss_bytes is None:  # it may land in slurmdbd a moment later
+            self._awaited[task_id] = AwaitedFacts(job.job_id, attempt, self.ctx.clock())

@@ -59,9 +59,9 @@ class Poller:
         #: Site mode: every task runs as its owner (sudo -n -u OWNER, deploy/sudoers.tes-bridge).
         self.owners = OwnerRunner(config) if config.site.run_as_owner else None
         self.recovery = Recovery(self.ctx)
-        self.canceller = Canceller(self.ctx)
-        self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)
         self.follower = Follower(self.ctx, self.owners)
+        self.canceller = Canceller(self.ctx, self.follower.await_canceled)
+        self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)
         self.capabilities = CapabilitiesReader(self.ctx)
         self.cleaner = Cleaner(self.ctx, images, self.owners)
         #: The newest task seen by a cycle or a quick check.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from bridge.core.naming import job_name
+from bridge.poller.attempt import AttemptLog
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import TaskRecord
@@ -49,8 +50,12 @@ class Recovery:
 
 
 def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:
-    # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name.
-    earlier = {
+    # Jobs of earlier attempts (lost to NODE_FAIL, ...) carry the same name: each attempt's
+    # lost jobs, and in logs stored with one entry per job, the entries before this one.
+    earlier: set[str | None] = {
+        job_id for entry in task.logs or [] for job_id in AttemptLog.from_json(entry).lost_jobs()
+    }
+    earlier |= {
         (entry.get("metadata") or {}).get("slurm_job_id")
         for entry in (task.logs or [])[: max(task.attempt - 1, 0)]
     }

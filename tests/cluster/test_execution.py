@@ -240,6 +240,44 @@ def test_cancel_of_a_running_task(bridge_service):
     assert bridge_service.get(task_id, "MINIMAL")["state"] == "CANCELED"
 
 
+def test_a_task_canceled_while_its_executor_runs_gets_its_jobs_final_record(bridge_service):
+    task_id = bridge_service.create(
+        {
+            "executors": [
+                executor("echo", "first"),
+                executor("sh", "-c", "echo started; sleep 300"),
+            ]
+        }
+    )
+    # The first executor's log is there: the second has started.
+    deadline = time.monotonic() + 120
+    while True:
+        task = bridge_service.get(task_id)
+        if task["state"] == "RUNNING" and task["logs"] and task["logs"][-1].get("logs"):
+            break
+        assert task["state"] in {"QUEUED", "INITIALIZING", "RUNNING"}, task
+        assert time.monotonic() < deadline, task
+        time.sleep(0.3)
+    time.sleep(1)
+    bridge_service.cancel(task_id)
+    deadline = time.monotonic() + 90
+    while True:
+        task = bridge_service.get(task_id, "FULL")
+        assert task["state"] == "CANCELED", task
+        last = task["logs"][-1]
+        if last.get("metadata", {}).get("slurm_state") == "CANCELLED":
+            break
+        assert time.monotonic() < deadline, task
+        time.sleep(0.5)
+    metadata = last["metadata"]
+    assert "end_time" in last and "start_time" in last, last
+    assert metadata["slurm_node"] and "slurm_elapsed_seconds" in metadata, metadata
+    # Only executors whose exit code is known are listed (TES wants an integer).
+    assert last["logs"][0]["exit_code"] == 0 and last["logs"][0]["stdout"] == "first\n"
+    assert all(isinstance(e["exit_code"], int) for e in last["logs"]), last["logs"]
+    assert any("ended in state CANCELLED" in line for line in last["system_logs"]), last
+
+
 def test_cancel_right_after_create(bridge_service):
     task_id = bridge_service.create({"executors": [executor("sleep", "60")]})
     bridge_service.cancel(task_id)

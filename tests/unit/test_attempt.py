@@ -81,3 +81,38 @@ def test_a_failed_attempt_no_longer_says_what_it_waited_for():
             "end_time": "2026-01-01T00:00:00Z",
         }
     ]
+
+
+def test_a_job_that_replaces_a_lost_one_continues_its_entry():
+    task_logs = TaskLogs([{"logs": [], "outputs": [], "metadata": {"slurm_job_id": "12"}}])
+    assert task_logs.attempt(2) is task_logs.attempt(1)
+    assert len(task_logs) == 1
+    # Logs stored with one entry per job keep it: attempt 2 is the second entry there.
+    earlier = TaskLogs([{"logs": [], "outputs": []}, {"logs": [], "outputs": []}])
+    assert earlier.attempt(2) is not earlier.attempt(1)
+
+
+def test_a_lost_job_leaves_its_id_and_node_and_nothing_else_of_its_own():
+    entry = AttemptLog.from_json(
+        {
+            "logs": [{"exit_code": 0}],
+            "outputs": [{"url": "file:///x", "path": "/x", "size_bytes": "1"}],
+            "start_time": "2026-01-01T00:00:00Z",
+            "end_time": "2026-01-01T00:01:00Z",
+            "system_logs": ["Slurm job 12 ended in state NODE_FAIL; submitting it again"],
+            "metadata": {"slurm_job_id": "12", "slurm_node": "n1", "slurm_state": "NODE_FAIL"},
+        }
+    )
+    entry.lose_job()
+    entry.metadata = {**(entry.metadata or {}), "slurm_job_id": "13", "slurm_node": "n2"}
+    entry.lose_job()
+    assert entry.to_json() == {
+        "logs": [],
+        "outputs": [],
+        "system_logs": [
+            "Slurm job 12 ended in state NODE_FAIL; submitting it again",
+            "Slurm job 12 ran on node n1",
+            "Slurm job 13 ran on node n2",
+        ],
+        "metadata": {"slurm_lost_job_ids": "12,13"},
+    }

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, load_config
-from bridge.core.tes import State
+from bridge.core.tes import State, View, render_task
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
-from bridge.poller.attempt import Condition, ConditionKind
+from bridge.poller.attempt import LOST_JOBS_KEY, Condition, ConditionKind
 from bridge.poller.decisions import MISSING_JOB_GRACE
+from bridge.poller.follow import FINAL_FACTS_GRACE
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
 
@@ -536,6 +537,71 @@ def test_cancel_of_submitted_tasks_is_one_scancel(env):
         assert record.state == "CANCELED" and not record.cancel_pending
 
 
+def test_a_task_canceled_while_running_gets_its_jobs_final_record(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task = store.create_task({"executors": [ECHO["executors"][0]] * 2})
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    running = JobRecords(
+        job_id=job_id,
+        phase="running 1",
+        start_time=t0,
+        executors=[
+            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
+            ExecutorRecord(1, t0, None, None, "two so far", ""),
+        ],
+    )
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", node="n1")
+    poller.cycle()
+    assert store.get_task(task.id).logs[-1]["metadata"]["slurm_state"] == "RUNNING"
+    store.cancel_task(task.id)
+    # scancel: the job stops; sacct has its final record only a moment later.
+    monkeypatch.setattr(slurm, "cancel", lambda job_ids, as_user=None: slurm.calls.append("x"))
+    poller.cycle()
+    assert not store.get_task(task.id).cancel_pending
+    poller.cycle()  # sacct still says RUNNING: the task waits for the final record
+    assert "end_time" not in store.get_task(task.id).logs[-1]
+    end = datetime(2026, 1, 1, 0, 0, 7, tzinfo=UTC)
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="CANCELLED", end_time=end, elapsed_seconds=7, max_rss_bytes=1000
+    )
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "CANCELED"
+    last = record.logs[-1]
+    assert last["metadata"]["slurm_state"] == "CANCELLED"
+    assert last["metadata"]["slurm_node"] == "n1"
+    assert last["metadata"]["slurm_elapsed_seconds"] == "7"
+    assert last["end_time"] == "2026-01-01T00:00:07.000000Z"
+    # TES wants an integer exit code: the executor the cancel stopped is not listed.
+    assert [e["stdout"] for e in last["logs"]] == ["one\n"]
+    assert any(f"{job_id} ended in state CANCELLED" in line for line in last["system_logs"])
+    slurm.calls.clear()
+    poller.cycle()
+    assert "sacct" not in slurm.calls  # no longer followed
+
+
+def test_a_canceled_task_stops_waiting_for_a_final_record_sacct_never_has(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    store.cancel_task(task.id)
+    poller.cycle()
+    del slurm.jobs[job_id]  # purged from accounting
+    poller.cycle()
+    now[0] += FINAL_FACTS_GRACE + 1
+    poller.cycle()
+    slurm.calls.clear()
+    poller.cycle()
+    assert slurm.calls == []
+    assert store.get_task(task.id).state == "CANCELED"
+
+
 def test_cancel_during_an_interrupted_submission_cancels_the_found_job(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -547,7 +613,7 @@ def test_cancel_during_an_interrupted_submission_cancels_the_found_job(env):
     assert store.get_task(task.id).state == "CANCELED"
 
 
-def test_lost_node_gives_a_new_attempt_with_its_own_log(env, monkeypatch):
+def test_lost_node_continues_the_attempt_in_a_new_job(env, monkeypatch):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     poller.cycle()
@@ -557,9 +623,73 @@ def test_lost_node_gives_a_new_attempt_with_its_own_log(env, monkeypatch):
     poller.cycle()  # submits again
     record = store.get_task(task.id)
     assert record.attempt == 2 and record.job_id not in (None, first)
-    assert len(record.logs) == 2
-    assert "NODE_FAIL" in record.logs[0]["system_logs"][-1]
-    assert record.logs[1]["metadata"]["slurm_job_id"] == record.job_id
+    assert len(record.logs) == 1
+    assert any("NODE_FAIL" in line for line in record.logs[0]["system_logs"])
+    assert record.logs[0]["metadata"]["slurm_job_id"] == record.job_id
+    assert record.logs[0]["metadata"][LOST_JOBS_KEY] == first
+
+
+def test_a_retry_gives_every_engine_the_final_executor_exit_code(env, monkeypatch):
+    """nf-ga4gh reads logs[0].logs[0], cwl-tes logs[-1].logs[-1], Toil the last exit code
+    from the end, sprocket every executor of logs[-1]: after a lost node, all of them must
+    read the exit code of the job that ran to the end (docs/states.md)."""
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    first = store.get_task(task.id).job_id
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    recorded = {
+        # The executor exited 0, then the node was lost while outputs were uploaded.
+        first: JobRecords(
+            job_id=first,
+            phase="uploading",
+            start_time=t0,
+            executors=[ExecutorRecord(0, t0, t0, 0, "first run\n", "")],
+        )
+    }
+    monkeypatch.setattr(
+        "bridge.poller.watch.read_records",
+        lambda task_dir, job_id, **k: recorded.get(job_id, JobRecords(job_id=job_id)),
+    )
+    slurm.jobs[first] = replace(slurm.jobs[first], state="RUNNING", node="n1")
+    poller.cycle()
+    slurm.jobs[first] = replace(slurm.jobs[first], state="NODE_FAIL", node="n1")
+    poller.cycle()  # notices the loss
+    lost = store.get_task(task.id)
+    assert lost.state == "QUEUED"
+    assert lost.logs[0]["logs"] == [] and "end_time" not in lost.logs[0]
+    poller.cycle()  # submits again
+    second = store.get_task(task.id).job_id
+    assert second not in (None, first)
+    recorded[second] = JobRecords(
+        job_id=second,
+        phase="done",
+        outcome="executor_error",
+        start_time=t0,
+        end_time=t0,
+        executors=[ExecutorRecord(0, t0, t0, 3, "second run\n", "")],
+    )
+    slurm.jobs[second] = replace(slurm.jobs[second], state="COMPLETED", node="n2", exit_code=0)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "EXECUTOR_ERROR"
+    logs = render_task(
+        task_id=record.id,
+        state=record.state,
+        document=record.document,
+        creation_time=record.creation_time,
+        logs=record.logs,
+        view=View.FULL,
+    )["logs"]
+    assert logs[0]["logs"][0]["exit_code"] == 3  # nf-ga4gh
+    assert logs[-1]["logs"][-1]["exit_code"] == 3  # cwl-tes, Toil
+    assert [e["exit_code"] for e in logs[-1]["logs"]] == [3]  # sprocket
+    # The lost job stays visible: its id, and the line that says what became of it.
+    metadata = logs[0]["metadata"]
+    assert metadata["slurm_job_id"] == second and metadata["slurm_node"] == "n2"
+    assert metadata[LOST_JOBS_KEY] == first
+    assert any(first in line and "NODE_FAIL" in line for line in logs[0]["system_logs"])
+    assert any(first in line and "n1" in line for line in logs[0]["system_logs"])
 
 
 def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
