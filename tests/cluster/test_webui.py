@@ -238,6 +238,12 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         # What the stopped executor wrote stays readable (it has no log in the document).
         assert _until(browser, lambda d: "tick 2" in d.find_element(
             By.CSS_SELECTOR, "pre.live-stdout").text)  # fmt: skip
+        # The open page follows the job to its end in Slurm: its final record, not RUNNING.
+        _until(
+            browser,
+            lambda d: "CANCELLED" in d.find_element(By.CSS_SELECTOR, ".attempt").text,
+            timeout=90,
+        )
         shot("canceled")
     finally:
         shot("last")

@@ -359,6 +359,14 @@ function scheduleTask(id) {
     const stopped = attempts.length > 0 && logged < (task.executors || []).length;
     if (stopped) guarded(() => loadLive(id));
     else $("live").hidden = true;
+    // A final task whose job has not ended yet in Slurm (a cancel being carried out): its
+    // final record (Slurm state, end time) follows within a few cycles.
+    const last = attempts.length ? attempts[attempts.length - 1] : null;
+    const jobEnding = last && (last.metadata || {}).slurm_job_id && !last.end_time;
+    if (jobEnding) {
+      refreshTimer = setTimeout(() => guarded(() => loadTask(id)).then(() => scheduleTask(id)),
+        REFRESH_MS);
+    }
     return;
   }
   const running = task.state === "RUNNING" || task.state === "INITIALIZING";
