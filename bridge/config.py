@@ -149,8 +149,16 @@ class SlurmConfig(_Section):
     #: empty means any.
     partitions: list[str] = Field(default_factory=list)
     default_partition: str | None = None
+    #: Where a task with `resources.preemptible = true` goes: this partition (unless the task
+    #: names one in backend_parameters or zones) and/or this QOS (unless it names one). Both
+    #: unset: `preemptible` is ignored and the task goes where any other would.
     preemptible_partition: str | None = None
     preemptible_qos: str | None = None
+    #: A job Slurm preempted (sacct state PREEMPTED). resubmit: a new attempt, like a job lost
+    #: to a node failure (counted in `retries`). preempted: the task ends PREEMPTED, final
+    #: here; the client may submit it again (crankshaft does; Nextflow and Cromwell wait
+    #: forever on PREEMPTED, so keep resubmit for them).
+    on_preemption: Literal["resubmit", "preempted"] = "resubmit"
     #: sbatch --time for tasks that ask for none (backend_parameters time or max_time);
     #: unset: the partition's own limit. `default_time_limit` is the older name.
     default_time: SlurmTime = Field(
@@ -177,7 +185,8 @@ class SlurmConfig(_Section):
     #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).
     prologue: str = ""
     epilogue: str = ""
-    #: How many times a job lost to NODE_FAIL, PREEMPTED or BOOT_FAIL is submitted again.
+    #: How many times a job lost to NODE_FAIL, BOOT_FAIL or (on_preemption = "resubmit")
+    #: PREEMPTED is submitted again.
     retries: int = Field(default=2, ge=0)
     submit_backoff_initial: float = Field(default=2.0, gt=0)
     submit_backoff_max: float = Field(default=300.0, gt=0)

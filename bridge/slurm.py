@@ -66,9 +66,8 @@ log = logging.getLogger(__name__)
 #: Slurm job state (the base word, as squeue %T and sacct State print it) -> TES state, as
 #: Slurm alone sees it. The poller (bridge.poller.decide) refines it with the job's own
 #: records: a recorded outcome always wins, and an ended job whose script recorded none was
-#: cut short (see decide for how each case ends). Final TES states are COMPLETE,
-#: EXECUTOR_ERROR, SYSTEM_ERROR and CANCELED; TES clients (Nextflow, Cromwell) wait forever on
-#: any other, so no ended job maps to PREEMPTED.
+#: cut short (see decide for how each case ends). Every ended job maps to a final TES state
+#: (core.tes.TERMINAL_STATES); TES clients (Nextflow, Cromwell) wait forever on any other.
 SLURM_TO_TES: dict[str, str] = {
     "PENDING": "QUEUED",
     # Nodes are being booted or configured for the job.
@@ -98,8 +97,10 @@ SLURM_TO_TES: dict[str, str] = {
     # Lost through no fault of the task (see RETRYABLE_STATES); final only once retries run out.
     "NODE_FAIL": "SYSTEM_ERROR",
     "BOOT_FAIL": "SYSTEM_ERROR",
-    # TES has PREEMPTED, but clients do not treat it as final; the poller resubmits instead.
-    "PREEMPTED": "SYSTEM_ERROR",
+    # Preempted by a job of higher priority (with --no-requeue; a job that may be requeued goes
+    # back to PENDING instead). The poller submits it again or, where slurm.on_preemption says
+    # so, ends the task PREEMPTED: Nextflow and Cromwell take PREEMPTED as still running.
+    "PREEMPTED": "PREEMPTED",
     "LAUNCH_FAILED": "SYSTEM_ERROR",
     "RECONFIG_FAIL": "SYSTEM_ERROR",
     # Ended by its --deadline; the bridge never sets one, so a site policy did.
@@ -127,7 +128,8 @@ _COMPACT: dict[str, str] = {
     "S": "SUSPENDED",
 }  # fmt: skip
 
-#: Jobs lost through no fault of the task: submitting again is worth it.
+#: Jobs lost through no fault of the task: submitting again is worth it (PREEMPTED: unless
+#: slurm.on_preemption ends the task PREEMPTED).
 RETRYABLE_STATES: frozenset[str] = frozenset({"NODE_FAIL", "PREEMPTED", "BOOT_FAIL"})
 
 #: States after which the job will not run again by itself.

@@ -206,6 +206,9 @@ def new_task_id() -> str:
 
 
 _TERMINAL = [s.value for s in TERMINAL_STATES]
+#: States of a task whose job is (or may be) in Slurm: followed by the poller. PAUSED too: a
+#: suspended job (by an admin, or preempted with PreemptMode=SUSPEND) runs again.
+_ACTIVE = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING, State.PAUSED)]
 _UNFINISHED = TaskRow.state.not_in(_TERMINAL)
 #: A submission in flight: sbatch started, its job id not stored yet.
 _IN_FLIGHT = TaskRow.job_id.is_null() & TaskRow.submit_started_at.is_null(False)
@@ -305,13 +308,12 @@ class _PollerQueries:
 
         Following jobs needs no task document: without it (`document` None) a poll cycle of
         10,000 jobs parses half the JSON."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
         fields = [f for f in TaskRow._meta.sorted_fields if with_document or f.name != "document"]
         rows = (
             TaskRow.select(*fields)
             .where(
                 (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
-                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+                & (TaskRow.state.in_(_ACTIVE) | TaskRow.cancel_pending)
             )
             .order_by(TaskRow.seq)
         )
@@ -322,12 +324,11 @@ class _PollerQueries:
     def jobs_in_flight_by_owner(self) -> dict[str | None, int]:
         """How many tasks of each owner have (or may have) a job in Slurm: one GROUP BY over
         what `tasks_in_flight` reads (admission control)."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
         rows = (
             TaskRow.select(TaskRow.owner, peewee.fn.COUNT(TaskRow.seq).alias("jobs"))
             .where(
                 (TaskRow.job_id.is_null(False) | TaskRow.submit_started_at.is_null(False))
-                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+                & (TaskRow.state.in_(_ACTIVE) | TaskRow.cancel_pending)
             )
             .group_by(TaskRow.owner)
             .tuples()
@@ -337,13 +338,12 @@ class _PollerQueries:
 
     def interrupted_submissions(self) -> list[TaskRecord]:
         """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
         rows = (
             TaskRow.select()
             .where(
                 TaskRow.job_id.is_null()
                 & TaskRow.submit_started_at.is_null(False)
-                & (TaskRow.state.in_(active) | TaskRow.cancel_pending)
+                & (TaskRow.state.in_(_ACTIVE) | TaskRow.cancel_pending)
             )
             .order_by(TaskRow.seq)
         )
@@ -356,10 +356,9 @@ class _PollerQueries:
     def oldest_unfinished_time(self) -> float | None:
         """Creation time (epoch seconds) of the oldest task not yet final, or whose job may
         still exist (a cancel not carried out yet); None when there is none."""
-        active = [s.value for s in (State.QUEUED, State.INITIALIZING, State.RUNNING)]
         oldest = (
             TaskRow.select(peewee.fn.MIN(TaskRow.creation_time))
-            .where(TaskRow.state.in_(active) | TaskRow.cancel_pending)
+            .where(TaskRow.state.in_(_ACTIVE) | TaskRow.cancel_pending)
             .scalar()
         )
         return datetime.fromisoformat(oldest).timestamp() if oldest else None

@@ -52,6 +52,9 @@ SLURMDBD_PORT=${LOCAL_CLUSTER_SLURMDBD_PORT:-6819}
 SLURMD_PORT=${LOCAL_CLUSTER_SLURMD_PORT:-6818}
 CLUSTER_NAME=local
 PARTITION=main
+# A low-tier partition over the same nodes whose jobs a job of PARTITION preempts (resources.
+# preemptible tasks go there with slurm.preemptible_partition).
+PREEMPTIBLE_PARTITION=scavenger
 SCRIPT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 REPO=$(cd "$(dirname "$SCRIPT")/.." && pwd)
 IMAGES_SRC=$REPO/deploy/images
@@ -389,6 +392,9 @@ SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$DEF_MEM_PER_CPU
 # Send SIGKILL 10 s after SIGTERM on cancel or time-out (default 30 s).
 KillWait=10
+# Preemption by partition PriorityTier (see the partitions below); a partition's PreemptMode wins.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 $(accounting_gather_lines)
 $(gres_lines)
 AccountingStorageType=accounting_storage/slurmdbd
@@ -405,7 +411,11 @@ JobCompType=jobcomp/none
 TmpFS=$NODE_TMPFS
 $(node_lines "$topo")
 # Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE
+# A job of $PARTITION (the higher PriorityTier; never preempted itself) that finds no room
+# preempts jobs of $PREEMPTIBLE_PARTITION: REQUEUE requeues a job that allows it (--requeue) and
+# cancels one that does not (--no-requeue, as the bridge submits), its state PREEMPTED.
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=OFF
+PartitionName=$PREEMPTIBLE_PARTITION Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
 EOF
 }
 
@@ -1058,6 +1068,7 @@ write_env_file() {
 LOCAL_CLUSTER_DIR=$STATE_DIR
 SLURM_CONF=$SLURM_CONF_FILE
 LOCAL_CLUSTER_PARTITION=$PARTITION
+LOCAL_CLUSTER_PREEMPTIBLE_PARTITION=$PREEMPTIBLE_PARTITION
 LOCAL_CLUSTER_NODE=${NODES[0]}
 LOCAL_CLUSTER_NODES=$(IFS=,; echo "${NODES[*]}")
 LOCAL_CLUSTER_SHARED_DIR=$SHARED
@@ -1101,7 +1112,7 @@ cmd_up() {
   ((QUIET)) && return 0
   cat <<EOF
 [$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
-  Slurm:     $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION'$extra
+  Slurm:     $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION' (preemptible: '$PREEMPTIBLE_PARTITION')$extra
              memory confined by cgroups: $CGROUP; fake GPUs per node: $FAKE_GPUS (gpu:fake)
   Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
              e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD

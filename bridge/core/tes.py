@@ -53,9 +53,10 @@ class State(StrEnum):
     CANCELING = "CANCELING"
 
 
-#: Nothing moves a task out of these states.
+#: Nothing moves a task out of these states. PREEMPTED ("preempted by the system") ends a
+#: task only where the site asks for it (slurm.on_preemption); the client may submit it again.
 TERMINAL_STATES = frozenset(
-    {State.COMPLETE, State.EXECUTOR_ERROR, State.SYSTEM_ERROR, State.CANCELED}
+    {State.COMPLETE, State.EXECUTOR_ERROR, State.SYSTEM_ERROR, State.CANCELED, State.PREEMPTED}
 )
 
 #: Earlier TES versions (and clients generated from them) spell it this way.

@@ -34,7 +34,10 @@ class Cleaner:
         now = self.ctx.clock()
         job = self.ctx.config.job
         policies = [
-            ([State.COMPLETE.value, State.CANCELED.value], job.retention_days),
+            (
+                [State.COMPLETE.value, State.CANCELED.value, State.PREEMPTED.value],
+                job.retention_days,
+            ),
             ([State.EXECUTOR_ERROR.value, State.SYSTEM_ERROR.value], job.failed_retention_days),
         ]
         store = self.ctx.store

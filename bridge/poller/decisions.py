@@ -58,10 +58,12 @@ def decide(
     current: State,
     time_limit: str | None = None,
     missing_for: float | None = None,
+    on_preemption: str = "resubmit",
 ) -> Decision:
     """The TES state of a task from what Slurm says of its job and what the job recorded.
     `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY);
-    `missing_for`: how long neither squeue nor sacct has known the job (None: they know it)."""
+    `missing_for`: how long neither squeue nor sacct has known the job (None: they know it);
+    `on_preemption`: slurm.on_preemption, for a job Slurm preempted."""
     if records.outcome is not None:
         # The script writes its outcome last: the task is done, whatever Slurm says yet.
         return Decision(OUTCOME_STATES[records.outcome])
@@ -75,16 +77,37 @@ def decide(
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
+    if job.state == "PREEMPTED" and on_preemption == "preempted":
+        return _preempted(job)
     return _decide_ended(job, records, attempt, retries, time_limit)
+
+
+def _ended(job: JobInfo) -> str:
+    ended = f"Slurm job {job.job_id} ended in state {job.state}"
+    if job.exit_code is not None:
+        ended += f" (exit code {job.exit_code}" + (f", signal {job.signal})" if job.signal else ")")
+    return ended
+
+
+def _preempted(job: JobInfo) -> Decision:
+    """Final here (slurm.on_preemption = "preempted"): the client decides whether to run the
+    task again. A job Slurm requeues itself is never seen PREEMPTED by squeue: it is
+    followed under its id as it runs again."""
+    where = f" in partition {job.partition}" if job.partition else ""
+    return Decision(
+        State.PREEMPTED,
+        [
+            f"{_ended(job)}: Slurm preempted it{where} for a job of higher priority; "
+            "this server does not run it again: submit the task again"
+        ],
+    )
 
 
 def _decide_ended(
     job: JobInfo, records: JobRecords, attempt: int, retries: int, time_limit: str | None
 ) -> Decision:
     """The job ended without recording an outcome: the script itself was stopped."""
-    ended = f"Slurm job {job.job_id} ended in state {job.state}"
-    if job.exit_code is not None:
-        ended += f" (exit code {job.exit_code}" + (f", signal {job.signal})" if job.signal else ")")
+    ended = _ended(job)
     in_executor = bool(records.phase and records.phase.startswith("running"))
     if job.state in slurm.RETRYABLE_STATES:
         if attempt <= retries:

@@ -132,6 +132,7 @@ class Follower:
             current=current,
             time_limit=(entry.metadata or {}).get(TIME_LIMIT_KEY),
             missing_for=self.watch.missing_for(task.job_id),
+            on_preemption=self.ctx.config.slurm.on_preemption,
         )
         log_decision(entry, decision, records, job)
         if decision.retry:

@@ -28,14 +28,13 @@ import pytest
 import requests
 
 from tests.fixtures.auth import PASSWORDS, UnixUsers, write_htpasswd
-from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.fixtures.service import TERMINAL, BridgeService, start_bridge_service
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 SUDOERS = REPO / "deploy" / "sudoers.tes-bridge"
 INSTALLED = Path("/etc/sudoers.d/tes-bridge-test")
-TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 #: A virtual environment any user can run, when the test's own Python is private (e.g. a
 #: pyenv under /root): the service account and the task owners run this package with it.
 SITE_VENV = Path("/var/lib/tes-bridge/site-test-venv")

@@ -86,6 +86,9 @@ class FakeSlurm:
         #: Each submitted job script's text.
         self.scripts: list[str] = []
         self.partition_reads = 0
+        #: What sacct alone says of a job, ahead of `jobs` (e.g. the PREEMPTED record of a job
+        #: Slurm requeued, while squeue shows it pending again).
+        self.accounting_only: dict[str, JobInfo] = {}
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -136,7 +139,8 @@ class FakeSlurm:
 
     def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
         self._check("sacct")
-        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+        known = self.jobs | self.accounting_only
+        return {j: known[j] for j in job_ids if j in known}
 
     def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]:
         self._check("find")

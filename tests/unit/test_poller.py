@@ -130,6 +130,37 @@ def test_lost_jobs_are_retried_then_fail(slurm_state):
     assert not decision.retry and decision.state is State.SYSTEM_ERROR
 
 
+def test_preempted_job_ends_the_task_preempted_when_the_site_says_so():
+    preempted = job(state="PREEMPTED", exit_code=0, partition="scavenger")
+    decision = decide(
+        job=preempted,
+        records=records(phase="running 0"),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+        on_preemption="preempted",
+    )
+    assert decision.state is State.PREEMPTED and decision.final and not decision.retry
+    (message,) = decision.messages
+    assert "Slurm job 1 ended in state PREEMPTED" in message
+    assert "scavenger" in message and "submit the task again" in message
+    # The default: a new attempt, as for a lost node.
+    again = decide(job=preempted, records=records(), attempt=1, retries=2, current=State.RUNNING)
+    assert again.retry and again.state is State.QUEUED
+
+
+def test_a_preempted_job_that_recorded_its_outcome_keeps_it():
+    decision = decide(
+        job=job(state="PREEMPTED"),
+        records=records(outcome="complete"),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+        on_preemption="preempted",
+    )
+    assert decision.state is State.COMPLETE
+
+
 @pytest.mark.parametrize(
     ("slurm_state", "phase", "state", "words"),
     [
@@ -690,6 +721,86 @@ def test_a_retry_gives_every_engine_the_final_executor_exit_code(env, monkeypatc
     assert metadata[LOST_JOBS_KEY] == first
     assert any(first in line and "NODE_FAIL" in line for line in logs[0]["system_logs"])
     assert any(first in line and "n1" in line for line in logs[0]["system_logs"])
+
+
+def preempting_poller(tmp_path: Path, store: Store, on_preemption: str) -> tuple[Poller, FakeSlurm]:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.on_preemption": on_preemption},
+    )
+    slurm = FakeSlurm()
+    return Poller(config, store, slurm_client=slurm, images=FakeImages()), slurm
+
+
+def test_preempted_job_ends_its_task_preempted_and_final(tmp_path, sqlite_store):
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    task = sqlite_store.create_task(ECHO)
+    poller.cycle()
+    job_id = sqlite_store.get_task(task.id).job_id
+    # What squeue shows once Slurm preempted a --no-requeue job (seen on the local cluster).
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="PREEMPTED", exit_code=0, partition="scavenger"
+    )
+    poller.cycle()
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == "PREEMPTED"
+    assert slurm.calls.count("sbatch") == 1 and record.attempt == 1
+    assert "PREEMPTED" in record.logs[0]["system_logs"][-1]
+    assert record.logs[0]["metadata"]["slurm_state"] == "PREEMPTED"
+    # Final: a cancel changes nothing, and the poller no longer follows it.
+    sqlite_store.cancel_task(task.id)
+    slurm.calls.clear()
+    poller.cycle()
+    assert sqlite_store.get_task(task.id).state == "PREEMPTED"
+    assert "squeue" not in slurm.calls and "scancel" not in slurm.calls
+
+
+def test_job_requeued_by_slurm_is_followed_not_failed_nor_submitted_again(
+    tmp_path, sqlite_store, monkeypatch
+):
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    task = sqlite_store.create_task(ECHO)
+    poller.cycle()
+    job_id = sqlite_store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    running = JobRecords(job_id=job_id, phase="running 0")
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
+    poller.cycle()
+    assert sqlite_store.get_task(task.id).state == "RUNNING"
+    # A job that allows requeueing (a site's --requeue), preempted: squeue shows it COMPLETING,
+    # then PENDING again under the same id, while sacct briefly shows the PREEMPTED record.
+    slurm.accounting_only[job_id] = replace(slurm.jobs[job_id], state="PREEMPTED")
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETING")
+    poller.cycle()
+    assert sqlite_store.get_task(task.id).state == "RUNNING"
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="BeginTime")
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == "QUEUED"
+    assert f"Slurm job {job_id} is pending (BeginTime)" in record.logs[0]["system_logs"]
+    # It runs again from a clean start and completes.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", exit_code=0)
+    done = JobRecords(job_id=job_id, phase="done", outcome="complete")
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: done)
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == "COMPLETE" and record.attempt == 1 and len(record.logs) == 1
+    assert slurm.calls.count("sbatch") == 1
+
+
+def test_a_suspended_job_pauses_its_task_which_is_followed_until_it_runs_again(env):
+    # As with PreemptMode=SUSPEND, or an admin's scontrol suspend and resume.
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="SUSPENDED", reason=None)
+    poller.cycle()
+    assert store.get_task(task.id).state == "PAUSED"
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
+    poller.cycle()
+    assert store.get_task(task.id).state == "INITIALIZING"
 
 
 def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):

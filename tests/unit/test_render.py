@@ -203,6 +203,25 @@ def test_preemptible_task_uses_the_preemptible_partition_and_qos(tmp_path: Path)
     assert not [d for d in found if d.startswith("--qos")]
 
 
+def test_a_preemptible_task_naming_its_partition_or_qos_keeps_them(tmp_path: Path) -> None:
+    slurm = {"preemptible_partition": "spot", "preemptible_qos": "scavenger"}
+    named = {"preemptible": True, "backend_parameters": {"partition": "gpu"}}
+    found = directives(render(tmp_path, make_task(resources=named), slurm=slurm))
+    # The partition the task names wins; the site's preemptible QOS still marks it preemptible.
+    assert {"--partition=gpu", "--qos=scavenger"} <= set(found)
+    zones = {"preemptible": True, "zones": ["long"], "backend_parameters": {"qos": "high"}}
+    found = directives(render(tmp_path, make_task(resources=zones), slurm=slurm))
+    assert {"--partition=long", "--qos=high"} <= set(found)
+
+
+def test_preemptible_is_ignored_where_the_site_set_no_preemptible_partition_or_qos(
+    tmp_path: Path,
+) -> None:
+    slurm = {"default_partition": "normal"}
+    found = directives(render(tmp_path, make_task(resources={"preemptible": True}), slurm=slurm))
+    assert "--partition=normal" in found and not [d for d in found if d.startswith("--qos")]
+
+
 def test_backend_parameters_become_directives(tmp_path: Path) -> None:
     params = {
         "partition": "debug",

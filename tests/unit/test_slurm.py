@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bridge import slurm
+from bridge.core.tes import TERMINAL_STATES
 from bridge.slurm import (
     ENDED_STATES,
     QUEUE_BY_USER_FROM,
@@ -103,9 +104,9 @@ def test_every_slurm_state_maps_to_a_tes_state() -> None:
 
 
 def test_ended_jobs_map_to_final_tes_states_only() -> None:
-    # Nextflow and Cromwell wait forever on a task left in PREEMPTED or CANCELING.
-    final = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
-    assert {SLURM_TO_TES[s] for s in ENDED_STATES} <= final
+    # Clients wait forever on a task left in any other state (CANCELING, QUEUED, ...).
+    assert {SLURM_TO_TES[s] for s in ENDED_STATES} <= {s.value for s in TERMINAL_STATES}
+    assert SLURM_TO_TES["PREEMPTED"] == "PREEMPTED"
 
 
 @pytest.mark.parametrize(
