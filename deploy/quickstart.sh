@@ -79,6 +79,14 @@ share_data_dir() {
   sed -i "s|^\[storage\]\$|&\nshared_dirs = [\"$STATE_DIR/data\"]|" "$CONFIG"
 }
 
+# The local cluster's preemptible partition (deploy/local-cluster.sh): a task that says
+# resources.preemptible runs there, and Slurm may preempt it for the jobs of other partitions.
+use_preemptible_partition() {
+  grep -q '^preemptible_partition' "$CONFIG" && return 0
+  grep -q '^\[slurm\]' "$CONFIG" || printf '\n[slurm]\n' >> "$CONFIG"
+  sed -i "s|^\[slurm\]\$|&\npreemptible_partition = \"scavenger\"|" "$CONFIG"
+}
+
 # The service account: never root, so jobs and their executors never run as root.
 make_account() {
   [[ $ACCOUNT != root ]] || die "TES_BRIDGE_USER must not be root"
@@ -139,6 +147,7 @@ start() {
   mkdir -p "$STATE_DIR"
   write_config
   share_data_dir
+  use_preemptible_partition
   stop
   touch "$LOG"
   own_state

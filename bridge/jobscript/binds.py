@@ -93,6 +93,7 @@ class _BindCollector:
         self.in_place_outputs: list[int] = []
         self.bound: list[int] = []
         self.linkable: list[int] = []
+        self.workdirs: list[str] = []
 
     def uniform(self, path: str, readonly: bool, file: bool = False) -> Bind:
         return Bind(str(self.layout.host_path(path)), path, readonly, file=file)
@@ -135,6 +136,8 @@ class _BindCollector:
                         self.wanted.append(self.uniform(parent, False))
             if executor.stdin is not None:
                 container_path(executor.stdin, f"executors[{i}].stdin")
+            if executor.workdir is not None:
+                self.workdirs.append(executor.workdir)
 
     def inputs(self, inputs: list[InputModel]) -> None:
         """Each input read-only: bound from the shared filesystem, or staged into root/."""
@@ -199,6 +202,20 @@ class _BindCollector:
                     )
         return keep
 
+    def directories_to_make(self, keep: list[Bind]) -> list[str]:
+        """Container directories stage-in makes under root/: every read-write directory the
+        task asks for, also one inside an outer bind (a DIRECTORY output below an output
+        file's directory), and each executor's workdir inside a kept read-write bind, which
+        the runtime cannot make in the read-only image (Docker makes it; engines expect it)."""
+        wanted = {b.container for b in self.wanted if b.uniform and not b.readonly}
+        writable = [b.container for b in keep if b.uniform and not b.readonly]
+        wanted.update(
+            workdir
+            for workdir in self.workdirs
+            if any(_under(workdir, outer) for outer in writable)
+        )
+        return sorted(wanted)
+
     def scratch_targets(self) -> list[str]:
         """/tmp and /var/tmp where nothing is mounted at or above them: what is mounted below
         goes on top of the scratch bind."""
@@ -232,7 +249,7 @@ def compute_binds(
         scratch_mountpoints=sorted({_parent(m) if m in files else m for m in on_scratch.values()}),
         scratch_mountfiles=sorted(files),
         scratch_targets=scratch,
-        mkdirs=sorted({b.container for b in keep if b.uniform and not b.readonly}),
+        mkdirs=collect.directories_to_make(keep),
         bound_inputs=collect.bound,
         linkable_inputs=collect.linkable if config.storage.file_input_mode == "hardlink" else [],
         in_place_inputs=collect.in_place_inputs,

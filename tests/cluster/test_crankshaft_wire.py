@@ -323,11 +323,6 @@ def node_memory_mb(node: str) -> int:
     return int(out.split()[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="preemption: the quickstart has no preemptible partition (slurm.preemptible_partition)"
-    " yet",
-)
 def test_a_preempted_task_is_run_again_and_read_from_its_last_attempt(
     quickstart: Quickstart, workdir: Path, monitor: CrankshaftMonitor
 ) -> None:

@@ -544,10 +544,6 @@ def test_an_optional_output_not_written_leaves_the_task_complete(
     ), system_logs(final)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (a): after a retry, logs[0].logs[0].exit_code is not the final exit code",
-)
 def test_a_task_retried_after_a_node_loss_is_read_with_its_last_exit_code(
     quickstart: Quickstart, local_cluster: LocalCluster, work: Path, restore_nodes: None
 ) -> None:

@@ -325,6 +325,25 @@ def binds_of(tmp_path: Path, task: dict[str, Any], **sections: Any) -> BindPlan:
     return compute_binds(task, config=config, layout=layout)
 
 
+def test_directories_inside_an_outer_bind_and_workdirs_in_one_are_made(tmp_path: Path) -> None:
+    # Sprocket's task: its work directory is a DIRECTORY output and the executor's workdir,
+    # below the directory of its stdout file; the runtime cannot make it in the image.
+    task = make_task(
+        outputs=[
+            {"path": "/mnt/task/work", "url": "file:///w", "type": "DIRECTORY"},
+            {"path": "/mnt/task/stdout", "url": "file:///o"},
+        ],
+        executors=[
+            {"image": "alpine", "command": ["true"], "workdir": "/mnt/task/work"},
+            {"image": "alpine", "command": ["true"], "workdir": "/mnt/task/sub/dir"},
+            {"image": "alpine", "command": ["true"], "workdir": "/opt/app"},  # the image's own
+        ],
+    )
+    plan = binds_of(tmp_path, task)
+    assert {b.container for b in plan.binds} == {"/mnt/task"}
+    assert plan.mkdirs == ["/mnt/task", "/mnt/task/sub/dir", "/mnt/task/work"]
+
+
 def test_binds_follow_funnel_inputs_readonly_output_dirs_and_volumes_readwrite(
     tmp_path: Path,
 ) -> None:
@@ -360,7 +379,10 @@ def test_binds_follow_funnel_inputs_readonly_output_dirs_and_volumes_readwrite(
         ("/logs", False),
     }
     assert all(b.host == str(root) + b.container for b in binds)
-    assert plan.mkdirs == sorted(["/outputs", "/results", "/glob/x", "/work", "/scratch", "/logs"])
+    # /outputs/more is made inside the /outputs bind, for the executor to write into.
+    assert plan.mkdirs == sorted(
+        ["/outputs", "/outputs/more", "/results", "/glob/x", "/work", "/scratch", "/logs"]
+    )
     assert plan.bound_inputs == [] and plan.linkable_inputs == []
 
 
