@@ -176,6 +176,7 @@ class SlurmConfig(_Section):
     #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
     #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.
     disk_request: Literal["auto", "tmp", "ignore"] = "auto"
+    #: How long the nodes' TmpDisk and memory (one sinfo call) are kept.
     tmp_disk_refresh_seconds: float = Field(default=600.0, gt=0)
     #: Extra `#SBATCH` lines, written as given (without the `#SBATCH` prefix).
     extra_directives: list[str] = Field(default_factory=list)

@@ -31,9 +31,11 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
   not know the job yet; the next poll gets the real one.
 - sbatch refusing a job for its size (exit 1, "Requested node configuration is not available")
   still uses a job id: sacct and squeue show a FAILED (1:0) job of that name that never ran.
-- ``sinfo -o '%P|%d'`` prints one line per partition and distinct TmpDisk (MB) of its nodes,
-  the default partition with a ``*``; a node that declares no TmpDisk shows 0. sbatch refuses
-  ``--tmp`` more than every node declares: "Temporary disk specification can not be satisfied".
+- ``sinfo -o '%P|%d|%m'`` prints one line per partition and distinct TmpDisk and memory (MB) of
+  its nodes, the default partition with a ``*``; a node that declares no TmpDisk shows 0. sbatch
+  refuses ``--tmp`` more than every node declares: "Temporary disk specification can not be
+  satisfied", and ``--mem`` more than the largest node's memory: "Memory specification can not
+  be satisfied".
 - With slurmctld down, sbatch, squeue and scancel each retry for about 9 s before failing with
   "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
 - A job whose memory use passes ``--mem`` under ``JobAcctGatherParams=OverMemoryKill`` ends FAILED
@@ -50,7 +52,7 @@ import re
 import subprocess
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
@@ -573,51 +575,76 @@ def _with_steps(job: JobInfo, steps: list[list[str]]) -> JobInfo:
 
 # Arguments longer than this are refused by Linux (MAX_ARG_STRLEN is 128 KiB): split id lists.
 @dataclass(frozen=True)
-class TmpDisk:
-    """The node-local disk (`TmpDisk`, MB) Slurm can give a job with `--tmp`, per partition:
-    the smallest and the largest of the partition's nodes."""
+class NodeSizes:
+    """What the nodes of each partition can give one job, in MB (Slurm's MB are MiB): the
+    smallest and the largest node-local disk (`TmpDisk`, for `--tmp`) and the largest memory
+    (`RealMemory`, for `--mem`)."""
 
-    smallest_by_partition: dict[str, int]
-    largest_by_partition: dict[str, int]
+    tmp_disk_smallest: dict[str, int]
+    tmp_disk_largest: dict[str, int]
     default_partition: str | None = None
+    memory_largest: dict[str, int] = field(default_factory=dict)
 
-    def smallest(self, partitions: Sequence[str]) -> int | None:
+    def _names(self, partitions: Sequence[str]) -> list[str]:
+        """`partitions`, or the default partition when none is named."""
+        return list(partitions) or ([self.default_partition] if self.default_partition else [])
+
+    def smallest_tmp_disk(self, partitions: Sequence[str]) -> int | None:
         """The smallest TmpDisk of these partitions' nodes (of the default partition when none
         is named); None when sinfo did not list one of them."""
-        names = list(partitions) or ([self.default_partition] if self.default_partition else [])
-        if not names or any(name not in self.smallest_by_partition for name in names):
+        names = self._names(partitions)
+        if not names or any(name not in self.tmp_disk_smallest for name in names):
             return None
-        return min(self.smallest_by_partition[name] for name in names)
+        return min(self.tmp_disk_smallest[name] for name in names)
 
-    def describe(self) -> str:
+    def largest_memory(self, partitions: Sequence[str]) -> int | None:
+        """The memory of the largest node of these partitions (of the default partition when
+        none is named): the most `--mem` sbatch accepts for a job that may run in any of them;
+        None when sinfo did not say it for one of them."""
+        names = self._names(partitions)
+        if not names or any(name not in self.memory_largest for name in names):
+            return None
+        return max(self.memory_largest[name] for name in names)
+
+    def describe_tmp_disk(self) -> str:
         """`main 0 MB, big 1000-102400 MB` for messages."""
         parts = []
-        for name, low in self.smallest_by_partition.items():
-            high = self.largest_by_partition[name]
+        for name, low in self.tmp_disk_smallest.items():
+            high = self.tmp_disk_largest[name]
             parts.append(f"{name} {low if low == high else f'{low}-{high}'} MB")
         return ", ".join(parts) or "no partition"
 
 
-SINFO_FORMAT = "%P|%d"
+SINFO_NODE_SIZES_FORMAT = "%P|%d|%m"
 
 
-def parse_sinfo_tmp_disk(text: str) -> TmpDisk:
-    """`sinfo -h -a -o '%P|%d'`: one line per partition and distinct TmpDisk of its nodes."""
-    low: dict[str, int] = {}
-    high: dict[str, int] = {}
+def parse_sinfo_node_sizes(text: str) -> NodeSizes:
+    """`sinfo -h -a -o '%P|%d|%m'`: one line per partition and distinct TmpDisk and memory of
+    its nodes. A line without a memory field (or an unreadable one) leaves the memory unknown."""
+    tmp_low: dict[str, int] = {}
+    tmp_high: dict[str, int] = {}
+    memory: dict[str, int] = {}
+    unknown_memory: set[str] = set()
     default = None
     for line in text.splitlines():
-        name, sep, size = line.strip().partition("|")
-        if not sep or not size.strip().isdigit():
+        name, *sizes = line.strip().split("|")
+        if not sizes or not sizes[0].strip().isdigit():
             continue
         if name.endswith("*"):
             name = name[:-1]
             default = name
-        if name:
-            mb = int(size)
-            low[name] = min(mb, low.get(name, mb))
-            high[name] = max(mb, high.get(name, mb))
-    return TmpDisk(smallest_by_partition=low, largest_by_partition=high, default_partition=default)
+        if not name:
+            continue
+        mb = int(sizes[0])
+        tmp_low[name] = min(mb, tmp_low.get(name, mb))
+        tmp_high[name] = max(mb, tmp_high.get(name, mb))
+        if len(sizes) > 1 and sizes[1].strip().isdigit():
+            memory[name] = max(int(sizes[1]), memory.get(name, 0))
+        else:
+            unknown_memory.add(name)
+    for name in unknown_memory:  # one node group of unknown memory: the largest is unknown
+        memory.pop(name, None)
+    return NodeSizes(tmp_low, tmp_high, default_partition=default, memory_largest=memory)
 
 
 #: `sinfo -N` fields, one line per node and partition: partition (`*` on the default), node,
@@ -765,7 +792,7 @@ class SlurmBackend(Protocol):
 
     def find_by_names(self, names: Collection[str]) -> dict[str, list[JobInfo]]: ...
 
-    def tmp_disk(self) -> TmpDisk: ...
+    def node_sizes(self) -> NodeSizes: ...
 
     def partitions(self) -> list[Partition]: ...
 
@@ -996,12 +1023,12 @@ class SlurmClient:
                 result.setdefault(info.name, []).append(info)
         return result
 
-    def tmp_disk(self) -> TmpDisk:
-        """Each partition's smallest node TmpDisk, in one call (`-a`: hidden partitions too)."""
-        proc = run_slurm([self.sinfo, "-h", "-a", "-o", SINFO_FORMAT], self.timeout)
+    def node_sizes(self) -> NodeSizes:
+        """Each partition's node TmpDisk and memory, in one call (`-a`: hidden partitions too)."""
+        proc = run_slurm([self.sinfo, "-h", "-a", "-o", SINFO_NODE_SIZES_FORMAT], self.timeout)
         if proc.returncode != 0:
-            raise command_error(proc, "reading the partitions' TmpDisk")
-        return parse_sinfo_tmp_disk(proc.stdout)
+            raise command_error(proc, "reading the partitions' node sizes")
+        return parse_sinfo_node_sizes(proc.stdout)
 
     def partitions(self) -> list[Partition]:
         """Every partition's nodes, CPUs, memory, time limit and GRES, in one call."""

@@ -13,6 +13,7 @@ import math
 import os
 import pwd
 import re
+from decimal import Decimal
 from typing import Any
 
 from bridge.config import Config, SiteRule
@@ -21,7 +22,7 @@ from bridge.core.naming import job_name
 from bridge.core.tes import ResourcesModel
 from bridge.job.layout import TaskLayout
 from bridge.jobscript.task import RenderError, TesTask, parse_task
-from bridge.slurm import TmpDisk
+from bridge.slurm import NodeSizes
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 #: Characters sbatch reads in an `#SBATCH` value without surprises (for the task directory).
@@ -42,7 +43,9 @@ _SBATCH_PATH = re.compile(r"^/[A-Za-z0-9_./+,:=@~-]*$")
 #:                                     and max_time (hours), else slurm.default_time, else
 #:                                     slurm.max_time (see backend_params.time_limit)
 #:   cpu_cores      --cpus-per-task    resources.cpu_cores rounded up (0: no request)
-#:   ram_gb         --mem              resources.ram_gb in MB, rounded up (0: no request)
+#:   ram_gb         --mem              resources.ram_gb in MB, rounded up (0: no request),
+#:                                     the node's whole memory when that is the request in
+#:                                     decimal GB (see `memory_directive`)
 #:   disk_gb        --tmp              resources.disk_gb in MB, per slurm.disk_request
 #:   gres           --gres             backend_parameters.gres
 #:   gpus           --gpus             backend_parameters.gpus
@@ -74,6 +77,30 @@ def _megabytes(gigabytes: float | None) -> int | None:
     return max(1, math.ceil(gigabytes * 1024))
 
 
+def memory_directive(
+    ram_gb: float | None, partitions: list[str], nodes: NodeSizes | None
+) -> str | None:
+    """`--mem` for a task's ram_gb: GiB in Slurm's MB (MiB), rounded up.
+
+    Engines read ram_gb either way: Nextflow and Toil send GiB, Snakemake, cwl-tes and
+    crankshaft decimal GB (docs/api.md). So when the largest node of the task's partitions
+    (`partitions` empty: the default partition) has M MB, and M lies between the request read
+    in decimal MB and read in MiB, the job asks for M: the node's whole memory, which is the
+    request in the decimal reading and, in the GiB reading, the most any of those nodes can
+    give (a GiB request a node can give is never lowered). Otherwise sbatch would refuse a
+    decimal request of exactly a node's memory.
+    """
+    mebibytes = _megabytes(ram_gb)
+    if mebibytes is None or ram_gb is None:
+        return None
+    largest = nodes.largest_memory(partitions) if nodes else None
+    # The float's shortest decimal, so that 23.081 GB is 23081 MB, not 23081.000000000004.
+    decimal = math.ceil(Decimal(repr(ram_gb)) * 1000)
+    if largest is not None and decimal <= largest < mebibytes:
+        mebibytes = largest
+    return f"{SBATCH_OPTIONS['ram_gb']}={mebibytes}"
+
+
 def _partition(name: str, where: str, config: Config) -> str:
     if not _NAME.fullmatch(name):
         raise RenderError(f"{where}: invalid partition name {name!r}")
@@ -86,7 +113,7 @@ def _partition(name: str, where: str, config: Config) -> str:
 
 
 def disk_directive(
-    megabytes: int | None, partitions: list[str], config: Config, tmp_disk: TmpDisk | None
+    megabytes: int | None, partitions: list[str], config: Config, nodes: NodeSizes | None
 ) -> str | None:
     """`--tmp` for a task's disk_gb, per `slurm.disk_request`.
 
@@ -98,7 +125,7 @@ def disk_directive(
     mode = config.slurm.disk_request
     if megabytes is None or mode == "ignore":
         return None
-    if mode == "auto" and not (tmp_disk and tmp_disk.smallest(partitions)):
+    if mode == "auto" and not (nodes and nodes.smallest_tmp_disk(partitions)):
         return None
     return f"{SBATCH_OPTIONS['disk_gb']}={megabytes}"
 
@@ -142,17 +169,17 @@ def _with_defaults(values: dict[str, str], resources: ResourcesModel, config: Co
 
 
 def _resource_values(
-    values: dict[str, str], resources: ResourcesModel, config: Config, tmp_disk: TmpDisk | None
+    values: dict[str, str], resources: ResourcesModel, config: Config, nodes: NodeSizes | None
 ) -> None:
     """Fill in cpu_cores, ram_gb and disk_gb as sbatch wants them."""
     if resources.cpu_cores:  # 0 (which TES allows) means "no request", like an absent value
         # TES 1.2 allows a fraction of a core; Slurm counts whole CPUs.
         values["cpu_cores"] = str(math.ceil(resources.cpu_cores))
-    mem = _megabytes(resources.ram_gb)
-    if mem is not None:
-        values["ram_gb"] = str(mem)
     partitions = values["partition"].split(",") if "partition" in values else []
-    tmp = disk_directive(_megabytes(resources.disk_gb), partitions, config, tmp_disk)
+    mem = memory_directive(resources.ram_gb, partitions, nodes)
+    if mem is not None:
+        values["ram_gb"] = mem.partition("=")[2]
+    tmp = disk_directive(_megabytes(resources.disk_gb), partitions, config, nodes)
     if tmp is not None:
         values["disk_gb"] = tmp.partition("=")[2]
 
@@ -193,20 +220,21 @@ def sbatch_directives(
     *,
     config: Config,
     layout: TaskLayout,
-    tmp_disk: TmpDisk | None = None,
+    nodes: NodeSizes | None = None,
     owner: str | None = None,
 ) -> list[str]:
     """The `#SBATCH` options (without the prefix), site directives last: those of the first
-    matching `slurm.rules` (for `owner`'s groups), then `slurm.extra_directives`. `tmp_disk` is
-    what the poller learned of the nodes' TmpDisk (see `disk_directive`)."""
-    return directives_and_rule(parse_task(task), config, layout, tmp_disk, owner)[0]
+    matching `slurm.rules` (for `owner`'s groups), then `slurm.extra_directives`. `nodes` is
+    what the poller learned of the nodes' TmpDisk and memory (see `disk_directive` and
+    `memory_directive`)."""
+    return directives_and_rule(parse_task(task), config, layout, nodes, owner)[0]
 
 
 def directives_and_rule(
     typed: TesTask,
     config: Config,
     layout: TaskLayout,
-    tmp_disk: TmpDisk | None,
+    nodes: NodeSizes | None,
     owner: str | None,
 ) -> tuple[list[str], SiteRule | None]:
     """The `#SBATCH` options and the site rule they took (its prologue goes into the script)."""
@@ -218,7 +246,7 @@ def directives_and_rule(
         )
     values = _backend_values(typed.resources, config)
     _with_defaults(values, typed.resources, config)
-    _resource_values(values, typed.resources, config, tmp_disk)
+    _resource_values(values, typed.resources, config, nodes)
     directives = [
         f"--job-name={job_name(typed.id)}",
         f"--output={layout.slurm_output}",

@@ -32,7 +32,7 @@ from bridge.job.settings import JobSettings
 from bridge.jobscript.binds import SCRATCH_TARGETS, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import directives_and_rule
 from bridge.jobscript.task import RenderError, TesTask, container_path, parse_task
-from bridge.slurm import TmpDisk
+from bridge.slurm import NodeSizes
 
 TEMPLATE = "job.sh.j2"
 JOB_MODULE = "bridge.job"
@@ -187,7 +187,7 @@ def render_script(
     config: Config,
     task_dir: Path,
     image_paths: dict[str, str],
-    tmp_disk: TmpDisk | None = None,
+    nodes: NodeSizes | None = None,
     plan: BindPlan | None = None,
     owner: str | None = None,
 ) -> str:
@@ -196,7 +196,7 @@ def render_script(
     owner (for `slurm.rules` on Unix groups)."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
-    directives, rule = directives_and_rule(typed, config, layout, tmp_disk, owner)
+    directives, rule = directives_and_rule(typed, config, layout, nodes, owner)
     plan = plan or compute_binds(typed, config=config, layout=layout)
     gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(
@@ -273,7 +273,7 @@ def prepare_task_dir(
     *,
     config: Config,
     image_paths: dict[str, str],
-    tmp_disk: TmpDisk | None = None,
+    nodes: NodeSizes | None = None,
     owner: str | None = None,
 ) -> Path:
     """Create `<work_dir>/<task id>/` with task.json, job-config.json and job.sh.
@@ -282,9 +282,7 @@ def prepare_task_dir(
     """
     typed = parse_task(task)
     layout = TaskLayout(config.work_dir / typed.id)
-    files = task_files(
-        typed, config=config, image_paths=image_paths, tmp_disk=tmp_disk, owner=owner
-    )
+    files = task_files(typed, config=config, image_paths=image_paths, nodes=nodes, owner=owner)
     config.work_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     # 0700: task documents can carry secrets (env values, content) and outputs.
     layout.task_dir.mkdir(mode=0o700, exist_ok=True)
@@ -301,7 +299,7 @@ def task_files(
     *,
     config: Config,
     image_paths: dict[str, str],
-    tmp_disk: TmpDisk | None = None,
+    nodes: NodeSizes | None = None,
     owner: str | None = None,
 ) -> dict[str, str]:
     """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
@@ -316,7 +314,7 @@ def task_files(
         config=config,
         task_dir=layout.task_dir,
         image_paths=image_paths,
-        tmp_disk=tmp_disk,
+        nodes=nodes,
         plan=plan,
         owner=owner,
     )

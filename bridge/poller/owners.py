@@ -16,7 +16,7 @@ from bridge.job.owner import records_from_json
 from bridge.job.records import JobRecords
 from bridge.jobscript.render import task_files
 from bridge.poller.context import short
-from bridge.slurm import TmpDisk
+from bridge.slurm import NodeSizes
 from bridge.store import TaskRecord
 from bridge.system.proc import CommandError, as_user, run
 from bridge.system.users import UserMap
@@ -57,12 +57,12 @@ class OwnerRunner:
         owner: str,
         document: dict[str, Any],
         image_paths: dict[str, str],
-        tmp_disk: TmpDisk | None,
+        nodes: NodeSizes | None,
     ) -> Path:
         """The task directory, rendered here and written by the owner (so it is the owner's
         and private); returns its job script."""
         files = task_files(
-            document, config=self.config, image_paths=image_paths, tmp_disk=tmp_disk, owner=owner
+            document, config=self.config, image_paths=image_paths, nodes=nodes, owner=owner
         )
         task_dir: Path = self.config.work_dir / str(document["id"])
         self.run(owner, ["adopt", "--task-dir", str(task_dir)], json.dumps(files))

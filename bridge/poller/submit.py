@@ -20,7 +20,7 @@ from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
 from bridge.poller.decisions import TIME_LIMIT_KEY
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
-from bridge.slurm import Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable, TmpDisk
+from bridge.slurm import NodeSizes, Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
 
 log = logging.getLogger("bridge.poller")
@@ -34,7 +34,8 @@ TRANSIENT_ERRNOS = frozenset(
      errno.ENFILE, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
 )  # fmt: skip
 #: After sbatch refuses a `--tmp`, TmpDisk is read again if the last read is older than this
-#: (at most one sinfo per this many seconds, however many tasks are refused).
+#: (at most one sinfo per this many seconds, however many tasks are refused); after sinfo failed
+#: with no answer yet, tasks that can do without it (memory only) try it again no sooner.
 TMP_DISK_RECHECK = 30.0
 
 
@@ -59,11 +60,15 @@ def _time_limit(document: dict[str, Any], config: Config) -> backend_params.Time
         return None
 
 
-def disk_gb(document: dict[str, Any]) -> float:
-    value = (document.get("resources") or {}).get("disk_gb")
+def _gigabytes(document: dict[str, Any], key: str) -> float:
+    value = (document.get("resources") or {}).get(key)
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return 0.0
+
+
+def disk_gb(document: dict[str, Any]) -> float:
+    return _gigabytes(document, "disk_gb")
 
 
 @dataclass(frozen=True)
@@ -117,30 +122,48 @@ class Backoff:
         return self.ctx.clock() < self.paused_until
 
 
-class TmpDiskCache:
-    """The partitions' TmpDisk (slurm.disk_request "auto"), read with sinfo now and then."""
+class NodeSizesCache:
+    """The partitions' node TmpDisk (slurm.disk_request "auto") and memory (`--mem` of a whole
+    node), read with one sinfo now and then."""
 
     def __init__(self, ctx: PollerContext) -> None:
         self.ctx = ctx
-        self._tmp_disk: TmpDisk | None = None
+        self._nodes: NodeSizes | None = None
         self._read_at = 0.0
+        self._failed_at = float("-inf")
 
-    def get(self, stats: CycleStats) -> TmpDisk:
+    def get(self, stats: CycleStats) -> NodeSizes:
         """Read again after `slurm.tmp_disk_refresh_seconds`. When sinfo fails the last answer
         stays in use; with none yet, the SlurmError is raised."""
         now = self.ctx.clock()
         refresh = self.ctx.config.slurm.tmp_disk_refresh_seconds
-        if self._tmp_disk is None or now - self._read_at >= refresh:
+        if self._nodes is None or now - self._read_at >= refresh:
             try:
                 stats.slurm_calls += 1
-                self._tmp_disk = self.ctx.slurm.tmp_disk()
-                log.info("node-local disk (TmpDisk) by partition: %s", self._tmp_disk.describe())
+                self._nodes = self.ctx.slurm.node_sizes()
+                log.info(
+                    "node-local disk (TmpDisk) by partition: %s; largest node memory: %s",
+                    self._nodes.describe_tmp_disk(),
+                    self._nodes.memory_largest,
+                )
             except SlurmError as exc:
-                if self._tmp_disk is None:
+                if self._nodes is None:
                     raise
-                log.warning("sinfo failed; keeping the TmpDisk read before: %s", exc)
+                log.warning("sinfo failed; keeping the node sizes read before: %s", exc)
             self._read_at = now
-        return self._tmp_disk
+        return self._nodes
+
+    def known(self, stats: CycleStats) -> NodeSizes | None:
+        """`get`, or None when sinfo fails; with no answer yet, sinfo is tried again only
+        `TMP_DISK_RECHECK` seconds after it failed (tasks that can do without it go on)."""
+        if self._nodes is None and self.ctx.clock() - self._failed_at < TMP_DISK_RECHECK:
+            return None
+        try:
+            return self.get(stats)
+        except SlurmError as exc:
+            log.warning("sinfo failed; --mem stays as asked: %s", exc)
+            self._failed_at = self.ctx.clock()
+            return None
 
     def hint(self, disk: float, stats: CycleStats) -> str:
         """Why sbatch refused the `--tmp` of `disk` GB, and the setting that decides it."""
@@ -148,7 +171,7 @@ class TmpDiskCache:
         if self.ctx.clock() - self._read_at > TMP_DISK_RECHECK:
             self._read_at = float("-inf")  # what the nodes declare may have changed
         try:
-            declared = f"the nodes declare TmpDisk {self.get(stats).describe()}"
+            declared = f"the nodes declare TmpDisk {self.get(stats).describe_tmp_disk()}"
         except SlurmError:
             declared = "the nodes' TmpDisk could not be read"
         hint = (
@@ -211,12 +234,13 @@ class Admission:
 
 class Preparer:
     """The task directory and its job script, written by the service or (site mode) by the
-    task's owner, with the TmpDisk that `slurm.disk_request = "auto"` needs."""
+    task's owner, with the nodes' TmpDisk that `slurm.disk_request = "auto"` needs and their
+    memory (`memory_directive`)."""
 
     def __init__(self, ctx: PollerContext, owners: OwnerRunner | None) -> None:
         self.ctx = ctx
         self.owners = owners
-        self.tmp_disk = TmpDiskCache(ctx)
+        self.nodes = NodeSizesCache(ctx)
 
     def __call__(
         self,
@@ -230,34 +254,41 @@ class Preparer:
         """Raises _Fail or _Wait. `owner`: who writes it (site mode), `task_owner`: whose groups
         `slurm.rules` look at."""
         disk = disk_gb(document)
-        tmp_disk = None
-        if self.ctx.config.slurm.disk_request == "auto" and disk > 0:
-            try:
-                tmp_disk = self.tmp_disk.get(stats)
-            except SlurmError as exc:
-                reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
-                log.warning("sinfo failed: %s", exc)
-                raise _Wait(Condition(ConditionKind.TMP_DISK_UNKNOWN, reason)) from exc
-        script = self._write(document, owner, image_paths, tmp_disk, task_owner)
+        script = self._write(
+            document, owner, image_paths, self._nodes(disk, document, stats), task_owner
+        )
         return PreparedJob(script, _time_limit(document, self.ctx.config), disk)
+
+    def _nodes(self, disk: float, document: dict[str, Any], stats: CycleStats) -> NodeSizes | None:
+        """What the task's directives need of the nodes, read when it asks for disk
+        (disk_request "auto") or memory. Unknown disk holds the task; unknown memory only
+        leaves `--mem` as asked."""
+        if not (self.ctx.config.slurm.disk_request == "auto" and disk > 0):
+            return self.nodes.known(stats) if _gigabytes(document, "ram_gb") else None
+        try:
+            return self.nodes.get(stats)
+        except SlurmError as exc:
+            log.warning("sinfo failed: %s", exc)
+            reason = f"cannot read the nodes' TmpDisk from Slurm ({short(exc)}); retrying"
+            raise _Wait(Condition(ConditionKind.TMP_DISK_UNKNOWN, reason)) from exc
 
     def _write(
         self,
         document: dict[str, Any],
         owner: str | None,
         image_paths: dict[str, str],
-        tmp_disk: TmpDisk | None,
+        nodes: NodeSizes | None,
         task_owner: str | None,
     ) -> Path:
         """The task directory, rendered and written; returns its job script."""
         try:
             if owner and self.owners is not None:
-                return self.owners.adopt(owner, document, image_paths, tmp_disk)
+                return self.owners.adopt(owner, document, image_paths, nodes)
             return prepare_task_dir(
                 document,
                 config=self.ctx.config,
                 image_paths=image_paths,
-                tmp_disk=tmp_disk,
+                nodes=nodes,
                 owner=task_owner,
             )
         except OSError as exc:
@@ -431,7 +462,7 @@ class Submitter:
         request that can be changed, what the job asked for and where to change it."""
         message = f"Slurm refused the job: {exc.reason}"
         if exc.refusal is Refusal.TMP_DISK:
-            return message + self.prepare.tmp_disk.hint(prepared.disk_gb, stats)
+            return message + self.prepare.nodes.hint(prepared.disk_gb, stats)
         if exc.refusal is Refusal.TIME_LIMIT:
             return message + _time_limit_hint(prepared.time_limit)
         return message

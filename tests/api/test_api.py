@@ -934,13 +934,13 @@ def test_absurd_resources_are_400_naming_the_field(client, resources, field):
 def test_the_largest_resources_allowed_render_into_sbatch_directives(client, tmp_path, config):
     from bridge.job.layout import TaskLayout
     from bridge.jobscript.directives import sbatch_directives
-    from bridge.slurm import TmpDisk
+    from bridge.slurm import NodeSizes
 
     resources = {"cpu_cores": 65533, "ram_gb": 1e9, "disk_gb": 1e9}
     task = get(client, create(client, {"resources": resources, **ECHO}), "FULL")
-    nodes = TmpDisk({"main": 102400}, {"main": 102400}, default_partition="main")
+    nodes = NodeSizes({"main": 102400}, {"main": 102400}, "main", memory_largest={"main": 4000})
     layout = TaskLayout(tmp_path / task["id"])
-    directives = sbatch_directives(task, config=config, layout=layout, tmp_disk=nodes)
+    directives = sbatch_directives(task, config=config, layout=layout, nodes=nodes)
     assert "--cpus-per-task=65533" in directives
     assert f"--mem={10**9 * 1024}" in directives and f"--tmp={10**9 * 1024}" in directives
 

@@ -215,6 +215,33 @@ def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeS
     assert 100 << 20 < peak < 512 << 20, peak
 
 
+def largest_node_memory_mb() -> int:
+    """The local cluster's largest RealMemory (Slurm's MB: MiB)."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-p", "main", "-o", "%m"], capture_output=True, text=True, check=True
+    ).stdout
+    return max(int(size) for size in out.split())
+
+
+def test_a_nodes_whole_memory_in_decimal_gb_is_the_whole_node(
+    bridge_service: BridgeService,
+) -> None:
+    # Snakemake and cwl-tes send decimal GB: a node's RealMemory / 1000. Read in MiB (x 1024)
+    # that is 2.4% more than the node has, which sbatch refuses ("Memory specification can not
+    # be satisfied"); the bridge asks for the node's memory instead.
+    node_mb = largest_node_memory_mb()
+    task = bridge_service.run(
+        {
+            "executors": [{"image": "alpine", "command": ["true"]}],
+            "resources": {"ram_gb": node_mb / 1000},
+        },
+        timeout=300,  # a whole node's memory: the job waits for other jobs on it to end
+    )
+    assert task["state"] == "COMPLETE", task
+    facts = sacct(task["logs"][0]["metadata"]["slurm_job_id"], "State,AllocTRES")
+    assert f"mem={node_mb}M" in facts["AllocTRES"].split(","), facts
+
+
 @pytest.mark.parametrize(
     ("parameters", "devices", "tres"),
     [

@@ -17,13 +17,13 @@ from typing import Any
 
 from bridge.slurm import (
     JobInfo,
+    NodeSizes,
     Partition,
     SlurmBackend,
     SlurmError,
-    TmpDisk,
     command_error,
+    parse_sinfo_node_sizes,
     parse_sinfo_partitions,
-    parse_sinfo_tmp_disk,
 )
 
 #: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
@@ -65,7 +65,7 @@ class FakeSlurm:
     def __init__(
         self,
         *,
-        sinfo: str | None = "main*|102400\n",
+        sinfo: str | None = "main*|102400|4000\n",
         sinfo_partitions: str = "main*|n1|2|4000|infinite|(null)|0|up|idle\n",
     ) -> None:
         self.jobs: dict[str, JobInfo] = {}
@@ -79,7 +79,7 @@ class FakeSlurm:
         self.sbatch_error: str | None = None
         #: sbatch creates the job but its answer is lost.
         self.create_then_fail = False
-        #: What `sinfo -h -a -o '%P|%d'` prints (None: sinfo cannot reach slurmctld).
+        #: What `sinfo -h -a -o '%P|%d|%m'` prints (None: sinfo cannot reach slurmctld).
         self.sinfo = sinfo
         #: What `sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT` prints.
         self.sinfo_partitions = sinfo_partitions
@@ -119,11 +119,11 @@ class FakeSlurm:
         self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
         return job_id
 
-    def tmp_disk(self) -> TmpDisk:
+    def node_sizes(self) -> NodeSizes:
         self._check("sinfo")
         if self.sinfo is None:
             raise failure(["sinfo"], UNREACHABLE)
-        return parse_sinfo_tmp_disk(self.sinfo)
+        return parse_sinfo_node_sizes(self.sinfo)
 
     def partitions(self) -> list[Partition]:
         # Counted apart from `calls`: the capabilities are read once a minute, whatever the

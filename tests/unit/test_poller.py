@@ -421,6 +421,49 @@ def test_auto_disk_request_waits_while_tmp_disk_cannot_be_read_at_first(env):
     ]
 
 
+def mem_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH --mem")]
+
+
+def test_memory_of_a_whole_node_asks_for_the_node_read_once_with_the_tmp_disk(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    slurm.sinfo = "main*|0|4000\n"  # as Snakemake asks for a 4000 MB node: mem_mb / 1000
+    for _ in range(2):
+        store.create_task({**ECHO, "resources": {"ram_gb": 4}})
+    store.create_task({**ECHO, "resources": {"ram_gb": 4, "disk_gb": 1}})
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 1
+    assert [mem_lines(s) for s in slurm.scripts] == [["#SBATCH --mem=4000"]] * 3
+    assert [tmp_lines(s) for s in slurm.scripts] == [[]] * 3  # no TmpDisk: no --tmp
+
+
+def test_memory_requests_go_on_as_asked_while_sinfo_cannot_be_read(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    slurm.sinfo = None
+    first = store.create_task({**ECHO, "resources": {"ram_gb": 4}})
+    second = store.create_task({**ECHO, "resources": {"ram_gb": 4}})
+    poller.cycle()
+    assert store.get_task(first.id).job_id and store.get_task(second.id).job_id
+    assert [mem_lines(s) for s in slurm.scripts] == [["#SBATCH --mem=4096"]] * 2
+    # Tried again after a while, not for every task.
+    assert slurm.calls.count("sinfo") == 1
+    slurm.sinfo = "main*|0|4000\n"
+    store.create_task({**ECHO, "resources": {"ram_gb": 4}})
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 1 and mem_lines(slurm.scripts[-1]) == [
+        "#SBATCH --mem=4096"
+    ]
+    now[0] += 31
+    store.create_task({**ECHO, "resources": {"ram_gb": 4}})
+    poller.cycle()
+    assert slurm.calls.count("sinfo") == 2
+    assert mem_lines(slurm.scripts[-1]) == ["#SBATCH --mem=4000"]
+
+
 def test_tmp_disk_request_on_nodes_without_tmp_disk_fails_saying_why(tmp_path, sqlite_store):
     config = load_config(
         environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},

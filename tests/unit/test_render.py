@@ -19,7 +19,7 @@ from bridge.jobscript.binds import Bind, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import sbatch_directives
 from bridge.jobscript.render import prepare_task_dir, render_script
 from bridge.jobscript.task import RenderError
-from bridge.slurm import parse_sinfo_tmp_disk
+from bridge.slurm import parse_sinfo_node_sizes
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {"alpine": "/cache/alpine.sif"}
@@ -98,19 +98,19 @@ def disk_directives(
     """The --tmp directives of a task, with what sinfo said (None: not read)."""
     config = make_config(tmp_path, slurm={"disk_request": mode})
     task = make_task(resources={**resources, "backend_parameters": backend})
-    tmp_disk = parse_sinfo_tmp_disk(sinfo) if sinfo is not None else None
+    nodes = parse_sinfo_node_sizes(sinfo) if sinfo is not None else None
     script = render_script(
         task,
         config=config,
         task_dir=config.work_dir / "task-1",
         image_paths=IMAGES,
-        tmp_disk=tmp_disk,
+        nodes=nodes,
     )
     return [d for d in directives(script) if d.startswith("--tmp")]
 
 
-#: Real `sinfo -h -a -o '%P|%d'` of the local cluster, whose node declares TmpDisk.
-SINFO_TMP = (REPO / "tests/data/slurm/sinfo-tmp-disk.txt").read_text()
+#: Real `sinfo -h -a -o '%P|%d|%m'` of the local cluster, whose node declares TmpDisk.
+SINFO_TMP = (REPO / "tests/data/slurm/sinfo-node-sizes.txt").read_text()
 #: The same for nodes that declare none, and for a site with several partitions and node groups.
 SINFO_NO_TMP = "main*|0\n"
 SINFO_MIXED = "main*|0\nmain*|102400\nbig|204800\nbig|51200\nnone|0\n"
@@ -152,14 +152,76 @@ def test_disk_request_setting_decides_where_disk_gb_becomes_tmp(
 
 def test_zones_use_the_smallest_tmp_disk_of_every_listed_partition(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    tmp_disk = parse_sinfo_tmp_disk(SINFO_MIXED)
+    nodes = parse_sinfo_node_sizes(SINFO_MIXED)
     for zones, expected in ((["big"], ["--tmp=1024"]), (["big", "none"], [])):
         task = make_task(resources={"disk_gb": 1, "zones": zones})
         script = render_script(
             task, config=config, task_dir=config.work_dir / "t", image_paths=IMAGES,
-            tmp_disk=tmp_disk,
+            nodes=nodes,
         )  # fmt: skip
         assert [d for d in directives(script) if d.startswith("--tmp")] == expected
+
+
+def mem_directives(tmp_path: Path, ram_gb: float, sinfo: str | None, **resources: Any) -> list[str]:
+    """The --mem directives of a task asking for `ram_gb`, with what sinfo said (None: not
+    read)."""
+    config = make_config(tmp_path)
+    task = make_task(resources={"ram_gb": ram_gb, **resources})
+    nodes = parse_sinfo_node_sizes(sinfo) if sinfo is not None else None
+    script = render_script(
+        task, config=config, task_dir=config.work_dir / "task-1", image_paths=IMAGES, nodes=nodes
+    )
+    return [d for d in directives(script) if d.startswith("--mem")]
+
+
+#: Nodes of 4000 MB (Slurm's MB: MiB) in the default partition, 64000 MB in `big`.
+SINFO_MEMORY = "main*|0|4000\nbig|0|64000\nbig|0|16000\n"
+
+
+@pytest.mark.parametrize(
+    ("ram_gb", "expected"),
+    [
+        # Snakemake, cwl-tes, crankshaft: the node's 4000 MB in decimal GB (ceil: 4096).
+        (4.0, "--mem=4000"),
+        (3.95, "--mem=4000"),  # 3950 MB decimal, 4045 in MiB: the node's whole memory
+        # Nextflow, Toil: the node's 4000 MB in GiB, exactly what it is asked.
+        (4000 / 1024, "--mem=4000"),
+        # Below the node in both readings, or above it in both: as asked, in MiB.
+        (3.5, "--mem=3584"),
+        (3.9, "--mem=3994"),
+        (4.001, "--mem=4098"),  # sbatch refuses it, as it refuses every request above a node
+    ],
+)
+def test_exactly_a_nodes_memory_in_either_reading_is_the_nodes_whole_memory(
+    tmp_path: Path, ram_gb: float, expected: str
+) -> None:
+    assert mem_directives(tmp_path, ram_gb, SINFO_MEMORY) == [expected]
+
+
+def test_memory_of_a_node_counts_the_largest_node_of_the_tasks_partitions(
+    tmp_path: Path,
+) -> None:
+    assert mem_directives(tmp_path, 64, SINFO_MEMORY, zones=["big"]) == ["--mem=64000"]
+    assert mem_directives(tmp_path, 16, SINFO_MEMORY, zones=["big"]) == ["--mem=16384"]
+    assert mem_directives(tmp_path, 64, SINFO_MEMORY, zones=["main", "big"]) == ["--mem=64000"]
+    assert mem_directives(tmp_path, 64, SINFO_MEMORY) == ["--mem=65536"]  # main's nodes: 4000
+
+
+@pytest.mark.parametrize(
+    ("ram_gb", "sinfo", "expected"),
+    [
+        # The local cluster's RealMemory in decimal GB: a float whose x1000 is not whole.
+        (23.081, SINFO_TMP, "--mem=23081"),
+        # What the nodes have is not known: as asked.
+        (4.0, None, "--mem=4096"),
+        (4.0, "main*|0\n", "--mem=4096"),
+        (4.0, "big|0|64000\n", "--mem=4096"),  # no default partition listed
+    ],
+)
+def test_node_memory_is_used_only_where_known(
+    tmp_path: Path, ram_gb: float, sinfo: str | None, expected: str
+) -> None:
+    assert mem_directives(tmp_path, ram_gb, sinfo) == [expected]
 
 
 def test_zero_cpu_cores_asks_for_nothing(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from bridge.slurm import (
     SlurmUnavailable,
     base_state,
     parse_sacct,
-    parse_sinfo_tmp_disk,
+    parse_sinfo_node_sizes,
     parse_squeue,
     tes_state_for,
 )
@@ -271,17 +271,31 @@ def test_submit_returns_the_job_id(tmp_path: Path) -> None:
     ]
 
 
-def test_tmp_disk_is_one_sinfo_call_per_partition_smallest_and_largest(tmp_path: Path) -> None:
-    client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-tmp-disk.txt"))
-    tmp_disk = client.tmp_disk()
-    assert calls(tmp_path, "sinfo") == ["-h -a -o %P|%d"]
-    assert tmp_disk.default_partition == "main"
-    assert tmp_disk.smallest([]) == tmp_disk.smallest(["main"]) == 102400
-    # Several node groups per partition: one line per distinct TmpDisk.
-    mixed = parse_sinfo_tmp_disk("main*|0\nmain*|102400\nbig|204800\nbig|51200\n")
-    assert mixed.smallest([]) == 0 and mixed.smallest(["big"]) == 51200
-    assert mixed.smallest(["big", "main"]) == 0 and mixed.smallest(["nosuch"]) is None
-    assert mixed.describe() == "main 0-102400 MB, big 51200-204800 MB"
+def test_node_sizes_are_one_sinfo_call_tmp_disk_smallest_and_largest(tmp_path: Path) -> None:
+    client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-node-sizes.txt"))
+    nodes = client.node_sizes()
+    assert calls(tmp_path, "sinfo") == ["-h -a -o %P|%d|%m"]
+    assert nodes.default_partition == "main"
+    assert nodes.smallest_tmp_disk([]) == nodes.smallest_tmp_disk(["main"]) == 102400
+    assert nodes.largest_memory([]) == nodes.largest_memory(["main"]) == 23081
+    # Several node groups per partition: one line per distinct TmpDisk and memory.
+    mixed = parse_sinfo_node_sizes(
+        "main*|0|4000\nmain*|102400|8000\nbig|204800|64000\nbig|51200|16000\n"
+    )
+    assert mixed.smallest_tmp_disk([]) == 0 and mixed.smallest_tmp_disk(["big"]) == 51200
+    assert mixed.smallest_tmp_disk(["big", "main"]) == 0
+    assert mixed.smallest_tmp_disk(["nosuch"]) is None
+    assert mixed.describe_tmp_disk() == "main 0-102400 MB, big 51200-204800 MB"
+
+
+def test_largest_memory_is_of_any_node_the_job_may_run_on() -> None:
+    nodes = parse_sinfo_node_sizes("main*|0|4000\nmain*|0|8000\nbig|0|64000\nold|0\nodd|0|x\n")
+    assert nodes.largest_memory([]) == nodes.largest_memory(["main"]) == 8000
+    assert nodes.largest_memory(["main", "big"]) == 64000
+    # A partition sinfo did not list, or whose memory it did not say: unknown.
+    for partitions in (["nosuch"], ["old"], ["odd"], ["main", "old"]):
+        assert nodes.largest_memory(partitions) is None, partitions
+    assert parse_sinfo_node_sizes("main|0|4000\n").largest_memory([]) is None  # no default
 
 
 def test_submit_strips_the_cluster_name(tmp_path: Path) -> None:

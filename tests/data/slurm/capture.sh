@@ -110,7 +110,7 @@ cap sbatch-bad-partition.txt sbatch --parsable -o /dev/null --partition=nosuch -
 cap sbatch-bad-time.txt sbatch --parsable -o /dev/null --time=bogus --wrap true
 cap sbatch-missing-script.txt sbatch --parsable /nonexistent/job.sh
 cap sbatch-too-much-tmp.txt sbatch --parsable -o /dev/null --tmp=99999999 --wrap true
-cap sinfo-tmp-disk.txt sinfo -h -a -o '%P|%d'
+cap sinfo-node-sizes.txt sinfo -h -a -o '%P|%d|%m'
 cap sinfo-partitions.txt sinfo -h -a -N -o '%P|%N|%c|%m|%l|%G|%d|%a|%T'
 
 # A drained node: jobs stay pending with reason ReqNodeNotAvail.
