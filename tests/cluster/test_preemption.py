@@ -134,14 +134,15 @@ def test_a_preempted_task_is_submitted_again_and_completes(
         fill_node(first["slurm_node"], blockers, 5)
         task = service.wait(task_id, timeout=240)
     assert task["state"] == "COMPLETE", task
-    assert len(task["logs"]) == 2, task["logs"]
-    lost, second = task["logs"]
-    assert lost["metadata"]["slurm_state"] == "PREEMPTED", lost
+    # The preempted job continues the task's one entry (docs/states.md), which names it.
+    assert len(task["logs"]) == 1, task["logs"]
+    (entry,) = task["logs"]
     job = first["slurm_job_id"]
-    assert f"Slurm job {job} ended in state PREEMPTED" in "\n".join(lost["system_logs"]), lost
-    assert second["metadata"]["slurm_job_id"] != job, second
-    assert second["metadata"]["slurm_partition"] == local_cluster.preemptible_partition
-    assert second["logs"][0]["stdout"] == "again\n", second
+    assert entry["metadata"]["slurm_lost_job_ids"] == job, entry["metadata"]
+    assert f"Slurm job {job} ended in state PREEMPTED" in "\n".join(entry["system_logs"]), entry
+    assert entry["metadata"]["slurm_job_id"] != job, entry
+    assert entry["metadata"]["slurm_partition"] == local_cluster.preemptible_partition
+    assert entry["logs"][0]["stdout"] == "again\n", entry
 
 
 def sacct_states(job: str) -> list[str]:
