@@ -203,18 +203,14 @@ class _BindCollector:
         return keep
 
     def directories_to_make(self, keep: list[Bind]) -> list[str]:
-        """Container directories stage-in makes under root/: every read-write directory the
-        task asks for, also one inside an outer bind (a DIRECTORY output below an output
-        file's directory), and each executor's workdir inside a kept read-write bind, which
-        the runtime cannot make in the read-only image (Docker makes it; engines expect it)."""
-        wanted = {b.container for b in self.wanted if b.uniform and not b.readonly}
+        """Container directories stage-in makes under root/: the source of each kept read-write
+        bind, and each executor's workdir inside one, which the runtime cannot make in the
+        read-only image (Docker makes it, and Sprocket's workdir is a DIRECTORY output below its
+        stdout's directory). Nothing else inside a bind: a job script's own `mkdir` of an output
+        directory (Cromwell's glob directories) must not find it there already."""
         writable = [b.container for b in keep if b.uniform and not b.readonly]
-        wanted.update(
-            workdir
-            for workdir in self.workdirs
-            if any(_under(workdir, outer) for outer in writable)
-        )
-        return sorted(wanted)
+        workdirs = {w for w in self.workdirs if any(_under(w, outer) for outer in writable)}
+        return sorted(set(writable) | workdirs)
 
     def scratch_targets(self) -> list[str]:
         """/tmp and /var/tmp where nothing is mounted at or above them: what is mounted below

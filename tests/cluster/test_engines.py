@@ -306,7 +306,8 @@ steps:
       class: CommandLineTool
       requirements:
         DockerRequirement: {dockerPull: "IMAGE"}
-      baseCommand: [sh, -c, 'cat "$0"; wc -l < "$0"']
+      # CWL makes HOME the tool's output directory, which is also where it runs.
+      baseCommand: [sh, -c, 'cat "$0"; wc -l < "$0"; echo "$HOME"; pwd']
       stdout: counted.txt
       inputs:
         source: {type: File, inputBinding: {position: 1}}
@@ -334,7 +335,11 @@ def test_cwltes_two_steps(
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, explain(result, quickstart)
-    assert (workdir / "out" / "counted.txt").read_text() == "HELLO\nWORLD\n2\n"
+    counted = (workdir / "out" / "counted.txt").read_text().splitlines()
+    assert counted[:3] == ["HELLO", "WORLD", "2"], counted
+    # cwl-tes sends HOME in the executor's env: it reaches the tool (Apptainer's --home).
+    home, cwd = counted[3:]
+    assert home == cwd and home.startswith("/"), counted
     tasks = [line.split()[-1] for line in result.stderr.splitlines() if "task id:" in line]
     assert len(tasks) == 2, result.stderr[-4000:]
     for task_id in tasks:

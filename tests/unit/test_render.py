@@ -406,6 +406,17 @@ def test_directories_inside_an_outer_bind_and_workdirs_in_one_are_made(tmp_path:
     assert plan.mkdirs == ["/mnt/task", "/mnt/task/sub/dir", "/mnt/task/work"]
 
 
+def test_an_output_directory_inside_a_bind_is_left_to_the_executor(tmp_path: Path) -> None:
+    # Cromwell's script makes its glob directory with a plain `mkdir` (no -p).
+    task = make_task(
+        outputs=[
+            {"path": "/cromwell_root/rc", "url": "file:///rc"},
+            {"path": "/cromwell_root/glob-1", "url": "file:///g", "type": "DIRECTORY"},
+        ],
+    )
+    assert binds_of(tmp_path, task).mkdirs == ["/cromwell_root"]
+
+
 def test_binds_follow_funnel_inputs_readonly_output_dirs_and_volumes_readwrite(
     tmp_path: Path,
 ) -> None:
@@ -441,10 +452,8 @@ def test_binds_follow_funnel_inputs_readonly_output_dirs_and_volumes_readwrite(
         ("/logs", False),
     }
     assert all(b.host == str(root) + b.container for b in binds)
-    # /outputs/more is made inside the /outputs bind, for the executor to write into.
-    assert plan.mkdirs == sorted(
-        ["/outputs", "/outputs/more", "/results", "/glob/x", "/work", "/scratch", "/logs"]
-    )
+    # Nothing inside a bind (/outputs/more): a job script may `mkdir` it itself (Cromwell).
+    assert plan.mkdirs == sorted(["/outputs", "/results", "/glob/x", "/work", "/scratch", "/logs"])
     assert plan.bound_inputs == [] and plan.linkable_inputs == []
 
 
