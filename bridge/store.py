@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterable, Sequence
@@ -138,6 +139,45 @@ class TaskFilter:
     owner: str | None = None
 
 
+#: SQLite's words for a write on a connection it opened read-only.
+_READ_ONLY = "attempt to write a readonly database"
+
+
+class _SqliteDatabase(peewee.SqliteDatabase):
+    """SQLite whose read-only connections are opened again.
+
+    SQLite opens a file it cannot write at that moment (permissions, a read-only mount)
+    read-only, and the connection stays so after the file is writable again; the API keeps a
+    worker's connections open. Each such write error is counted, and a thread's connection
+    opened before the last one is closed and opened again the next time it is asked for (the
+    API's DatabaseSession, each request): reads go on meanwhile, writes answer 503
+    (`unavailable_reason`), and the first write after the files are writable succeeds."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.read_only_errors = 0
+        #: Per thread, as peewee's connections: the count when its connection was opened.
+        self._opened_at = threading.local()
+
+    def connect(self, reuse_if_open: bool = False) -> bool:
+        stale = getattr(self._opened_at, "errors", 0) < self.read_only_errors
+        if stale and not self.is_closed() and not self.in_transaction():
+            self.close()
+        errors = self.read_only_errors
+        opened = super().connect(reuse_if_open)
+        if opened:
+            self._opened_at.errors = errors
+        return opened
+
+    def execute_sql(self, sql: str, params: Any = None) -> Any:
+        try:
+            return super().execute_sql(sql, params)  # type: ignore[no-untyped-call]
+        except peewee.OperationalError as exc:
+            if _READ_ONLY in str(exc):
+                self.read_only_errors += 1
+            raise
+
+
 def open_database(url: str) -> peewee.Database:
     """A peewee database for a URL; SQLite gets WAL and a busy timeout, PostgreSQL a pool."""
     parsed = urlparse(url)
@@ -145,7 +185,7 @@ def open_database(url: str) -> peewee.Database:
         path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else parsed.path
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return peewee.SqliteDatabase(
+        return _SqliteDatabase(
             path or ":memory:",
             pragmas={
                 "journal_mode": "wal",
@@ -190,6 +230,10 @@ def unavailable_reason(exc: BaseException) -> str | None:
             return "the database's disk is full"
         if "database is locked" in text:
             return "the database is busy"
+        if _READ_ONLY in text:
+            return "the database's files are read-only"
+        if "unable to open database file" in text:
+            return "the database's files cannot be opened"
         code = getattr(current, "pgcode", None)
         if isinstance(code, str) and code.startswith(_PG_TRANSIENT_CLASSES):
             return f"the database cannot take the request now ({code}: {text.strip()})"

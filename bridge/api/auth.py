@@ -9,7 +9,8 @@ Modes:
   0.4 sends ``Basic None:None``).
 - ``basic``: an htpasswd file with bcrypt hashes (``htpasswd -B``), re-read when it changes.
 - ``bearer``: JWTs signed by an OIDC issuer, verified with PyJWT against the issuer's JWKS
-  (cached, refetched when a token names an unknown key); issuer, audience and expiry checked.
+  (cached, refreshed in the background and when a token names an unknown key: see
+  :class:`JwksKeys`); issuer, audience and expiry checked.
 
 The identity (the htpasswd name, or the configured claim of a token) becomes a Unix user name
 either through the mapping file or, without one, as it is (if it is a valid user name).
@@ -29,6 +30,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -205,52 +207,132 @@ class BearerAuth(_Mapped):
         self.cache_seconds = cache_seconds
         self.refresh_cooldown = refresh_cooldown
         self.challenge = f'Bearer realm="{realm}"'
-        self._jwks_url = jwks_url
-        self._client: jwt.PyJWKClient | None = None
-        self._lock = threading.Lock()
-
-    def _jwks_client(self) -> jwt.PyJWKClient:
-        import jwt
-
-        with self._lock:
-            if self._client is None:
-                url = self._jwks_url or _discover_jwks_url(self.issuer)
-                # Keys are cached for `lifespan`; a token with an unknown `kid` refetches the
-                # set, at most once per cooldown.
-                self._client = jwt.PyJWKClient(
-                    url,
-                    # The set, not single keys: PyJWKClient's per-key cache never expires, so a
-                    # key removed from the JWKS would stay valid for as long as the process.
-                    cache_keys=False,
-                    lifespan=self.cache_seconds,
-                    cooldown_duration=self.refresh_cooldown,
-                    timeout=10,
-                )
-            return self._client
+        self._keys = JwksKeys(
+            lambda: jwks_url or _discover_jwks_url(issuer),
+            lifetime=cache_seconds,
+            cooldown=refresh_cooldown,
+        )
 
     def authenticate(self, authorization: str | None) -> Identity:
         import jwt
 
         token = _split_header(authorization, "Bearer")
         try:
-            key = self._jwks_client().get_signing_key_from_jwt(token)
+            kid = jwt.get_unverified_header(token).get("kid")
+            if not isinstance(kid, str) or not kid:
+                raise AuthError("token names no key (kid)")
             claims = jwt.decode(
                 token,
                 # The PyJWK, not its raw key: the token's `alg` must be the key's own, so an
                 # ES256 token naming an RSA key is refused rather than tried with the wrong type.
-                key,
+                self._keys.key(kid),
                 algorithms=self.algorithms,  # never "none", never the token's own choice
                 audience=self.audience,
                 issuer=self.issuer,
                 leeway=self.leeway,
                 options={"require": ["exp", "iss", "aud"]},
             )
-        except (jwt.PyJWTError, OSError, ValueError) as exc:
+        except (jwt.PyJWTError, ValueError) as exc:
             raise AuthError(f"token refused: {exc}") from None
         name = claims.get(self.user_claim)
         if not isinstance(name, str) or not name:
             raise AuthError(f"token has no {self.user_claim!r} claim")
         return self.identity(name)
+
+
+class JwksKeys:
+    """The issuer's signing keys by `kid`, refreshed in the background, one fetch at a time.
+
+    No request fetches keys itself: an identity provider that hangs or fails must not hold
+    request threads (nor, through them, public requests) or refuse tokens whose key is known.
+    - The set is fetched again once `lifetime` has passed. A request that finds it older waits
+      for that refresh at most `STALE_WAIT` seconds after it started (so a key the issuer
+      removed is refused at once when the issuer answers promptly), then uses the keys in hand.
+    - A `kid` not in the set starts a refresh (at most one per `cooldown`) and waits for it
+      at most `UNKNOWN_WAIT` seconds after it started.
+    - A failed refresh keeps the keys in hand (said in the log) and is tried again after
+      `cooldown`; a fetch gives up after `FETCH_SECONDS`.
+    """
+
+    STALE_WAIT = 1.0
+    UNKNOWN_WAIT = 5.0
+    FETCH_SECONDS = 10.0
+    #: A JWKS larger than this is refused (a few keys take a few KiB).
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, locate: Callable[[], str], *, lifetime: float, cooldown: float):
+        self._locate = locate
+        self.lifetime = lifetime
+        self.cooldown = cooldown
+        self._url: str | None = None
+        self._changed = threading.Condition()
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._fetched_at: float | None = None
+        self._started_at: float | None = None
+        self._last_failed = False
+        self._refreshing = False
+
+    def key(self, kid: str) -> jwt.PyJWK:
+        """The key `kid` names (AuthError when the issuer has none by that name)."""
+        with self._changed:
+            now = time.monotonic()
+            known = kid in self._keys
+            fresh = self._fetched_at is not None and now - self._fetched_at < self.lifetime
+            if not (known and fresh):
+                self._refresh_if_due(now, stale=not fresh)
+                if self._refreshing and self._started_at is not None:
+                    wait = self.STALE_WAIT if known else self.UNKNOWN_WAIT
+                    timeout = self._started_at + wait - now
+                    self._changed.wait_for(lambda: not self._refreshing, max(timeout, 0.0))
+            key = self._keys.get(kid)
+        if key is None:
+            raise AuthError(f"the issuer's key set has no key {kid!r}")
+        return key
+
+    def _refresh_if_due(self, now: float, *, stale: bool) -> None:
+        """Start the background refresh unless one runs, or one started within the cooldown
+        (a set past its lifetime after a successful fetch is refreshed at once)."""
+        if self._refreshing:
+            return
+        started = self._started_at
+        cooling = started is not None and now - started < self.cooldown
+        if cooling and not (stale and not self._last_failed):
+            return
+        self._refreshing = True
+        self._started_at = now
+        threading.Thread(target=self._refresh, name="jwks-refresh", daemon=True).start()
+
+    def _refresh(self) -> None:
+        keys: dict[str, jwt.PyJWK] | None = None
+        try:
+            if self._url is None:
+                self._url = self._locate()
+            keys = _fetch_jwks(self._url, self.FETCH_SECONDS, self.MAX_BYTES)
+        except Exception as exc:  # a thread of its own: every failure keeps the keys in hand
+            log.warning("cannot refresh the issuer's keys (%s); keeping those in hand", exc)
+        with self._changed:
+            if keys is not None:
+                self._keys = keys
+                self._fetched_at = time.monotonic()
+            self._last_failed = keys is None
+            self._refreshing = False
+            self._changed.notify_all()
+
+
+def _fetch_jwks(url: str, seconds: float, max_bytes: int) -> dict[str, jwt.PyJWK]:
+    """The signing keys with a `kid` of the JWKS at `url`, read within `seconds`."""
+    import jwt
+
+    deadline = time.monotonic() + seconds
+    data = b""
+    with urllib.request.urlopen(url, timeout=seconds) as answer:
+        while chunk := answer.read(65536):
+            data += chunk
+            if len(data) > max_bytes or time.monotonic() > deadline:
+                raise OSError(f"{url} sent more than {max_bytes} bytes or took over {seconds} s")
+    keys = jwt.PyJWKSet.from_dict(json.loads(data)).keys
+    # As PyJWKClient: keys for signatures (or of no stated use) that have a kid.
+    return {k.key_id: k for k in keys if k.key_id and k.public_key_use in ("sig", None)}
 
 
 def _discover_jwks_url(issuer: str) -> str:

@@ -14,7 +14,8 @@ event loop, while a request stuck in the app holds one thread of its worker.
 
 A request line over `server.max_request_line_bytes`, a head over `server.max_header_bytes` and
 a Content-Length over `limits.max_body_bytes` are answered at once, in the API's JSON error
-shape, before any body is read; Tornado stops reading a head at four times these limits.
+shape, before any body is read; Tornado stops reading a head at four times these limits. A
+chunked body is counted as it arrives and answered with the same JSON 413 once over the limit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -170,6 +172,9 @@ class _Request(httputil.HTTPMessageDelegate):
         self.connection = connection
         self.request: httputil.HTTPServerRequest | None = None
         self.chunks: list[bytes] = []
+        #: Body bytes received, and whether the body was answered as too large.
+        self.received = 0
+        self.refused = False
         self.body_timer: object | None = None
 
     def headers_received(
@@ -197,6 +202,10 @@ class _Request(httputil.HTTPMessageDelegate):
         if "Content-Length" in headers or "Transfer-Encoding" in headers:
             timeout = self.container.config.server.body_timeout_seconds
             self.body_timer = IOLoop.current().call_later(timeout, self._body_timed_out)
+        if "Transfer-Encoding" in headers:
+            # Tornado answers a chunked body over its limit with a bare 400 of its own (at the
+            # chunk header that crosses it); data_received counts and answers the 413 instead.
+            self.connection.set_max_body_size(sys.maxsize)
 
     def _body_timed_out(self) -> None:
         # Answered rather than dropped, and never parsed; finishing the answer before the
@@ -213,11 +222,29 @@ class _Request(httputil.HTTPMessageDelegate):
         self.connection.finish()
 
     def data_received(self, chunk: bytes) -> None:
+        if self.refused:
+            return
+        self.received += len(chunk)
+        limit = self.container.config.limits.max_body_bytes
+        if self.received > limit:
+            # A chunked body (a Content-Length over the limit is refused on the head). As for a
+            # late body, the answer finished before the body is read closes the connection.
+            self.refused = True
+            self.chunks.clear()
+            self._cancel_body_timer()
+            start, headers, body = _json_error(
+                413, f"the request body is larger than this server accepts ({limit} bytes)"
+            )
+            self.connection.write_headers(start, headers, body)
+            self.connection.finish()
+            return
         self.chunks.append(chunk)
 
     def finish(self) -> None:
         assert self.request is not None
         self._cancel_body_timer()
+        if self.refused:
+            return
         self.request.body = b"".join(self.chunks)
         self.container(self.request)
 

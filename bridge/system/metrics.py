@@ -6,17 +6,125 @@ in ``PROMETHEUS_MULTIPROC_DIR`` and a scrape sums them. The library reads that v
 it is first imported, so ``tes-bridge`` sets it (:func:`bridge.cli.serve.prepare_metrics_dir`)
 before anything imports this module. The scrape and the HTTP side are in
 :mod:`bridge.api.metrics_api`.
+
+Those files are memory-mapped, and prometheus_client makes them sparse: a page first touched
+when the filesystem is full cannot be backed, and the kernel kills the process with SIGBUS
+(every API worker, as it started, on a full state directory). :class:`AllocatedValues` gives
+each file its blocks before they are mapped, and a process whose file cannot have them keeps
+its values in memory instead: unscraped, never a crash.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
+
+log = logging.getLogger("bridge.system.metrics")
+
+
+def _entry_size(key: str) -> int:
+    """The bytes MmapedDict._init_value appends for `key`: length, padded key, two doubles."""
+    encoded = len(key.encode("utf-8"))
+    return 4 + encoded + (8 - (encoded + 4) % 8) + 16
+
+
+class AllocatedValues(MmapedDict):
+    """One process's metrics file with its blocks allocated (`posix_fallocate`) before they are
+    mapped, when it is created and whenever it grows; where they cannot be allocated (a full
+    filesystem), the values of this process stay in memory from then on, said once in the log.
+
+    prometheus_client's multiprocess values open their files through the name `MmapedDict`
+    of `prometheus_client.values`, which is pointed here below (tests/unit/test_metrics_files
+    checks that the library still does)."""
+
+    #: The process that said its metrics are no longer recorded in files (once each).
+    _warned_pid: int | None = None
+
+    def __init__(self, filename: str, read_mode: bool = False):
+        self._in_memory = False
+        self._memory = bytearray()
+        if not read_mode:
+            try:
+                _allocate(filename)
+            except OSError as exc:
+                self._keep_in_memory(filename, exc)
+                return
+        super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
+
+    def _init_value(self, key: str) -> None:
+        needed = self._used + _entry_size(key)
+        if needed > self._capacity:
+            capacity = self._capacity
+            while needed > capacity:
+                capacity *= 2
+            self._grow(capacity)
+        super()._init_value(key)  # type: ignore[no-untyped-call]
+
+    def _grow(self, capacity: int) -> None:
+        if not self._in_memory:
+            try:
+                # The library's own growth then maps blocks that exist.
+                os.posix_fallocate(self._f.fileno(), 0, capacity)
+                return
+            except OSError as exc:
+                data = bytearray(self._m[: self._capacity])
+                super().close()  # type: ignore[no-untyped-call]  # the file keeps its values
+                self._keep_in_memory(self._fname, exc, data)
+        self._memory.extend(bytes(capacity - len(self._memory)))
+        self._capacity = capacity
+
+    def _keep_in_memory(self, filename: str, error: OSError, data: bytearray | None = None) -> None:
+        if AllocatedValues._warned_pid != os.getpid():
+            AllocatedValues._warned_pid = os.getpid()
+            log.warning(
+                "cannot allocate the metrics file %s (%s): this process's metrics are no "
+                "longer recorded for /metrics",
+                filename,
+                error.strerror or error,
+            )
+        self._in_memory = True
+        # The library's close() does nothing without a file.
+        self._f = None  # type: ignore[assignment]
+        self._fname = filename
+        if data is None:
+            self._positions = {}
+            data = bytearray(_INITIAL_MMAP_SIZE)
+            struct.pack_into("i", data, 0, 8)  # the used bytes: the header alone
+            self._used = 8
+        self._memory = data
+        # MmapedDict only slices, assigns and unpacks its map: a bytearray does as well.
+        self._m = data  # type: ignore[assignment]
+        self._capacity = len(data)
+
+    def close(self) -> None:
+        if not self._in_memory:
+            super().close()  # type: ignore[no-untyped-call]
+
+
+def _allocate(filename: str) -> None:
+    """Create `filename` if need be, with blocks for its whole size (at least the library's
+    initial size) allocated."""
+    fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        size = os.fstat(fd).st_size or _INITIAL_MMAP_SIZE
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        if os.fstat(fd).st_size == 0:
+            os.unlink(filename)  # no empty file for the scrape to read
+        raise
+    finally:
+        os.close(fd)
+
+
+values.MmapedDict = AllocatedValues  # type: ignore[attr-defined]
 
 #: Seconds from a task's creation to its job's start: Slurm queueing dominates.
 LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600)

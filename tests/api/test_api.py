@@ -1138,3 +1138,45 @@ def test_a_body_of_millions_of_items_is_refused_fast(client):
         assert result.status_code == 400, result.text[:300]
         assert [e["field"] for e in result.json["errors"]] == [field]
         assert time.monotonic() - started < 10, field
+
+
+def test_a_store_opened_read_only_answers_503_then_writes_once_it_can(config, tmp_path):
+    """SQLite opens a file it cannot write at that moment read-only, for the life of the
+    connection: a worker started then answered every write 500 "attempt to write a readonly
+    database", long after the files were writable again. The store sees the files read-only
+    through a read-only bind mount (root ignores file modes); the WAL is kept by another
+    connection on the writable side, as the poller or another worker would."""
+    import sqlite3
+    import subprocess
+
+    from bridge.store import Store
+    from tests.conftest import _fresh_store
+
+    disk, view = tmp_path / "disk", tmp_path / "view"
+    disk.mkdir()
+    view.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    subprocess.run(["mount", "--bind", str(disk), str(view)], check=True)
+    other = None
+    try:
+        _fresh_store(f"sqlite:///{disk / 'tes.db'}").db.close()
+        other = sqlite3.connect(disk / "tes.db")
+        other.execute("SELECT count(*) FROM tasks").fetchall()
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        store = Store.from_url(f"sqlite:///{view / 'tes.db'}")
+        client = testing.TestClient(create_app(config, store=store))
+        assert client.simulate_get("/v1/tasks").status_code == 200
+        for _ in range(2):
+            refused = client.simulate_post("/v1/tasks", json=ECHO)
+            assert refused.status_code == 503, refused.text
+            assert int(refused.headers["retry-after"]) > 0
+            assert "read-only" in refused.json["message"]
+        subprocess.run(["mount", "-o", "remount,bind,rw", str(view)], check=True)
+        task_id = create(client, ECHO)
+        assert client.simulate_get(f"/v1/tasks/{task_id}").json["state"] == "QUEUED"
+        store.db.close()
+    finally:
+        if other is not None:
+            other.close()
+        subprocess.run(["umount", "-l", str(view)], check=True)
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from falcon import testing
 
 from bridge.api.app import create_app
-from bridge.api.auth import AuthError, BasicAuth
+from bridge.api.auth import AuthError, BasicAuth, build_authenticator
 from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
 from bridge.system.users import AdminPolicy, UnknownUser, UserMap
@@ -319,6 +319,74 @@ def test_unknown_key_ids_do_not_hammer_the_issuer(bearer_client: testing.TestCli
         forged = _bearer(oidc.token("tesalice", key=stranger, kid=f"forged-{i}"))
         assert bearer_client.simulate_get(f"{API}/tasks", headers=forged).status_code == 401
     assert len(oidc.jwks_requests) == before  # within the default 30 s cooldown
+
+
+def _timed(authenticator: Any, token: str) -> tuple[str | None, float]:
+    """(the user, or None when refused; seconds it took)."""
+    started = time.monotonic()
+    try:
+        user = authenticator.authenticate(f"Bearer {token}").user
+    except AuthError:
+        user = None
+    return user, time.monotonic() - started
+
+
+def test_known_keys_keep_serving_while_the_jwks_endpoint_hangs(tmp_path: Path, oidc: OIDC):
+    """Once the key set's lifetime had passed, a hanging JWKS endpoint held every request
+    10-40 s (fetching inside it) and then refused it. Keys in hand serve on while one
+    refresh runs in the background, and a new key is picked up once the endpoint answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = _bearer_config(tmp_path, oidc, jwks_cache_seconds=1, jwks_refresh_cooldown_seconds=0)
+    authenticator = build_authenticator(config)
+    token = oidc.token("tesalice")
+    assert _timed(authenticator, token)[0] == "tesalice"
+    time.sleep(1.2)  # the set is past its lifetime
+    oidc.release.clear()
+    oidc.outage = "hang"
+    try:
+        before = len(oidc.jwks_requests)
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: _timed(authenticator, token), range(64)))
+        assert [user for user, _ in results] == ["tesalice"] * 64
+        assert max(seconds for _, seconds in results) < 3, results
+        assert len(oidc.jwks_requests) == before + 1  # one refresh, in the background
+        # A token naming a key nobody has seen waits for that same refresh, briefly.
+        stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        forged = oidc.token("tesalice", key=stranger, kid="unknown")
+        user, seconds = _timed(authenticator, forged)
+        assert user is None and seconds < 7
+        assert len(oidc.jwks_requests) == before + 1
+        key, kid = oidc.rotate()
+    finally:
+        oidc.recover()
+    try:
+        deadline = time.monotonic() + 10
+        rotated = oidc.token("tesbob", key=key, kid=kid)
+        while _timed(authenticator, rotated)[0] != "tesbob":
+            assert time.monotonic() < deadline, "the new key was never picked up"
+            time.sleep(0.2)
+        assert _timed(authenticator, token)[0] == "tesalice"
+    finally:
+        oidc.keys[:] = [jwk for jwk in oidc.keys if jwk["kid"] != kid]
+
+
+def test_a_jwks_endpoint_answering_503_leaves_known_keys_working(tmp_path: Path, oidc: OIDC):
+    config = _bearer_config(tmp_path, oidc, jwks_cache_seconds=1)
+    authenticator = build_authenticator(config)
+    token = oidc.token("tesalice")
+    assert _timed(authenticator, token)[0] == "tesalice"
+    time.sleep(1.2)
+    oidc.outage = "503"
+    try:
+        before = len(oidc.jwks_requests)
+        for _ in range(20):
+            user, seconds = _timed(authenticator, token)
+            assert user == "tesalice" and seconds < 2
+        # One refresh, and no other within the cooldown (30 s).
+        assert len(oidc.jwks_requests) == before + 1
+    finally:
+        oidc.recover()
 
 
 def test_jwks_url_is_discovered_from_the_issuer(tmp_path: Path, sqlite_store: Store, oidc: OIDC):

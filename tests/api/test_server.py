@@ -41,13 +41,16 @@ def wait_until_up(url: str, process: subprocess.Popen[str], timeout: float = 30)
     raise AssertionError("server did not answer in time")
 
 
-def _start(state: Path, config: str = "") -> tuple[subprocess.Popen[str], str]:
-    """`tes-bridge serve` (2 workers, no poller) on a free port, once it answers."""
+def _start(
+    state: Path, config: str = "", *, log_path: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`tes-bridge serve` (2 workers, no poller) on a free port, once it answers; its output
+    goes to `log_path` (default: server.log in the state directory)."""
     port = free_port()
     config_path = state / "tes-bridge.toml"
     config_path.write_text(config)
     env = {**os.environ, "TES_BRIDGE_STATE_DIR": str(state)}
-    with open(state / "server.log", "w") as log:
+    with open(log_path or state / "server.log", "a") as log:
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -224,6 +227,71 @@ def test_a_request_in_progress_is_answered_when_serve_stops(tmp_path):
     assert answers[0].status_code == 200, answers[0].text
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs (the suite runs as root), unmounted at the end."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(directory: Path) -> None:
+    """Write to a file in `directory` until its filesystem is full."""
+    with open(directory / "filler", "wb", buffering=0) as filler:
+        with contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 65536)
+        with contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0")
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_a_full_state_filesystem_costs_writes_a_503_never_reads_or_a_worker(
+    small_disk: Path, tmp_path: Path
+):
+    """The workers' metrics files are memory-mapped in <state_dir>/metrics: a page the full
+    filesystem cannot back once killed each worker with SIGBUS as it started."""
+    state = small_disk / "state"
+    state.mkdir()
+    log = tmp_path / "server.log"  # off the full disk
+    process, url = _start(state, log_path=log)
+    try:
+        task_id = requests.post(f"{url}/v1/tasks", json=ECHO, timeout=10).json()["id"]
+        _fill(small_disk)
+        for _ in range(2):  # before and after a restart with the disk still full
+            for _ in range(20):  # both workers, new metric labels included
+                for path in ("/v1/service-info", "/v1/tasks", f"/v1/tasks/{task_id}", "/v1/x"):
+                    answer = requests.get(f"{url}{path}", timeout=10)
+                    assert answer.status_code == (404 if path == "/v1/x" else 200), path
+                big = {"name": "x" * 100_000, **ECHO}  # more than the pages SQLite has free
+                created = requests.post(f"{url}/v1/tasks", json=big, timeout=10)
+                assert created.status_code == 503, created.text
+                assert created.json()["code"] == 503 and "full" in created.json()["message"]
+                assert int(created.headers["Retry-After"]) > 0
+            assert process.poll() is None
+            _stop(process)
+            text = log.read_text()
+            assert "SIGBUS" not in text and "was sent" not in text, text[-3000:]
+            process, url = _start(state, log_path=log)
+        # The restarted workers could not allocate new files: they keep their values in memory.
+        assert "cannot allocate the metrics file" in log.read_text()
+    finally:
+        _stop(process)
+
+
 def test_serve_starts_the_poller_again_when_it_dies(tmp_path):
     """`tes-bridge serve` supervises its poller: a killed poller is replaced."""
     port = free_port()
@@ -363,6 +431,31 @@ def test_requests_over_the_size_limits_get_the_json_error_shape(
     assert answer_status == status, what
     assert answer["code"] == status, what
     assert "than this server accepts" in answer["message"], what
+
+
+@pytest.mark.parametrize("chunk_size", [64 * 1024, 32 * 1024 * 1024])
+def test_a_chunked_body_over_the_size_limit_gets_the_json_413(server, chunk_size):
+    """Tornado answered a bare `400 Bad Request` to a chunked body over max_body_size; whether
+    in many chunks or in one chunk announced larger than the limit, it is the JSON 413."""
+    url, _ = server
+    before = _tasks_count(url)
+    chunk = b"%x\r\n%s\r\n" % (chunk_size, b" " * chunk_size)
+    head = (
+        b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    with _connect(url) as sock:
+        sock.sendall(head)
+        # Sent until the server answers: it stops reading once over the limit (16 MiB).
+        with contextlib.suppress(OSError):
+            for _ in range(2 * 16 * 1024 * 1024 // chunk_size + 1):
+                sock.sendall(chunk)
+        answer = _read_until_closed(sock, 10)
+    head_bytes, _, body = answer.partition(b"\r\n\r\n")
+    assert head_bytes.startswith(b"HTTP/1.1 413 "), answer[:300]
+    error = json.loads(body)
+    assert error["code"] == 413 and "than this server accepts" in error["message"]
+    assert _tasks_count(url) == before
 
 
 def test_slow_and_idle_clients_neither_delay_requests_nor_stay_connected(strict_server):
