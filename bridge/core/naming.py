@@ -15,6 +15,9 @@ from typing import TypeGuard
 TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 #: Prefix of every job the bridge submits; the poller finds its jobs by it.
 JOB_NAME_PREFIX = "tes-"
+#: The job script's exit code when it cannot even start its records (a full or read-only work
+#: filesystem): none of the task ran, so the poller submits the job again (EX_TEMPFAIL).
+NO_RECORDS_EXIT_CODE = 75
 
 
 def is_task_id(value: object) -> TypeGuard[str]:

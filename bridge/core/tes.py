@@ -657,13 +657,27 @@ def render_task(
             value = {**value, "cpu_cores": math.ceil(value["cpu_cores"])}
         task[key] = value
     if logs:
-        task["logs"] = [_render_task_log(entry, view) for entry in logs]
+        # A final task waits for nothing: a condition line left by a path the poller never
+        # follows (a task canceled while it waited to be submitted) is not shown.
+        final = state in {s.value for s in TERMINAL_STATES}
+        task["logs"] = [_render_task_log(entry, view, final=final) for entry in logs]
     if creation_time:
         task["creation_time"] = creation_time
     return task
 
 
-def _render_task_log(entry: Mapping[str, Any], view: View) -> dict[str, Any]:
+def _without_conditions(entry: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The task log without its condition lines, which end its system_logs."""
+    kinds = entry.get(CONDITION_KINDS_KEY)
+    lines = entry.get("system_logs")
+    if not kinds or not isinstance(kinds, list) or not isinstance(lines, list):
+        return entry
+    return {**entry, "system_logs": lines[: max(len(lines) - len(kinds), 0)]}
+
+
+def _render_task_log(entry: Mapping[str, Any], view: View, *, final: bool) -> dict[str, Any]:
+    if final:
+        entry = _without_conditions(entry)
     log: dict[str, Any] = {}
     for key, value in entry.items():
         if key == "logs":

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from bridge.images import ref as imageref
@@ -68,6 +69,8 @@ class PullJobs:
         self._retries: dict[str, _Retry] = {}
         #: key -> reference, for log lines.
         self._names: dict[str, str] = {}
+        #: key -> when its pending job was started (wall clock), for problem().
+        self._started: dict[str, float] = {}
 
     def ensure(self, image: str, ref: str) -> Path | None:
         """See `ImageCache.ensure`, for a normalised registry or library reference."""
@@ -94,12 +97,19 @@ class PullJobs:
         return fallback
 
     def problem(self, image: str, key: str) -> str | None:
+        """What a task waiting for `image` says: the transient trouble of its last attempt, else
+        the pull in progress (which can last container.pull_timeout_seconds). The same words
+        while it lasts: the poller stores them only when they change."""
         with self._lock:
             retry = self._retries.get(key)
-        if retry is None:
+            future = self._pending.get(key)
+            started = self._started.get(key)
+        if retry is not None:
+            return f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
+        if future is None or future.done() or started is None:
             return None
-        # The same words until the next attempt: the poller stores them on change.
-        return f"pulling image {image}: {retry.message}; retrying in {retry.delay:.0f} s"
+        when = datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return f"waiting: pulling image {image} (started {when})"
 
     def wait(self, image: str, ref: str, deadline: float, *, check: bool) -> Path:
         """Blocking: the SIF once a job made it ready, by `deadline` (monotonic)."""
@@ -147,12 +157,14 @@ class PullJobs:
         """Submit the job (caller holds the lock)."""
         future = self._pool.submit(self._job, ref, key, check)
         self._pending[key] = future
+        self._started[key] = time.time()
         self._names[key] = ref
         return future
 
     def _collect(self, key: str, future: Future[Entry]) -> None:
         """Record how a finished job ended (caller holds the lock)."""
         del self._pending[key]
+        self._started.pop(key, None)
         exc = future.exception() if not future.cancelled() else None
         if exc is None:
             self._retries.pop(key, None)

@@ -26,6 +26,7 @@ import jinja2
 import bridge
 from bridge.config import Config
 from bridge.core import backend_params
+from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.core.tes import ExecutorModel
 from bridge.job.layout import TaskLayout, write_atomically
 from bridge.job.settings import JobSettings
@@ -219,6 +220,7 @@ def render_script(
         "epilogue": config.slurm.epilogue,
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
+        "no_records_exit_code": NO_RECORDS_EXIT_CODE,
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
         "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from bridge.poller.attempt import TaskLogs
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.slurm import SlurmError
 from bridge.store import TaskRecord
@@ -39,7 +40,21 @@ class Canceller:
                 log.warning("scancel failed; trying again next cycle: %s", short(exc))
         for task in done:
             self.ctx.store.finish_cancel(task.id)
+            self._stop_waiting(task.id)
             if self.follow_up is not None:
                 self.follow_up(task)
             stats.canceled += 1
             log.info("canceled Slurm job %s of task %s", task.job_id, task.id)
+
+    def _stop_waiting(self, task_id: str) -> None:
+        """A canceled task waits for nothing: its condition lines (a pending job's reason, ...)
+        go now, not only once sacct has the job's final record (Follower.await_canceled),
+        which it may never have."""
+        task = self.ctx.store.get_task(task_id)
+        if task is None or not task.logs:
+            return
+        logs = TaskLogs(task.logs)
+        logs.attempt(max(task.attempt, 1)).clear_conditions()
+        cleared = logs.to_json()
+        if cleared != task.logs:
+            self.ctx.store.amend_final_logs(task_id, cleared)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import slurm
-from bridge.core.naming import format_time
+from bridge.core.naming import NO_RECORDS_EXIT_CODE, format_time
 from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
 from bridge.poller.attempt import AttemptLog, Condition, ConditionKind
@@ -109,7 +109,13 @@ def _decide_ended(
     """The job ended without recording an outcome: the script itself was stopped."""
     ended = _ended(job)
     in_executor = bool(records.phase and records.phase.startswith("running"))
-    if job.state in slurm.RETRYABLE_STATES:
+    unwritable = _records_unwritable(job, records)
+    if job.state in slurm.RETRYABLE_STATES or unwritable:
+        if unwritable:
+            ended += (
+                ": the job could not write its records in the work directory (a full or "
+                "read-only work filesystem?), so nothing of the task ran"
+            )
         if attempt <= retries:
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
@@ -124,6 +130,19 @@ def _decide_ended(
         state = State.EXECUTOR_ERROR if in_executor else State.SYSTEM_ERROR
         return Decision(state, [f"{ended}: the job {why}"])
     return Decision(State.SYSTEM_ERROR, [f"{ended} without recording an outcome"])
+
+
+def _records_unwritable(job: JobInfo, records: JobRecords) -> bool:
+    """The script exited at its first step because it could not start its records (see
+    templates/job.sh.j2, start_records): the system's failure, never the task's. Only that
+    exit code with no phase recorded: the script writes a phase before any step of the task,
+    and no later step exits with that code."""
+    return (
+        job.state == "FAILED"
+        and job.exit_code == NO_RECORDS_EXIT_CODE
+        and not job.signal
+        and records.phase is None
+    )
 
 
 def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decision:

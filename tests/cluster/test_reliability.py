@@ -191,6 +191,73 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
         assert_one_job_per_attempt(tasks)
 
 
+def job_id_of(service: BridgeService, task_id: str, timeout: float = 120) -> str:
+    """The task's job id, once its job is submitted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        task = service.get(task_id)
+        job_id = (task.get("logs") or [{}])[0].get("metadata", {}).get("slurm_job_id")
+        if job_id:
+            return str(job_id)
+        assert time.monotonic() < deadline, task
+        time.sleep(0.1)
+
+
+def test_a_job_that_starts_on_a_full_work_filesystem_runs_again_once_space_is_back(
+    local_cluster, tmp_path, small_work_fs
+):
+    """The work filesystem fills between sbatch and the script's first record: the job exits
+    with the script's no-records code, and the task is neither failed nor run twice at once.
+    Its one entry names the lost job, and the new job waits until space is back."""
+    filler = small_work_fs / "filler"
+    # The prologue holds the script before it starts its records, while the filesystem fills.
+    with start_bridge_service(
+        local_cluster, tmp_path, shared=small_work_fs.parent, slurm_toml='prologue = "sleep 8"'
+    ) as service:
+        task_id = service.create({"executors": [executor("echo", "ran")]})
+        lost = job_id_of(service, task_id)
+        fill(filler)
+        wait_for_condition(service, [task_id], "could not write its records", 120, 0.5)
+        wait_for_condition(service, [task_id], "waiting: cannot prepare", 60, 0.5)
+        time.sleep(4)  # submissions retried with back-off: still QUEUED, no new job
+        task = service.get(task_id)
+        assert task["state"] == "QUEUED", task
+        assert task["logs"][0]["metadata"]["slurm_lost_job_ids"] == lost, task
+        assert "slurm_job_id" not in task["logs"][0]["metadata"], task
+        filler.unlink()
+        task = service.wait(task_id, timeout=240)
+    assert task["state"] == "COMPLETE", task
+    (entry,) = task["logs"]
+    assert entry["logs"][0]["stdout"] == "ran\n"
+    assert entry["metadata"]["slurm_lost_job_ids"] == lost
+    assert entry["metadata"]["slurm_job_id"] != lost
+    assert any(
+        f"Slurm job {lost} ended in state FAILED (exit code 75)" in line
+        for line in entry["system_logs"]
+    ), entry
+    assert not condition_lines(task, "waiting"), task
+    found = SlurmClient().find_by_names([f"tes-{task_id}"])[f"tes-{task_id}"]
+    assert [j.job_id for j in found] == [lost, entry["metadata"]["slurm_job_id"]], found
+
+
+def test_a_task_canceled_while_its_job_pends_keeps_no_pending_line(local_cluster, tmp_path):
+    # --begin holds the job in the queue (reason BeginTime) until it is canceled.
+    with start_bridge_service(
+        local_cluster, tmp_path, slurm_toml='extra_directives = ["--begin=now+3600"]'
+    ) as service:
+        task_id = service.create({"executors": [executor("echo", "must not run")]})
+        job_id = job_id_of(service, task_id)
+        wait_for_condition(service, [task_id], f"Slurm job {job_id} is pending", 60, 0.5)
+        service.cancel(task_id)
+        ended = f"Slurm job {job_id} ended in state CANCELLED"
+        wait_for_condition(service, [task_id], ended, 60, 0.5)
+        time.sleep(3)  # more cycles: nothing comes back
+        task = service.get(task_id)
+    assert task["state"] == "CANCELED", task
+    assert task["logs"][0]["system_logs"][-1] == ended, task
+    assert not condition_lines(task, "is pending"), task
+
+
 def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
     bridge_service, local_cluster
 ):

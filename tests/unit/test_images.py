@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -380,6 +381,24 @@ def test_transient_failures_keep_the_task_waiting_and_retry_soon(
     started = time.monotonic()
     path = wait_for(lambda: cache.ensure("alpine"), timeout=15)
     assert path.is_file() and time.monotonic() - started < 6
+    assert cache.problem("alpine") is None
+
+
+def test_a_pull_in_progress_is_said_from_the_start(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stalled pull can last container.pull_timeout_seconds: the waiting task says so at once,
+    in words that stay the same while it lasts (stored once, not every cycle)."""
+    monkeypatch.setenv("FAKE_PULL_SECONDS", "3")
+    cache = make_cache(tmp_path, runtime, registry)
+    before = time.time()
+    assert cache.ensure("alpine") is None
+    problem = wait_for(lambda: cache.problem("alpine"), timeout=5)
+    assert problem.startswith("waiting: pulling image alpine (started ")
+    started = datetime.fromisoformat(problem.split("(started ")[1].rstrip(")"))
+    assert before - 1 <= started.timestamp() <= time.time()
+    assert cache.problem("alpine") == problem
+    wait_for(lambda: cache.ensure("alpine"), timeout=20)
     assert cache.problem("alpine") is None
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
+from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.job import safepath
 from bridge.job.cli import main as job_main
 from bridge.job.execute import EXIT_CANNOT_START, run_executor
@@ -800,6 +801,26 @@ def test_job_script_records_a_complete_run(tmp_path: Path) -> None:
         (0, "hello\n", "oops\n")
     ]
     assert records.start_time <= records.executors[0].start_time <= records.end_time
+
+
+def test_job_script_that_cannot_start_its_records_exits_with_its_own_code(
+    tmp_path: Path,
+) -> None:
+    """As on a full work filesystem: nothing of the task runs, no records, and an exit code the
+    poller takes for a job lost through no fault of the task (docs/states.md)."""
+    marker = tmp_path / "ran"
+    task = {"id": "job-1", "executors": [sh(f"touch {marker}")]}
+    config = Config.model_validate(
+        {"state_dir": str(tmp_path / "state"), "container": {"allow_root": True}}
+    )
+    script = prepare_task_dir(task, config=config, image_paths={"img": str(tmp_path / "i.sif")})
+    (script.parent / "records").write_text("")  # no directory can be made under it
+    env = dict(os.environ, SLURM_JOB_ID="9", PYTHONPATH=str(REPO))
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
+    assert result.returncode == NO_RECORDS_EXIT_CODE, result.stderr
+    assert b"cannot write the job records" in result.stderr
+    assert not marker.exists()
+    assert not read_records(script.parent, "9", tail_bytes=1024).started
 
 
 def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, load_config
+from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.core.tes import State, View, render_task
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
@@ -183,6 +184,40 @@ def test_jobs_that_end_without_an_outcome(slurm_state, phase, state, words):
     )
     assert decision.state is state
     assert words in decision.messages[0]
+
+
+def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
+    """The script exits NO_RECORDS_EXIT_CODE when it cannot even start its records (a full or
+    read-only work filesystem): none of the task ran, so the job is submitted again."""
+    unwritten = job(state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0)
+    decision = decide(
+        job=unwritten, records=records(), attempt=1, retries=2, current=State.INITIALIZING
+    )
+    assert decision.retry and decision.state is State.QUEUED
+    (message,) = decision.messages
+    assert "could not write its records" in message and "submitting it again" in message
+    last = decide(job=unwritten, records=records(), attempt=3, retries=2, current=State.QUEUED)
+    assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "phase"),
+    [
+        (1, None),  # any other early failure stays the system's error it always was
+        (NO_RECORDS_EXIT_CODE, "staging"),  # the records were written: the code is not ours
+        (NO_RECORDS_EXIT_CODE, "running 0"),
+    ],
+)
+def test_only_the_scripts_own_no_records_exit_is_taken_for_a_lost_job(exit_code, phase):
+    decision = decide(
+        job=job(state="FAILED", exit_code=exit_code, signal=0),
+        records=records(phase=phase),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+    )
+    assert not decision.retry and decision.state is State.SYSTEM_ERROR
+    assert "without recording an outcome" in decision.messages[0]
 
 
 def test_suspended_job_is_paused_and_unknown_states_keep_the_last_one():
@@ -676,6 +711,76 @@ def test_a_canceled_task_stops_waiting_for_a_final_record_sacct_never_has(env):
     assert store.get_task(task.id).state == "CANCELED"
 
 
+def test_a_task_canceled_while_its_job_pends_no_longer_says_it_pends(env, monkeypatch):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Resources", node=None)
+    poller.cycle()
+    assert store.get_task(task.id).logs[0]["system_logs"] == [
+        f"Slurm job {job_id} is pending (Resources)"
+    ]
+    store.cancel_task(task.id)
+    # scancel is sent; squeue and sacct do not show the job ended yet.
+    monkeypatch.setattr(slurm, "cancel", lambda job_ids, as_user=None: slurm.calls.append("x"))
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "CANCELED" and not record.cancel_pending
+    assert record.logs[0]["system_logs"] == [], record.logs
+    assert "condition_kinds" not in record.logs[0]
+    # Then sacct has the final record of the job that never started.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="CANCELLED")
+    poller.cycle()
+    lines = store.get_task(task.id).logs[0]["system_logs"]
+    assert lines == [f"Slurm job {job_id} ended in state CANCELLED"]
+
+
+def test_a_canceled_pending_job_that_sacct_never_records_leaves_no_pending_line(env):
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Priority", node=None)
+    poller.cycle()
+    store.cancel_task(task.id)
+    poller.cycle()
+    del slurm.jobs[job_id]  # neither squeue nor sacct will ever say more of it
+    for _ in range(2):
+        poller.cycle()
+        now[0] += FINAL_FACTS_GRACE
+    record = store.get_task(task.id)
+    assert record.state == "CANCELED"
+    assert not any("pending" in line for line in record.logs[0]["system_logs"]), record.logs
+
+
+def test_a_task_canceled_while_it_waits_for_its_image_shows_no_waiting_line(env):
+    poller, store, _, images = env
+    task = store.create_task(ECHO)
+    image = ECHO["executors"][0]["image"]
+    images.ready = False
+    images.problems[image] = f"waiting: pulling image {image} (started 2026-01-01T00:00:00Z)"
+    poller.cycle()
+    assert store.get_task(task.id).logs[0]["system_logs"] == [images.problems[image]]
+    store.cancel_task(task.id)  # no job: the poller has nothing to carry out
+    poller.cycle()
+    record = store.get_task(task.id)
+    rendered = render_task(
+        task_id=record.id,
+        state=record.state,
+        document=record.document,
+        creation_time=record.creation_time,
+        logs=record.logs,
+        view=View.FULL,
+    )
+    assert rendered["state"] == "CANCELED"
+    assert rendered["logs"][0]["system_logs"] == [], rendered["logs"]
+
+
 def test_cancel_during_an_interrupted_submission_cancels_the_found_job(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -1012,6 +1117,48 @@ def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
         assert record.state == "QUEUED" and record.job_id is not None, record
         assert not any("waiting" in x for x in record.logs[0]["system_logs"]), record.logs
     assert slurm.calls.count("sbatch") == 3
+
+
+def test_a_job_started_on_a_full_work_filesystem_runs_again_once_space_is_back(env, monkeypatch):
+    import errno
+
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    first = store.get_task(task.id).job_id
+    # The work filesystem filled up before the job started: it could not write its records.
+    slurm.jobs[first] = replace(
+        slurm.jobs[first], state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0, reason=None
+    )
+    real = __import__("bridge.poller.submit", fromlist=["prepare_task_dir"]).prepare_task_dir
+    full = True
+
+    def prepare(*args, **kwargs):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", prepare)
+    for _ in range(3):  # the loss is noticed; the new job waits while the filesystem is full
+        poller.cycle()
+        now[0] += 400
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED" and record.job_id is None
+    assert slurm.calls.count("sbatch") == 1
+    lines = record.logs[0]["system_logs"]
+    assert any(first in line and "could not write its records" in line for line in lines), lines
+    assert lines[-1].startswith("waiting: cannot prepare the task directory"), lines
+    full = False
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert slurm.calls.count("sbatch") == 2
+    assert record.job_id not in (None, first) and record.attempt == 2
+    assert len(record.logs) == 1
+    assert record.logs[0]["metadata"][LOST_JOBS_KEY] == first
+    assert record.logs[0]["metadata"]["slurm_job_id"] == record.job_id
+    assert not any(line.startswith("waiting") for line in record.logs[0]["system_logs"])
 
 
 def test_sbatch_time_out_is_retried_only_after_the_settle_time(env):
