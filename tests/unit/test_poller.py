@@ -26,6 +26,22 @@ from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
 
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+
+
+def second_executor_running(job_id: str) -> JobRecords:
+    """A job's records while its second executor runs: the first ended 0, the second printed."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    return JobRecords(
+        job_id=job_id,
+        phase="running 1",
+        start_time=t0,
+        executors=[
+            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
+            ExecutorRecord(1, t0, None, None, "two so far", ""),
+        ],
+    )
+
+
 #: Slurm's output, captured on the local cluster (tests/data/slurm/README).
 DATA = Path(__file__).parents[1] / "data" / "slurm"
 
@@ -651,16 +667,7 @@ def test_a_task_canceled_while_running_gets_its_jobs_final_record(env, monkeypat
     task = store.create_task({"executors": [ECHO["executors"][0]] * 2})
     poller.cycle()
     job_id = store.get_task(task.id).job_id
-    t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    running = JobRecords(
-        job_id=job_id,
-        phase="running 1",
-        start_time=t0,
-        executors=[
-            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
-            ExecutorRecord(1, t0, None, None, "two so far", ""),
-        ],
-    )
+    running = second_executor_running(job_id)
     monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", node="n1")
     poller.cycle()
@@ -957,16 +964,7 @@ def test_executor_logs_appear_once_their_exit_code_is_known(env, monkeypatch):
     poller.cycle()
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
-    t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    running = JobRecords(
-        job_id=job_id,
-        phase="running 1",
-        start_time=t0,
-        executors=[
-            ExecutorRecord(0, t0, t0, 0, "one\n", ""),
-            ExecutorRecord(1, t0, None, None, "two so far", ""),
-        ],
-    )
+    running = second_executor_running(job_id)
     monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
     poller.cycle()
     record = store.get_task(task.id)
