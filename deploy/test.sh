@@ -25,8 +25,8 @@ apt_get=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
 packages=(postgresql curl python3-venv sudo nginx-light logrotate systemd prometheus)
 if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
   "${apt_get[@]}" update
-  # policy-rc.d keeps the packages from starting a system-wide PostgreSQL, nginx or Prometheus: the
-  # tests start their own private servers on free ports.
+  # policy-rc.d keeps the packages from starting a system-wide PostgreSQL, nginx or
+  # Prometheus: the tests start their own private servers on free ports.
   own_policy=0
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
