@@ -46,6 +46,15 @@ class Summary:
         }
 
 
+class Me:
+    """`GET /ui-data/me`: who the caller is, and whether they are an admin (the page shows an
+    owner column to admins)."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        identity = req.context.identity
+        resp.media = {"user": identity.user, "admin": identity.is_admin}
+
+
 class Owners:
     """`GET /ui-data/owners?id=...`: each task's owner, for admins only (an audit of who ran
     what); unknown ids are left out."""
@@ -63,5 +72,6 @@ class Owners:
 
 
 def add_routes(app: falcon.App[Any, Any], config: Config, store: Store) -> None:
+    app.add_route(f"{PREFIX}/me", Me())
     app.add_route(f"{PREFIX}/summary", Summary(config, store))
     app.add_route(f"{PREFIX}/owners", Owners(store))

@@ -65,6 +65,9 @@ def test_counts_by_state_follow_the_filters_and_the_caller(
     everyone = summary(ADMIN, "tag_key=run&tag_value=r1")
     assert everyone["admin"] is True and everyone["counts"] == {"QUEUED": 2, "CANCELED": 1}
     assert client.simulate_get("/ui-data/summary").status_code == 401
+    me = client.simulate_get("/ui-data/me", headers=_auth(ADMIN)).json
+    assert me == {"user": "tesadmin", "admin": True}
+    assert client.simulate_get("/ui-data/me", headers=_auth(BOB)).json["admin"] is False
 
 
 def test_owners_are_for_admins_and_never_in_the_tes_document(
