@@ -186,6 +186,7 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     list_hash = f"#/?tag={quote(tag)}&size=200"
     _sign_in(browser, service, ADMIN, list_hash)
     _loaded(browser, WORKFLOW_SIZE)
+    browser.find_element(By.ID, "auto-refresh").click()  # every task is final: rows stay put
     assert browser.find_element(By.ID, "filter-tag").get_attribute("value") == tag
     assert browser.find_element(By.ID, "filter-size").get_attribute("value") == "200"
     rows = _rows(browser)
@@ -271,6 +272,7 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     browser.find_element(By.ID, "sign-out").click()
     _sign_in(browser, service, ALICE, list_hash)
     _loaded(browser, WORKFLOW_SIZE - 5)
+    browser.find_element(By.ID, "auto-refresh").click()
     assert not browser.find_element(By.ID, "owner-head").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "#tasks td.owner") == []
     refused = requests.get(
