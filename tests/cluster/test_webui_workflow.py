@@ -237,8 +237,7 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     assert browser.execute_script("return window.__pwned") is None
     # The screenshot shows the bars: waiting grey, COMPLETE green and the one failure red.
     timeline = browser.find_element(By.ID, "timeline-chart")
-    browser.execute_script("arguments[0].scrollIntoView()", timeline)
-    picture = shot("workflow-timeline")
+    picture = shot("workflow-timeline")  # the summary line and the top of the timeline
     element = timeline.screenshot_as_png
     (tmp_path / "timeline-element.png").write_bytes(element)
     assert _colour_count(element, COMPLETE_RGB) > 49 * 4
@@ -266,6 +265,7 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     memory = browser.find_element(By.CSS_SELECTOR, ".attempt .memory-efficiency").text
     assert "256.0 MiB requested" in memory, memory
     assert browser.find_element(By.ID, "task-owner").text == "tesalice"
+    browser.execute_script("arguments[0].scrollIntoView()", attempt)
     shot("task-efficiency")
 
     # Alice sees neither the owner column nor owners (the API says so too).
