@@ -265,6 +265,9 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     memory = browser.find_element(By.CSS_SELECTOR, ".attempt .memory-efficiency").text
     assert "256.0 MiB requested" in memory, memory
     assert browser.find_element(By.ID, "task-owner").text == "tesalice"
+    # Its tag leads to the workflow.
+    link = browser.find_element(By.CSS_SELECTOR, "#task-tags a")
+    assert link.text == tag and link.get_attribute("href").endswith(f"#/workflow?tag={quote(tag)}")
     browser.execute_script("arguments[0].scrollIntoView()", attempt)
     shot("task-efficiency")
 

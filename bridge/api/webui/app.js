@@ -684,7 +684,11 @@ function renderTask(task, owner) {
     ["Owner", owner ? el("span", { id: "task-owner" }, owner) : ""],
     ["Created", when(task.creation_time)],
     ["Description", task.description],
-    ["Tags", tags.join(", ")],
+    // Each tag leads to the workflow of the tasks that share it.
+    ["Tags", tags.length ? el("span", { id: "task-tags" }, ...tags.flatMap((tag, index) => [
+      index ? ", " : "",
+      el("a", { href: hashFor("workflow", { tag }), title: "timeline and resources of the tasks with this tag" }, tag),
+    ])) : ""],
     ["Resources", [
       resources.cpu_cores ? `${resources.cpu_cores} CPU` : "",
       resources.ram_gb ? `${resources.ram_gb} GB RAM` : "",
