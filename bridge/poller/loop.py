@@ -206,7 +206,7 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     try:
         while not stop.is_set():
             wake.clear()
-            _run_cycle(poller)
+            _run_cycle(poller, config.work_dir)
             if once:
                 break
             _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
@@ -216,10 +216,10 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     return 0
 
 
-def _run_cycle(poller: Poller) -> None:
+def _run_cycle(poller: Poller, work_dir: Path) -> None:
     try:
         stats = poller.cycle()
-        metrics.POLL_CYCLE.observe(stats.seconds)
+        metrics.observe_poller_cycle(stats.seconds, time.time(), work_dir)
         if stats.submitted or stats.updated or stats.canceled:
             log.info("poll cycle", extra=stats.__dict__)
     except Exception as exc:
