@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import yaml
@@ -231,6 +232,17 @@ def _add_wait_options(
         )
 
 
+def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
+    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                no_abbreviations(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tes-bridge task",
@@ -291,6 +303,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="task tag (repeatable)",
     )
+    slurm = run.add_argument_group(
+        "Slurm (resources.backend_parameters; a server may ignore keys it does not know)"
+    )
+    slurm.add_argument(
+        "--time",
+        "-t",
+        metavar="TIME",
+        help="time limit as sbatch takes it: minutes, HH:MM:SS or D-HH:MM (key `time`)",
+    )
+    slurm.add_argument("--partition", "-p", metavar="NAME", help="Slurm partition (`partition`)")
+    slurm.add_argument("--gpus", metavar="[TYPE:]N", help="GPUs for the job, e.g. 1 or a100:2")
+    slurm.add_argument(
+        "--backend-parameter",
+        action="append",
+        default=[],
+        type=_pair("=", "KEY=VALUE"),
+        metavar="KEY=VALUE",
+        help="any backend parameter, e.g. qos=long or constraint=avx2 (repeatable)",
+    )
     _add_wait_options(run, wait_flag=True)
 
     submit = sub["submit"]
@@ -331,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait = sub["wait"]
     wait.add_argument("ids", nargs="+", metavar="ID", help="task ids")
     _add_wait_options(wait, wait_flag=False)
-    return parser
+    return no_abbreviations(parser)
 
 
 def make_client(args: argparse.Namespace) -> TesClient:
@@ -366,19 +397,32 @@ def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.name:
         task["name"] = args.name
     if args.input:
-        task["inputs"] = [{"url": url, **_path(path)} for url, path in args.input]
+        task["inputs"] = [{"url": _local_url(url), **_path(path)} for url, path in args.input]
     if args.output:
-        task["outputs"] = [{"url": url, **_path(path)} for path, url in args.output]
-    resources = {
+        task["outputs"] = [{"url": _local_url(url), **_path(path)} for path, url in args.output]
+    resources: dict[str, Any] = {
         key: value
         for key, value in (("cpu_cores", args.cpus), ("ram_gb", args.ram), ("disk_gb", args.disk))
         if value is not None
     }
+    backend = dict(args.backend_parameter)
+    named = (("time", args.time), ("partition", args.partition), ("gpus", args.gpus))
+    backend.update({key: value for key, value in named if value is not None})
+    if backend:
+        resources["backend_parameters"] = backend
     if resources:
         task["resources"] = resources
     if args.tag:
         task["tags"] = dict(args.tag)
     return task
+
+
+def _local_url(url: str) -> str:
+    """A relative local path (`./in.txt`, `data/in.txt`) as the file:// URL of its absolute
+    path: the server, which stages it, does not know this shell's working directory."""
+    if urlsplit(url).scheme or url.startswith("/"):
+        return url
+    return "file://" + os.path.abspath(url)
 
 
 def _path(path: str) -> dict[str, str]:
