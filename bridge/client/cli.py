@@ -400,6 +400,17 @@ def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
         task["inputs"] = [{"url": _local_url(url), **_path(path)} for url, path in args.input]
     if args.output:
         task["outputs"] = [{"url": _local_url(url), **_path(path)} for path, url in args.output]
+    resources = _resources(args)
+    if resources:
+        task["resources"] = resources
+    if args.tag:
+        task["tags"] = dict(args.tag)
+    return task
+
+
+def _resources(args: argparse.Namespace) -> dict[str, Any]:
+    """resources from --cpus, --ram, --disk and the Slurm options (backend_parameters; the
+    named options win over a --backend-parameter of the same key)."""
     resources: dict[str, Any] = {
         key: value
         for key, value in (("cpu_cores", args.cpus), ("ram_gb", args.ram), ("disk_gb", args.disk))
@@ -410,11 +421,7 @@ def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
     backend.update({key: value for key, value in named if value is not None})
     if backend:
         resources["backend_parameters"] = backend
-    if resources:
-        task["resources"] = resources
-    if args.tag:
-        task["tags"] = dict(args.tag)
-    return task
+    return resources
 
 
 def _local_url(url: str) -> str:
