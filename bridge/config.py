@@ -257,6 +257,10 @@ class ContainerConfig(_Section):
     #: An image or tag that does not exist is not looked up again for this long; tasks using it
     #: fail at once. Transient failures (registry down, full disk) are retried with back-off.
     pull_failure_ttl: float = Field(default=30.0, ge=0)
+    #: A registry that cannot be reached (its host name not found, connection refused, no
+    #: route) for this long fails the tasks waiting for it, and new ones at once, until it
+    #: answers again; a cached SIF still serves. Until then they wait in QUEUED, saying why.
+    pull_give_up_seconds: float = Field(default=600.0, gt=0)
     #: The flag that gives executors of a task that asks for GPUs the host's GPU libraries:
     #: `--nv` (NVIDIA) or `--rocm` (AMD).
     gpu_flag: Literal["--nv", "--rocm"] = "--nv"

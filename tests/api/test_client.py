@@ -369,6 +369,18 @@ def test_wait_follows_changes_and_gives_up_at_its_timeout(server: Server):
     assert "1 task(s) not final after 1 s" in result.stderr
 
 
+def test_wait_says_why_a_queued_task_waits(server: Server):
+    """The latest system log line of a waiting task (an image pull retried, a limit) is shown
+    once on stderr, stdout keeping its `ID STATE` lines."""
+    task_id = server.create()
+    reason = "pulling image reg.invalid/x: registry reg.invalid unreachable (host name not found)"
+    server.update(task_id, logs=[{"logs": [], "outputs": [], "system_logs": [reason]}])
+    result = tes_task(server.url, "wait", "--interval", "0.2", "--timeout", "1", task_id)
+    assert result.returncode == 7
+    assert result.stdout.splitlines() == [f"{task_id} QUEUED"]
+    assert result.stderr.count(f"{task_id}: {reason}\n") == 1, result.stderr
+
+
 def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
     ids = [server.create() for _ in range(3)]
     primary, replica = pty.openpty()
