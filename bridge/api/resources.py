@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import falcon
@@ -31,6 +32,8 @@ from bridge.system.metrics import TASKS_CREATED
 from bridge.system.wake import WakeSender
 
 DEFAULT_PAGE_SIZE = 256
+#: A create checks the task against the partitions the poller read, read again this often.
+CLUSTER_FACTS_SECONDS = 10.0
 MAX_PAGE_SIZE = 2047
 
 
@@ -82,6 +85,8 @@ class Tasks:
         self.limits = Limits(
             **{name: getattr(config.limits, name) for name in Limits.__dataclass_fields__}
         )
+        self._partitions_cache: list[dict[str, Any]] = []
+        self._partitions_read_at = float("-inf")
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json_body(req, self.config.limits.max_body_bytes)
@@ -96,7 +101,7 @@ class Tasks:
             # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
             problems = backend_params.check_task(
                 task.document, self.config.backend_parameters.supported, self.config.slurm.times
-            )
+            ) or backend_params.cluster_problems(task.document, self._partitions())
             if problems:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
@@ -108,6 +113,20 @@ class Tasks:
         if self.wake is not None:
             self.wake.nudge()  # the poller submits it now (bridge.system.wake)
         resp.media = {"id": record.id}
+
+    def _partitions(self) -> list[dict[str, Any]]:
+        """The partitions the poller last read (bridge.poller.capabilities), read again from
+        the store after CLUSTER_FACTS_SECONDS (at each create while none are known); []
+        while unknown."""
+        now = time.monotonic()
+        if not self._partitions_cache or now - self._partitions_read_at >= CLUSTER_FACTS_SECONDS:
+            try:
+                facts = json.loads(self.store.meta(CAPABILITIES_KEY) or "{}")
+                self._partitions_cache = list(facts.get("partitions") or [])
+            except (ValueError, AttributeError, TypeError):
+                self._partitions_cache = []
+            self._partitions_read_at = now
+        return self._partitions_cache
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
