@@ -13,6 +13,7 @@ string); their errors are turned into one message per field path, e.g.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import posixpath
@@ -330,14 +331,26 @@ def format_field_path(loc: Iterable[str | int]) -> str:
     return text
 
 
+def _element_message(error: Mapping[str, Any]) -> str:
+    """An element of an array of strings that is not one: what it is, and (YAML writes
+    `[sleep, 1]` for ["sleep", 1]) how to write it as a string."""
+    value = error.get("input")
+    if isinstance(value, bool | int | float) and error["type"] == "string_type":
+        shown = json.dumps(value)
+        return f'must be a string, got the {type(value).__name__} {shown}; quote it ("{shown}")'
+    return _GENERIC_MESSAGES.get(error["type"], error["msg"])
+
+
 def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
     loc = [p for p in error["loc"] if p not in ("function-after", "function-before")]
-    # A dedicated message applies to an error at the field itself or at one element of it,
-    # reported at the field (`executors[0].command`, not `executors[0].command[2]`).
+    # A dedicated message applies to an error at the field itself, and an element's error is
+    # reported at the element (`executors[0].command[1]: must be a string, got ...`).
     if error["type"] not in ("missing", "value_error"):
         for depth, part in enumerate(loc):
             rest = loc[depth + 1 :]
-            if part in _FIELD_MESSAGES and len(rest) <= 1 and all(isinstance(p, int) for p in rest):
+            if part in _FIELD_MESSAGES and len(rest) == 1 and isinstance(rest[0], int):
+                return format_field_path(loc), _element_message(error)
+            if part in _FIELD_MESSAGES and not rest:
                 return format_field_path(loc[: depth + 1]), _FIELD_MESSAGES[part]
     if error["type"] == "value_error":
         message = str(error.get("ctx", {}).get("error", error["msg"]))

@@ -346,9 +346,15 @@ def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[s
         ),
         (
             {"executors": [{"image": "a", "command": ["echo", 1]}]},
-            "executors[0].command",
-            "must be a non-empty array of strings",
+            "executors[0].command[1]",
+            'must be a string, got the int 1; quote it ("1")',
         ),
+        (
+            {"executors": [{"image": "a", "command": ["echo", None]}]},
+            "executors[0].command[1]",
+            "must be a string",
+        ),
+        ({"resources": {"zones": ["a", 2.5]}, **ECHO}, "resources.zones[1]", "got the float 2.5"),
         (
             {"executors": [{"image": "a", "command": ["x"], "workdir": "relative"}]},
             "executors[0].workdir",
