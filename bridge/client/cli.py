@@ -110,7 +110,8 @@ example:
     "cancel": (
         "cancel tasks",
         """\
-Ask the server to cancel each task (a task that already ended keeps its state).
+Ask the server to cancel each task. A task that had already ended keeps its state: that is
+said on stderr (`ID: had already ended COMPLETE; not canceled`) and the exit status is 1.
 
 example:
   tes-bridge task cancel 3f2a9c1e-... 77b0d4a2-...
@@ -553,9 +554,16 @@ def wait_tasks(client: TesClient, args: argparse.Namespace) -> int:
 
 
 def cancel_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    """Cancel each task; one that had already ended is said so (its state kept) and, like
+    scancel of a finished job, makes the exit status 1."""
     code = 0
     for task_id in args.ids:
         try:
+            state = str(client.get(task_id).get("state"))
+            if state in FINAL_STATES:
+                print(f"{task_id}: had already ended {state}; not canceled", file=sys.stderr)
+                code = EXIT_FAILED
+                continue
             client.cancel(task_id)
         except TesError as exc:
             print(f"tes-bridge task: {exc}", file=sys.stderr)

@@ -238,6 +238,17 @@ def test_cancel_cancels_each_task_and_reports_the_ones_it_could_not(server: Serv
     assert "404 task 'no-such-task' not found" in result.stderr
 
 
+def test_cancel_of_a_task_that_already_ended_says_so(server: Server):
+    done, queued = server.create(), server.create()
+    server.update(done, state="COMPLETE")
+    result = tes_task(server.url, "cancel", done, queued)
+    assert result.returncode == 1
+    assert f"{done}: had already ended COMPLETE; not canceled" in result.stderr
+    assert result.stdout.splitlines() == [f"{queued}: cancel requested"]
+    assert server.task(done)["state"] == "COMPLETE"
+    assert server.task(queued)["state"] == "CANCELED"
+
+
 # ------------------------------------------------------------------------------ errors
 def test_errors_show_the_servers_message_and_never_a_traceback(server: Server):
     missing = tes_task(server.url, "get", "no-such-task")
