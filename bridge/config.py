@@ -110,6 +110,10 @@ class ServiceInfoConfig(_Section):
 class BackendParametersConfig(_Section):
     #: Keys accepted in a task's backend_parameters (compared case-insensitively).
     supported: list[str] = Field(default_factory=lambda: list(SLURM_BACKEND_PARAMETERS))
+    #: A key not in `supported`: "ignore" (TES: a backend may ignore them; dropped, with a
+    #: system log line suggesting the nearest supported key) or "refuse" (a 400 naming it and
+    #: the suggestion). A task's own `backend_parameters_strict: true` always refuses.
+    unsupported: Literal["ignore", "refuse"] = "ignore"
 
 
 class SiteRule(_Section):

@@ -95,6 +95,9 @@ class Tasks:
                 body,
                 limits=self.limits,
                 supported_backend_parameters=self.config.backend_parameters.supported,
+                refuse_unsupported_backend_parameters=(
+                    self.config.backend_parameters.unsupported == "refuse"
+                ),
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )

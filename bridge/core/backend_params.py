@@ -219,6 +219,26 @@ def _named_partitions(resources: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(f"resources.zones[{i}]", str(zone)) for i, zone in enumerate(zones)]
 
 
+def _memory_problem(
+    ram: object, named: list[tuple[str, str]], by_name: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """ram_gb larger than the largest node of the partitions named (or of any) has."""
+    if not isinstance(ram, int | float) or ram <= 0:
+        return []
+    candidates = [by_name[name] for _, name in named] or list(by_name.values())
+    largest = max(int(p.get("max_memory_mb_per_node") or 0) for p in candidates)
+    # The decimal reading, the smaller one: a node of exactly that much gets the job (render).
+    needed = math.ceil(Decimal(repr(float(ram))) * 1000)
+    if largest <= 0 or needed <= largest:
+        return []
+    where = ", ".join(name for _, name in named) if named else "any partition"
+    message = (
+        f"{ram:g} GB is more than the largest node of {where} has: {largest} MB "
+        f"({largest / 1000:g} GB)"
+    )
+    return [("resources.ram_gb", message)]
+
+
 def cluster_problems(
     document: Mapping[str, Any], partitions: list[dict[str, Any]]
 ) -> list[tuple[str, str]]:
@@ -236,22 +256,4 @@ def cluster_problems(
         for field, name in named
         if name not in by_name
     ]
-    if unknown:
-        return unknown
-    ram = resources.get("ram_gb")
-    if not isinstance(ram, int | float) or ram <= 0:
-        return []
-    candidates = [by_name[name] for _, name in named] or list(by_name.values())
-    largest = max(int(p.get("max_memory_mb_per_node") or 0) for p in candidates)
-    # The decimal reading, the smaller one: a node of exactly that much gets the job (render).
-    needed = math.ceil(Decimal(repr(float(ram))) * 1000)
-    if largest <= 0 or needed <= largest:
-        return []
-    where = ", ".join(name for _, name in named) if named else "any partition"
-    return [
-        (
-            "resources.ram_gb",
-            f"{ram:g} GB is more than the largest node of {where} has: {largest} MB "
-            f"({largest / 1000:g} GB)",
-        )
-    ]
+    return unknown or _memory_problem(resources.get("ram_gb"), named, by_name)
