@@ -6,6 +6,7 @@ The API never runs a Slurm command: a cancel is recorded in the store and the po
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -30,6 +31,8 @@ from bridge.job.output import OutputChunk, chunk_to_json
 from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
 from bridge.system.metrics import TASKS_CREATED
 from bridge.system.wake import WakeSender
+
+log = logging.getLogger("bridge.api")
 
 DEFAULT_PAGE_SIZE = 256
 #: A create checks the task against the partitions the poller read, read again this often.
@@ -244,8 +247,25 @@ class Task:
             _no_nul("id", task_id)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
+        identity = req.context.identity
+        note = f"canceled by {identity.user}" if identity.user else None
+        if note and identity.is_admin:
+            note += " (an administrator)"
+        record = self.store.cancel_task(task_id, owner=identity.owner_filter, note=note)
+        if record is None:
             raise _not_found(task_id)
+        if identity.user:
+            # Slurm's accounting shows the owner canceling (scancel runs as them in site mode).
+            log.info(
+                "task %s canceled by %s",
+                task_id,
+                identity.user,
+                extra={
+                    "task_id": task_id,
+                    "canceled_by": identity.user,
+                    "admin": identity.is_admin,
+                },
+            )
         if self.wake is not None:
             self.wake.nudge()  # its job is canceled now (bridge.system.wake)
         resp.media = {}
