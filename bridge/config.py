@@ -30,6 +30,8 @@ from pydantic import (
 from bridge.core.backend_params import DEFAULT_SUPPORTED, SiteTimes, parse_time
 
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
+#: Where the systemd units (deploy/systemd) and docs/operations.md put the configuration.
+DEFAULT_CONFIG_FILE = Path("/etc/tes-bridge/tes-bridge.toml")
 ENV_DATABASE = "TES_BRIDGE_DATABASE"
 ENV_STATE_DIR = "TES_BRIDGE_STATE_DIR"
 ENV_WORK_DIR = "TES_BRIDGE_WORK_DIR"
