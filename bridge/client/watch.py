@@ -199,6 +199,8 @@ class LogPrinter:
         self.attempt: int | None = None
         self.shown: dict[tuple[int, str], str] = {}
         self.system_seen: set[str] = set()
+        #: (attempt, executor) whose exit code was printed.
+        self.codes_seen: set[tuple[int, int]] = set()
 
     def show(self, task: dict[str, Any], *, streams: bool = True) -> None:
         """With `streams` False, only the system logs (the streams are followed live)."""
@@ -207,8 +209,11 @@ class LogPrinter:
             return
         self._follow_attempt(len(attempts) - 1, announce=streams)
         last = attempts[-1] or {}
-        if streams:
-            self._print_streams(last.get("logs") or [])
+        executor_logs = last.get("logs") or []
+        for number, log in enumerate(executor_logs):
+            if streams:
+                self._print_streams(number, log or {})
+            self._print_exit_code(len(attempts) - 1, number, log or {})
         for line in last.get("system_logs") or []:
             if line not in self.system_seen:
                 self.system_seen.add(line)
@@ -224,12 +229,18 @@ class LogPrinter:
             self.shown.clear()
         self.attempt = index
 
-    def _print_streams(self, executor_logs: list[dict[str, Any] | None]) -> None:
-        for number, log in enumerate(executor_logs):
-            for stream, target in (("stdout", self.out), ("stderr", self.err)):
-                text = (log or {}).get(stream) or ""
-                target.write(new_text(self.shown.get((number, stream), ""), text))
-                self.shown[(number, stream)] = text
+    def _print_exit_code(self, attempt: int, number: int, log: dict[str, Any]) -> None:
+        code = log.get("exit_code")
+        if isinstance(code, int) and (attempt, number) not in self.codes_seen:
+            self.codes_seen.add((attempt, number))
+            self.out.flush()
+            self.err.write(f"executor {number}: exit code {code}\n")
+
+    def _print_streams(self, number: int, log: dict[str, Any]) -> None:
+        for stream, target in (("stdout", self.out), ("stderr", self.err)):
+            text = log.get(stream) or ""
+            target.write(new_text(self.shown.get((number, stream), ""), text))
+            self.shown[(number, stream)] = text
 
 
 class OutputUnsupported(Exception):
