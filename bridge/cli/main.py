@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     task = commands.add_parser(
         "task",
-        help="a client for any TES server: run, submit, list, get, cancel, logs, wait "
+        help="a client for any TES server: run, submit, resubmit, list, get, cancel, logs, wait "
         "(`tes-bridge task --help`)",
         add_help=False,
     )
