@@ -28,6 +28,7 @@ from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import Store, unavailable_reason
 from bridge.system import metrics
+from bridge.system.relay import RelayServer
 from bridge.system.wake import WakeReceiver
 
 log = logging.getLogger("bridge.poller")
@@ -193,8 +194,12 @@ def run_poller(config: Config, *, once: bool = False) -> int:
 
     poller = build_poller(config, store, wake=wake_now)
     receiver = WakeReceiver(config.state_dir, nudge)
+    # Site mode: the API's live output is read as the owner here, where sudo is allowed.
+    relay = RelayServer(config.state_dir, OwnerRunner(config).read_output)
     if not once:
         receiver.start()
+        if config.site.run_as_owner:
+            relay.start()
 
     def request_stop(*_: object) -> None:
         stop.set()
@@ -212,6 +217,7 @@ def run_poller(config: Config, *, once: bool = False) -> int:
             _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
     finally:
         receiver.close()
+        relay.close()
     log.info("poller stopped")
     return 0
 
