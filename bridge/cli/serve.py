@@ -283,6 +283,10 @@ def serve(
         print(f"tes-bridge: {problem}", file=sys.stderr)
         return 2
     init_store(config)
+    if config.database_url.startswith("sqlite"):
+        from bridge.store import SQLITE_ONE_NODE
+
+        log.warning(SQLITE_ONE_NODE)
     run_poller = poller and config.server.run_poller
     supervisor: subprocess.Popen[bytes] | None = None
     if run_poller:
