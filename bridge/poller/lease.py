@@ -175,7 +175,7 @@ class Lease:
                 # A renewal that cannot be answered in a period is no renewal; a takeover
                 # waits behind a leader's fenced write (FOR SHARE) no longer than that.
                 cursor.execute(f"SET statement_timeout = {int(self.period * 1000)}")
-                cursor.execute(f"SET lock_timeout = {int(self.period * 1000)}")
+                cursor.execute(f"SET lock_timeout = {int(self.period * 800)}")
             self._conn = conn
         return self._conn
 
