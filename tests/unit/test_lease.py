@@ -34,27 +34,47 @@ from tests.unit.test_poller import ECHO, FakeImages
 pytestmark = pytest.mark.postgres
 
 
+class Raw:
+    """A plain connection beside the store's: what another node sees (peewee's models are
+    bound to one database per process, so a second Store here would take them over)."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg2.connect(url)
+        self.conn.autocommit = True
+
+    def task(self, task_id: str) -> dict[str, object]:
+        with self.conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT state, job_id, submit_started_at, logs FROM tasks WHERE id = %s",
+                [task_id],
+            )
+            state, job_id, started, logs = cursor.fetchone()
+        return {"state": state, "job_id": job_id, "submit_started_at": started, "logs": logs}
+
+    def expire(self) -> None:
+        """The lease's end passes (the server's clock), as if its holder had died."""
+        with self.conn.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE \"{LEASE_TABLE}\" SET expires_at = clock_timestamp() - interval '1 s'"
+            )
+
+
 @pytest.fixture
-def pg(postgres_url: str) -> Iterator[tuple[Store, Store]]:
-    """The same database seen by two pollers (`a`, `b`)."""
-    a = _fresh_store(postgres_url)
-    b = Store.from_url(postgres_url)
-    yield a, b
-    a.db.close()
-    b.db.close()
+def pg(postgres_url: str) -> Iterator[tuple[Store, Raw]]:
+    """The store of one poller's process, and a plain connection beside it."""
+    store = _fresh_store(postgres_url)
+    raw = Raw(postgres_url)
+    yield store, raw
+    raw.conn.close()
+    store.db.close()
 
 
 def _lease(url: str, name: str, seconds: float = 3.0) -> Lease:
     return Lease(url, holder=name, seconds=seconds)
 
 
-def _expire(store: Store) -> None:
-    """The lease's end passes (the server's clock), as if its holder had died."""
-    store._sql(f"UPDATE \"{LEASE_TABLE}\" SET expires_at = clock_timestamp() - interval '1 s'")
-
-
 def test_one_lease_one_holder_and_each_takeover_raises_the_epoch(pg, postgres_url):
-    a_store, _ = pg
+    a_store, raw = pg
     a, b = _lease(postgres_url, "a"), _lease(postgres_url, "b")
     try:
         assert a.try_acquire() and a.valid()
@@ -64,7 +84,7 @@ def test_one_lease_one_holder_and_each_takeover_raises_the_epoch(pg, postgres_ur
         state = a_store.lease_state()
         assert state is not None and state.holder == "a" and state.epoch == first
         assert state.remaining is not None and 0 < state.remaining <= 3
-        _expire(a_store)
+        raw.expire()
         assert b.try_acquire() and b.epoch == first + 1
         # The old holder learns it at its next renewal, and leads no more.
         assert a.renew() is Renewal.LOST and not a.valid()
@@ -108,7 +128,7 @@ def _queued(store: Store) -> str:
 
 
 def test_a_stale_epochs_write_raises_and_changes_nothing(pg, postgres_url):
-    a_store, b_store = pg
+    a_store, raw = pg
     a, b = _lease(postgres_url, "a"), _lease(postgres_url, "b")
     try:
         task_id = _queued(a_store)
@@ -116,10 +136,9 @@ def test_a_stale_epochs_write_raises_and_changes_nothing(pg, postgres_url):
         a_store.fence_epoch = a.epoch
         assert a_store.mark_submitting(task_id, attempt=1, now=1.0)
         # b takes over; a does not know (no renewal yet) and goes on writing.
-        _expire(a_store)
+        raw.expire()
         assert b.try_acquire()
-        b_store.fence_epoch = b.epoch
-        before = a_store.get_task(task_id)
+        before = raw.task(task_id)
         stale_writes = [
             lambda: a_store.record_job(task_id, "42", logs=[{"logs": []}]),
             lambda: a_store.forget_submission(task_id, attempt=0),
@@ -133,7 +152,8 @@ def test_a_stale_epochs_write_raises_and_changes_nothing(pg, postgres_url):
         for write in stale_writes:
             with pytest.raises(FencedOut):
                 write()
-        assert a_store.get_task(task_id) == before
+        assert raw.task(task_id) == before
+        a_store.fence_epoch = None
         assert a_store.meta("capabilities") is None
     finally:
         a.close()
@@ -141,19 +161,18 @@ def test_a_stale_epochs_write_raises_and_changes_nothing(pg, postgres_url):
 
 
 def test_the_new_leader_writes_and_the_api_is_never_fenced(pg, postgres_url):
-    a_store, b_store = pg
+    a_store, raw = pg
     b = _lease(postgres_url, "b")
     try:
         task_id = _queued(a_store)
         assert b.try_acquire()
-        b_store.fence_epoch = b.epoch
-        assert b_store.mark_submitting(task_id, attempt=1, now=1.0)
-        b_store.record_job(task_id, "43")
-        api = Store.from_url(postgres_url)  # fence_epoch None
-        assert api.cancel_task(task_id) is not None
-        task = api.get_task(task_id)
-        assert task is not None and task.job_id == "43" and task.state == "CANCELED"
-        api.db.close()
+        a_store.fence_epoch = b.epoch
+        assert a_store.mark_submitting(task_id, attempt=1, now=1.0)
+        a_store.record_job(task_id, "43")
+        a_store.fence_epoch = None  # the API's store
+        assert a_store.cancel_task(task_id) is not None
+        assert raw.task(task_id)["job_id"] == "43"
+        assert raw.task(task_id)["state"] == "CANCELED"
     finally:
         b.close()
 
@@ -161,13 +180,13 @@ def test_the_new_leader_writes_and_the_api_is_never_fenced(pg, postgres_url):
 def test_a_takeover_waits_for_the_old_leaders_open_write_which_then_counts(pg, postgres_url):
     """FOR SHARE against the takeover's UPDATE: the write either commits before the epoch
     moves (and the new leader sees it) or reads the new epoch and fails."""
-    a_store, b_store = pg
+    a_store, raw = pg
     a, b = _lease(postgres_url, "a"), _lease(postgres_url, "b")
     try:
         task_id = _queued(a_store)
         assert a.try_acquire()
         a_store.fence_epoch = a.epoch
-        _expire(b_store)
+        raw.expire()
         with a_store.fenced():
             a_store.mark_submitting(task_id, attempt=1, now=1.0)
             # The takeover cannot pass the open transaction (lock_timeout: a period).
@@ -175,8 +194,7 @@ def test_a_takeover_waits_for_the_old_leaders_open_write_which_then_counts(pg, p
                 b.try_acquire()
             b.close()
         assert b.try_acquire()
-        task = b_store.get_task(task_id)
-        assert task is not None and task.submit_started_at == 1.0
+        assert raw.task(task_id)["submit_started_at"] == 1.0
         with pytest.raises(FencedOut):
             a_store.record_job(task_id, "7")
     finally:
@@ -187,21 +205,20 @@ def test_a_takeover_waits_for_the_old_leaders_open_write_which_then_counts(pg, p
 def test_a_stopped_leaders_open_transaction_is_ended_by_the_server(pg, postgres_url):
     """A leader frozen inside a fenced transaction would hold off every takeover: the server
     ends its session once it sits idle for fence_idle_timeout, and its write is lost."""
-    a_store, b_store = pg
+    a_store, raw = pg
     a, b = _lease(postgres_url, "a"), _lease(postgres_url, "b")
     try:
         task_id = _queued(a_store)
         assert a.try_acquire()
         a_store.fence_epoch = a.epoch
         a_store.fence_idle_timeout = 0.5
-        _expire(b_store)
-        with pytest.raises((psycopg2.Error, peewee.PeeweeException)), a_store.fenced():  # noqa: PT012
+        raw.expire()
+        with pytest.raises((psycopg2.Error, peewee.PeeweeException)), a_store.fenced():
             a_store.mark_submitting(task_id, attempt=1, now=1.0)
             time.sleep(1.5)  # "stopped"
             a_store.note(task_id, [])  # the server ended the session meanwhile
         assert b.try_acquire()
-        task = b_store.get_task(task_id)
-        assert task is not None and task.submit_started_at is None
+        assert raw.task(task_id)["submit_started_at"] is None
     finally:
         a.close()
         b.close()
@@ -215,7 +232,7 @@ def test_not_leader_passes_like_an_unavailable_database():
 def test_a_lease_check_before_sbatch_leaves_the_task_to_recovery(tmp_path: Path, pg):
     """A poller whose lease ended by its own clock submits nothing and fails nothing: the
     task keeps its submission in flight, for the next leader's recovery by job name."""
-    a_store, _ = pg
+    a_store, _raw = pg
     config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
     slurm = FakeSlurm()
     poller = Poller(config, a_store, slurm_client=slurm, images=FakeImages())
@@ -236,7 +253,7 @@ def test_a_new_leader_forgets_no_submission_before_the_settle_time_after_takeove
     tmp_path: Path, pg
 ):
     """Whatever the old node's clock wrote into submit_started_at (here: long ago)."""
-    a_store, _ = pg
+    a_store, _raw = pg
     config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
     now = [10_000.0]
     slurm = FakeSlurm()
@@ -254,7 +271,7 @@ def test_a_new_leader_forgets_no_submission_before_the_settle_time_after_takeove
 
 
 def test_the_keeper_renews_and_says_when_leadership_changed(pg, postgres_url):
-    a_store, _ = pg
+    _a_store, raw = pg
     a, b = _lease(postgres_url, "a"), _lease(postgres_url, "b")
     stop, changed = threading.Event(), threading.Event()
     keeper = LeaseKeeper(a, stop, changed)
@@ -264,7 +281,7 @@ def test_the_keeper_renews_and_says_when_leadership_changed(pg, postgres_url):
         changed.clear()
         keeper.tick()  # a renewal
         assert not changed.is_set() and a.valid()
-        _expire(a_store)
+        raw.expire()
         assert b.try_acquire()
         keeper.tick()
         assert changed.is_set() and not a.valid()
