@@ -116,14 +116,24 @@ class Lease:
         """Extend the lease this poller holds; LOST when another took it over."""
         if self.epoch is None:
             return Renewal.LOST
+        sql = (
+            f'UPDATE "{LEASE_TABLE}" SET "renewed_at" = clock_timestamp(), '
+            "\"expires_at\" = clock_timestamp() + %s * interval '1 second' "
+            'WHERE "name" = %s AND "holder" = %s AND "epoch" = %s RETURNING "epoch"'
+        )
+        params = [self.seconds, LEASE_NAME, self.holder, self.epoch]
         sent = self.clock()
         try:
-            row = self._execute(
-                f'UPDATE "{LEASE_TABLE}" SET "renewed_at" = clock_timestamp(), '
-                "\"expires_at\" = clock_timestamp() + %s * interval '1 second' "
-                'WHERE "name" = %s AND "holder" = %s AND "epoch" = %s RETURNING "epoch"',
-                [self.seconds, LEASE_NAME, self.holder, self.epoch],
-            )
+            try:
+                row = self._execute(sql, params)
+            except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                if self._conn is not None and not self._conn.closed:
+                    raise  # an answer (a time-out), not a lost connection
+                # A connection the server ended (a restart, pg_terminate_backend): once more
+                # on a new one, before a renewal period is lost.
+                self._disconnect()
+                sent = self.clock()
+                row = self._execute(sql, params)
         except psycopg2.Error as exc:
             log.warning("cannot renew the poller's lease: %s", " ".join(str(exc).split()))
             self._disconnect()
