@@ -257,7 +257,8 @@ def make_site(
                         "serve",
                         "--no-poller",
                     ],
-                    env=env,
+                    # A role of its own: cutting a node's poller off leaves the API be.
+                    env={**env, "TES_BRIDGE_DATABASE": postgres_url},
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
