@@ -262,10 +262,15 @@ def _elected(
     keeper = LeaseKeeper(lease, signals.stop, changed)
     log.info("poller waits for the lease", extra={"holder": lease.holder})
     keeper.start()
+    # --once: one cycle if this poller takes the lease within a lease's time (a new lease).
+    give_up = time.monotonic() + seconds + lease.period if once else float("inf")
     try:
         while not signals.stop.is_set():
             if not lease.valid():
                 metrics.POLLER_LEADER.set(0)
+                if time.monotonic() > give_up:
+                    log.warning("another poller leads; --once ran no cycle")
+                    break
                 changed.wait(lease.period)
                 changed.clear()
                 continue
