@@ -315,7 +315,8 @@ def _lead(
         _run_cycle(poller)
         if once:
             break
-        _between_cycles(poller, config.slurm.poll_interval, signals, leading)
+        interval = config.slurm.poll_interval
+        _between_cycles(poller, interval, signals.stop, signals.wake, signals.nudge, leading)
 
 
 def _run_cycle(poller: Poller) -> None:
@@ -333,18 +334,23 @@ def _run_cycle(poller: Poller) -> None:
 
 
 def _between_cycles(
-    poller: Poller, interval: float, signals: _Signals, leading: Callable[[], bool]
+    poller: Poller,
+    interval: float,
+    stop: threading.Event,
+    wake: threading.Event,
+    nudge: threading.Event,
+    leading: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Quick checks until the next cycle is due, a wake-up, or a job that recorded its
-    outcome: every QUICK_CHECK_INTERVAL, and at once when nudged."""
+    """Quick checks until the next cycle is due, a wake-up, a job that recorded its outcome,
+    or the end of the lease: every QUICK_CHECK_INTERVAL, and at once when nudged."""
     deadline = time.monotonic() + interval
-    while not signals.stop.is_set() and leading():
+    while not stop.is_set() and leading():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        signals.nudge.wait(min(QUICK_CHECK_INTERVAL, remaining))
-        signals.nudge.clear()
-        if signals.wake.is_set():
+        nudge.wait(min(QUICK_CHECK_INTERVAL, remaining))
+        nudge.clear()
+        if wake.is_set():
             return
         try:
             what = poller.quick_check()
