@@ -288,3 +288,23 @@ def test_the_keeper_renews_and_says_when_leadership_changed(pg, postgres_url):
     finally:
         a.close()
         b.close()
+
+
+def test_check_says_who_leads_and_that_sqlite_is_one_node(pg, postgres_url, tmp_path: Path):
+    from bridge.cli.check import Failed, poller_lease
+
+    _, raw = pg
+    environ = {"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
+    assert "SQLite: one node only" in poller_lease(load_config(environ=environ))
+    config = load_config(environ={**environ, "TES_BRIDGE_DATABASE": postgres_url})
+    assert "no poller has led yet" in poller_lease(config)
+    a = _lease(postgres_url, "login1 (pid 7)")
+    try:
+        assert a.try_acquire()
+        message = poller_lease(config)
+        assert message.startswith(f"login1 (pid 7) leads (epoch {a.epoch}), renewed 0.")
+        raw.expire()
+        with pytest.raises(Failed, match="no poller leads"):
+            poller_lease(config)
+    finally:
+        a.close()
