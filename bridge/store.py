@@ -396,12 +396,12 @@ class _Part:
                 self._fence_depth = 0
 
     def _check_epoch(self, epoch: int) -> None:
+        sql = f'SELECT "epoch" FROM "{LEASE_TABLE}" WHERE "name" = %s FOR SHARE'
         if self.fence_idle_timeout > 0:
+            # One round trip: libpq answers a string of statements with the last one's rows.
             idle_ms = int(self.fence_idle_timeout * 1000)
-            self.db.execute_sql(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")  # type: ignore[no-untyped-call]
-        row = self.db.execute_sql(  # type: ignore[no-untyped-call]
-            f'SELECT "epoch" FROM "{LEASE_TABLE}" WHERE "name" = %s FOR SHARE', [LEASE_NAME]
-        ).fetchone()
+            sql = f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}; {sql}"
+        row = self.db.execute_sql(sql, [LEASE_NAME]).fetchone()  # type: ignore[no-untyped-call]
         current = None if row is None else int(row[0])
         if current != epoch:
             raise FencedOut(f"lease epoch {epoch} refused: the lease is at epoch {current}")
