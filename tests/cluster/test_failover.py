@@ -48,12 +48,15 @@ class Node:
     root: Path
     config: Path
     env: dict[str, str]
+    #: Its API's base URL, where it serves one (`start("serve")`).
+    url: str = ""
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, *args: str) -> None:
+        """`tes-bridge poller` (or the command given, e.g. "serve": API and poller)."""
         log = open(self.root / "poller.log", "ab")  # noqa: SIM115 (kept open by the process)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "bridge", "--config", str(self.config), "poller", *args],
+            [sys.executable, "-m", "bridge", "--config", str(self.config), *(args or ["poller"])],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -227,7 +230,10 @@ def make_site(
 ) -> Iterator[Callable[..., Site]]:
     sites: list[Site] = []
 
-    def make(*, fake: bool = True, names: tuple[str, ...] = ("nodeA", "nodeB")) -> Site:
+    def make(
+        *, fake: bool = True, names: tuple[str, ...] = ("nodeA", "nodeB"), api: bool = True
+    ) -> Site:
+        """With `api`, an API of its own on node A's port, beside the nodes' pollers."""
         _fresh_store(postgres_url).db.close()
         shared = local_cluster.shared_path("failover")
         site = Site(postgres_url, shared, tmp_path / "fake-slurm" if fake else None)
@@ -243,8 +249,8 @@ def make_site(
             port = free_port()
             config = _config(site, local_cluster, root, name, urls[name], port, fake)
             env = {**base_env, "FAKE_SLURM_WHO": name}
-            site.nodes[name] = Node(name, root, config, env)
-            if not site.api_url:
+            site.nodes[name] = Node(name, root, config, env, url=f"http://127.0.0.1:{port}")
+            if api and not site.api_url:
                 site.api_url = f"http://127.0.0.1:{port}"
                 log = open(root / "api.log", "ab")  # noqa: SIM115 (kept by the process)
                 site.api = subprocess.Popen(
@@ -262,7 +268,8 @@ def make_site(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-        wait_until(_answers(site.api_url), 60, "the API never answered")
+        if api:
+            wait_until(_answers(site.api_url), 60, "the API never answered")
         sites.append(site)
         return site
 
@@ -428,6 +435,44 @@ def test_check_names_the_leading_node_and_the_leases_age(make_site):
     assert "tes_bridge_poller_takeovers_total" in metrics
     # This node's API sees this node's poller: the leader.
     assert re.search(r"^tes_bridge_poller_leader 1\.0$", metrics, re.M), metrics
+
+
+def _leader_gauge(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    match = re.search(r"^tes_bridge_poller_leader (\S+)$", text, re.M)
+    return float(match.group(1)) if match else -1.0
+
+
+def test_two_whole_services_each_node_serves_and_one_polls(make_site):
+    """`serve` (API and supervised poller) on both nodes: either API takes tasks, one poller
+    submits them, each node's /metrics says whether its poller leads; the leading node's
+    serve killed -9 (its poller dies with it), the other node's poller carries on."""
+    site = make_site(api=False)
+    a, b = site.nodes["nodeA"], site.nodes["nodeB"]
+    a.start("serve")
+    wait_until(_answers(a.url), 60, a.log()[-3000:])
+    site.wait_for_leader("nodeA")
+    b.start("serve")
+    wait_until(_answers(b.url), 60, b.log()[-3000:])
+    site.api_url = b.url
+    through_b = [site.create() for _ in range(3)]
+    site.api_url = a.url
+    through_a = [site.create() for _ in range(3)]
+    site.wait_submitted(through_a + through_b)
+    assert {who for _, who, _, _ in site.sbatches()} == {"nodeA"}
+    wait_until(lambda: _leader_gauge(a.url) == 1.0 and _leader_gauge(b.url) == 0.0, 10, "gauge")
+
+    a.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    took_over = site.wait_for_leader("nodeB", timeout=4 * LEASE)
+    _report("serve killed -9, lease taken", took_over - killed)
+    site.api_url = b.url
+    after = [site.create() for _ in range(3)]
+    site.wait_submitted(after)
+    assert {who for _, who, _, name in site.sbatches() if name[4:] in after} == {"nodeB"}
+    wait_until(lambda: _leader_gauge(b.url) == 1.0, 10, "B's gauge")
+    for task_id in through_a + through_b + after:
+        assert len(site.jobs_of(task_id)) == 1, site.jobs()
 
 
 # ----------------------------------------------------------------------------- real Slurm
