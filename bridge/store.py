@@ -173,6 +173,8 @@ class TaskRecord:
     submit_started_at: float | None = None
     next_submit_at: float | None = None
     cancel_pending: bool = False
+    #: cancel_task: this call moved the task to CANCELED (it was not final before).
+    canceled_now: bool = False
 
 
 @dataclass
@@ -569,14 +571,23 @@ class _Transitions(_Part):
             if row.state in TERMINAL_STATES:
                 return _record(row, False)
             may_have_job = row.job_id is not None or row.submit_started_at is not None
-            TaskRow.update(
-                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
-            ).where(
-                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
-            ).execute()
+            canceled = (
+                TaskRow.update(
+                    state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
+                )
+                .where(
+                    (TaskRow.seq == row.seq)
+                    & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+                )
+                .execute()
+            )
         minimal = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
         after = minimal.where(TaskRow.id == task_id).first()
-        return None if after is None else _record(after, False)
+        if after is None:
+            return None
+        record = _record(after, False)
+        record.canceled_now = bool(canceled)
+        return record
 
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
         """Set columns directly, for tests and repairs; the poller uses the transitions below.
@@ -748,6 +759,18 @@ class _Listing(_Part):
         rows = rows[:page_size]
         token = self._encode_token(rows[-1].seq) if more and rows else None
         return [_record(row, full) for row in rows], token
+
+    def count_states(self, task_filter: TaskFilter) -> dict[str, int]:
+        """How many tasks match `task_filter` in each state (its own state filter ignored)."""
+        query = TaskRow.select(TaskRow.state, peewee.fn.COUNT(TaskRow.seq))
+        any_state = TaskFilter(task_filter.name_prefix, None, task_filter.tags, task_filter.owner)
+        query = self._filtered(query, any_state, None).group_by(TaskRow.state)
+        return dict(cast("Iterable[tuple[str, int]]", query.tuples()))
+
+    def owners_of(self, task_ids: Sequence[str]) -> dict[str, str | None]:
+        """Each known id's owner (None: a task created without authentication)."""
+        query = TaskRow.select(TaskRow.id, TaskRow.owner).where(TaskRow.id.in_(list(task_ids)))
+        return dict(cast("Iterable[tuple[str, str | None]]", query.tuples()))
 
     def _list_within_budget(
         self, task_filter: TaskFilter, page_size: int, page_token: str | None, budget: int

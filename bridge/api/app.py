@@ -26,6 +26,7 @@ from bridge.api.resources import (
 )
 from bridge.api.ui import add_routes as add_ui_routes
 from bridge.api.ui import is_ui_path
+from bridge.api.ui_data import add_routes as add_ui_data_routes
 from bridge.config import Config, load_config
 from bridge.store import Store, unavailable_reason
 from bridge.system.wake import WakeSender
@@ -196,6 +197,7 @@ def create_app(
         app.add_route(f"{prefix}/openapi.json", openapi)
         app.add_route(f"{prefix}/capabilities", capabilities)
     add_ui_routes(app)
+    add_ui_data_routes(app, config, store)
     if config.metrics.enabled and not config.metrics.bind:
         app.add_route("/metrics", MetricsResource(store.count_by_state))
     return app

@@ -18,6 +18,7 @@ from bridge.config import Config
 from bridge.core import backend_params
 from bridge.core.tes import (
     Limits,
+    State,
     TaskValidationError,
     View,
     parse_state,
@@ -27,7 +28,7 @@ from bridge.core.tes import (
 )
 from bridge.job.output import OutputChunk, chunk_to_json
 from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
-from bridge.system.metrics import TASKS_CREATED
+from bridge.system.metrics import TASKS_CREATED, observe_finished
 from bridge.system.wake import WakeSender
 
 DEFAULT_PAGE_SIZE = 256
@@ -222,8 +223,11 @@ class Task:
             _no_nul("id", task_id)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
+        record = self.store.cancel_task(task_id, owner=req.context.identity.owner_filter)
+        if record is None:
             raise _not_found(task_id)
+        if record.canceled_now:
+            observe_finished(State.CANCELED.value)
         if self.wake is not None:
             self.wake.nudge()  # its job is canceled now (bridge.system.wake)
         resp.media = {}

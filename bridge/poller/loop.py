@@ -312,17 +312,17 @@ def _lead(
 ) -> None:
     while not signals.stop.is_set() and leading():
         signals.wake.clear()
-        _run_cycle(poller)
+        _run_cycle(poller, config.work_dir)
         if once:
             break
         interval = config.slurm.poll_interval
         _between_cycles(poller, interval, signals.stop, signals.wake, signals.nudge, leading)
 
 
-def _run_cycle(poller: Poller) -> None:
+def _run_cycle(poller: Poller, work_dir: Path) -> None:
     try:
         stats = poller.cycle()
-        metrics.POLL_CYCLE.observe(stats.seconds)
+        metrics.observe_poller_cycle(stats.seconds, time.time(), work_dir)
         if stats.submitted or stats.updated or stats.canceled:
             log.info("poll cycle", extra=stats.__dict__)
     except Exception as exc:

@@ -22,6 +22,7 @@ from bridge.poller.decisions import TIME_LIMIT_KEY
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import NodeSizes, Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
+from bridge.system import metrics
 
 log = logging.getLogger("bridge.poller")
 
@@ -334,6 +335,8 @@ class Submitter:
         self.canceller = canceller
         self.backoff = Backoff(ctx)
         self.prepare = Preparer(ctx, owners)
+        #: Tasks of this submission round waiting for an image pull (a gauge).
+        self.waiting_for_images = 0
 
     def submit_queued(self, stats: CycleStats) -> None:
         if self.backoff.paused:
@@ -341,7 +344,9 @@ class Submitter:
         store = self.ctx.store
         now = self.ctx.clock()
         tasks = store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
+        self.waiting_for_images = 0
         if not tasks:
+            metrics.observe_submission_round(0, 0)
             return
         admission = Admission(self.ctx)
         at_limit = admission.owners_at_limit()
@@ -351,15 +356,23 @@ class Submitter:
             tasks = store.tasks_to_submit(
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
+        held = self._round(tasks, admission, stats)
+        metrics.observe_submission_round(held, self.waiting_for_images)
+
+    def _round(self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats) -> int:
+        """Submit what admission lets go; returns how many tasks it held back."""
+        held = 0
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
                 if waiting and admission.full:
                     # Every task behind it waits for the same jobs to end: say so, stop here.
                     tell_waiting(self.ctx, tasks[index:], waiting)
+                    held += len(tasks) - index
                     break
                 if waiting:
                     tell_waiting(self.ctx, [task], waiting)
+                    held += 1
                     continue
                 if self._submit(task, stats):
                     stats.submitted += 1
@@ -376,6 +389,7 @@ class Submitter:
                 # The tasks that wait behind it wait for the same reason: say so.
                 tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
+        return held
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         assert task.document is not None
@@ -431,6 +445,8 @@ class Submitter:
             return None
         # Transient trouble (registry down, full cache) is said in system_logs while it lasts.
         notes = [] if image_paths else [p for p in map(self.images.problem, images) if p]
+        if image_paths is None:
+            self.waiting_for_images += 1
         self._note_images(task, notes, write=image_paths is None)
         return image_paths
 
@@ -525,5 +541,6 @@ class Submitter:
 
     def _fail(self, task: TaskRecord, message: str, *, attempt: int | None = None) -> None:
         logs = failure_logs(task.logs, attempt or task.attempt, message, format_time_now())
-        self.ctx.store.fail(task.id, logs, attempt=attempt, end_submission=attempt is not None)
+        if self.ctx.store.fail(task.id, logs, attempt=attempt, end_submission=attempt is not None):
+            metrics.observe_finished("SYSTEM_ERROR")
         log.info("task %s failed: %s", task.id, message)
