@@ -36,8 +36,8 @@ from tests.procs import free_port
 pytestmark = [pytest.mark.cluster, pytest.mark.postgres]
 
 FAKE_CLI = Path(__file__).parents[1] / "fixtures" / "fake_slurm_cli.py"
-#: The shortest lease: renewed every second, a margin of 1 s.
-LEASE = 3.0
+#: The shortest lease (renewed every second, a margin of 1 s); FAILOVER_LEASE for another.
+LEASE = float(os.environ.get("FAILOVER_LEASE", "3.0"))
 POLL = 0.5
 TASK = {"executors": [{"image": "alpine", "command": ["true"]}]}
 
