@@ -455,6 +455,21 @@ class MetricsConfig(_Section):
         return value
 
 
+class PollerConfig(_Section):
+    """The poller's election (PostgreSQL): every node runs a poller and the one holding the
+    lease acts; a standby takes over once the lease ends. With SQLite one node, one poller
+    (a lock file in the state directory)."""
+
+    #: How long a lease lasts unless renewed (every lease_seconds / 3): a dead leader's work
+    #: is taken over after at most this long and a renewal period.
+    lease_seconds: float = Field(default=10.0, ge=3.0, le=300.0)
+    #: The lease's own connection, renewed every few seconds: a direct one to PostgreSQL, not
+    #: through a pooler (PgBouncer); unset: `database`.
+    lease_database: str | None = None
+    #: This node's name in the lease (`tes-bridge check`, logs); unset: the host name.
+    node_name: str | None = None
+
+
 class SiteConfig(_Section):
     #: Site mode: submit, cancel and stage as each task's owner through `sudo -n -u OWNER`
     #: (see deploy/sudoers.tes-bridge); needs auth mode basic or bearer.
@@ -480,6 +495,7 @@ class Config(_Section):
     job: JobConfig = Field(default_factory=JobConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     site: SiteConfig = Field(default_factory=SiteConfig)
+    poller: PollerConfig = Field(default_factory=PollerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ UPDATE conditional on the state it expects, so concurrent writers never undo eac
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -26,7 +27,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -110,6 +111,50 @@ CAPABILITIES_KEY = "capabilities"
 
 class InvalidPageToken(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The poller's lease as the store has it, its times in the server's clock."""
+
+    holder: str | None
+    epoch: int
+    #: Seconds since the holder last renewed it (None: never held).
+    age: float | None
+    #: Seconds until it ends (negative: ended that long ago).
+    remaining: float | None
+
+
+#: The one row of the poller's lease (PostgreSQL only; see bridge.poller.lease): who leads,
+#: its epoch (raised by every takeover) and when the lease ends, in the server's clock.
+LEASE_TABLE = "poller_lease"
+LEASE_NAME = "poller"
+
+
+#: Said when the service starts on SQLite, and by `tes-bridge check`.
+SQLITE_ONE_NODE = (
+    "SQLite: one node only (one poller, held by a lock file in the state directory); for "
+    "several login nodes use PostgreSQL, where the nodes' pollers elect a leader"
+)
+
+_LEASE_DDL = f"""CREATE TABLE IF NOT EXISTS "{LEASE_TABLE}" (
+    "name" TEXT PRIMARY KEY,
+    "holder" TEXT,
+    "epoch" BIGINT NOT NULL DEFAULT 0,
+    "acquired_at" TIMESTAMPTZ,
+    "renewed_at" TIMESTAMPTZ,
+    "expires_at" TIMESTAMPTZ NOT NULL DEFAULT '-infinity'
+)"""
+
+
+class NotLeader(Exception):
+    """This poller may not act: its lease is gone (the poller's own clock said so before an
+    sbatch or scancel) or its epoch was refused by the store."""
+
+
+class FencedOut(NotLeader):
+    """A poller write carried an epoch that is not the lease's current one: another poller
+    took over. The write's transaction was rolled back; nothing changed."""
 
 
 @dataclass
@@ -227,6 +272,8 @@ def unavailable_reason(exc: BaseException) -> str | None:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        if isinstance(current, NotLeader):
+            return f"this poller is not the leader ({current})"
         text = str(current)
         if "database or disk is full" in text:
             return "the database's disk is full"
@@ -305,6 +352,13 @@ class _Part:
     """The database every part of :class:`Store` works on."""
 
     db: peewee.Database
+    #: The lease epoch every poller write carries (PostgreSQL with an elected poller; see
+    #: `fenced`); None: writes are not fenced (the API, SQLite's single poller).
+    fence_epoch: int | None = None
+    #: Seconds a fenced transaction may sit idle before the server ends its session (see
+    #: `fenced`); 0: the server's own setting.
+    fence_idle_timeout: float = 0.0
+    _fence_depth = 0
 
     @property
     def is_sqlite(self) -> bool:
@@ -315,9 +369,44 @@ class _Part:
         return None if row is None else row.value
 
     def put_meta(self, key: str, value: str) -> None:
-        MetaRow.insert(key=key, value=value).on_conflict(
-            conflict_target=[MetaRow.key], update={MetaRow.value: value}
-        ).execute()
+        with self.fenced():
+            MetaRow.insert(key=key, value=value).on_conflict(
+                conflict_target=[MetaRow.key], update={MetaRow.value: value}
+            ).execute()
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """A poller write: with `fence_epoch` set, one transaction that first takes the lease
+        row FOR SHARE and compares its epoch, raising FencedOut (nothing written) when another
+        poller took over. A takeover UPDATEs that row, so it waits for every fenced
+        transaction that holds it, and every fenced transaction after it reads the new epoch:
+        a stale leader's write fails even when the leader does not know it is stale.
+
+        A leader stopped (SIGSTOP) inside such a transaction would hold the row, and so the
+        takeover, forever: the transaction's session is ended by the server once it sits idle
+        for `fence_idle_timeout` (SET LOCAL: also right through a transaction-mode pooler)."""
+        epoch = self.fence_epoch
+        if epoch is None or self._fence_depth:
+            yield  # not fenced, or inside a fenced transaction already
+            return
+        with self.db.atomic():
+            self._fence_depth = 1
+            try:
+                self._check_epoch(epoch)
+                yield
+            finally:
+                self._fence_depth = 0
+
+    def _check_epoch(self, epoch: int) -> None:
+        sql = f'SELECT "epoch" FROM "{LEASE_TABLE}" WHERE "name" = %s FOR SHARE'
+        if self.fence_idle_timeout > 0:
+            # One round trip: libpq answers a string of statements with the last one's rows.
+            idle_ms = int(self.fence_idle_timeout * 1000)
+            sql = f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}; {sql}"
+        row = self.db.execute_sql(sql, [LEASE_NAME]).fetchone()  # type: ignore[no-untyped-call]
+        current = None if row is None else int(row[0])
+        if current != epoch:
+            raise FencedOut(f"lease epoch {epoch} refused: the lease is at epoch {current}")
 
     @staticmethod
     def _columns(full: bool) -> list[peewee.Field]:
@@ -326,7 +415,7 @@ class _Part:
         return [TaskRow.seq, TaskRow.id, TaskRow.state]
 
 
-class _PollerQueries:
+class _PollerQueries(_Part):
     """What the poller reads (a part of :class:`Store`)."""
 
     def tasks_to_submit(
@@ -395,6 +484,28 @@ class _PollerQueries:
         )
         return [_record(row, True) for row in rows]
 
+    def lease_state(self) -> LeaseState | None:
+        """Who holds the poller's lease and for how long yet; None on SQLite (one poller,
+        held by its lock file)."""
+        if self.is_sqlite:
+            return None
+        row = self.db.execute_sql(  # type: ignore[no-untyped-call]
+            f'SELECT "holder", "epoch", EXTRACT(EPOCH FROM clock_timestamp() - "renewed_at"), '
+            f"CASE WHEN \"expires_at\" = '-infinity' THEN NULL ELSE "
+            f'EXTRACT(EPOCH FROM "expires_at" - clock_timestamp()) END '
+            f'FROM "{LEASE_TABLE}" WHERE "name" = %s',
+            [LEASE_NAME],
+        ).fetchone()
+        if row is None:
+            return None
+        holder, epoch, age, remaining = row
+        return LeaseState(
+            holder,
+            int(epoch),
+            None if age is None else float(age),
+            None if remaining is None else float(remaining),
+        )
+
     def cancels_pending(self) -> int:
         """How many tasks have a cancel the poller has not carried out yet."""
         return TaskRow.select().where(TaskRow.cancel_pending == True).count()  # noqa: E712
@@ -435,7 +546,8 @@ class _PollerQueries:
         return [_record(row, False) for row in rows]
 
     def mark_cleaned(self, task_id: str) -> None:
-        TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
+        with self.fenced():
+            TaskRow.update(cleaned=True).where(TaskRow.id == task_id).execute()
 
 
 class _Transitions(_Part):
@@ -511,7 +623,8 @@ class _Transitions(_Part):
         condition = TaskRow.id == task_id
         if where is not None:
             condition &= where
-        changed: int = TaskRow.update(**changes).where(condition).execute()
+        with self.fenced():
+            changed: int = TaskRow.update(**changes).where(condition).execute()
         return changed > 0
 
     def mark_submitting(self, task_id: str, *, attempt: int, now: float) -> bool:
@@ -531,7 +644,7 @@ class _Transitions(_Part):
         changes: dict[str, Any] = {"job_id": job_id, "submit_started_at": None}
         if logs is not None:
             changes.update(next_submit_at=None, logs=logs)
-        with self.db.atomic():
+        with self.fenced(), self.db.atomic():
             if not self._transition(task_id, _IN_FLIGHT, **changes):
                 return False
             return self._transition(
@@ -587,13 +700,14 @@ class _Transitions(_Part):
         no fault of the task) so the task is submitted again; `cancel_job` marks the job for
         scancel."""
         decision = JobDecision(task_id, job_id, state, logs, resubmit, cancel_job)
-        return self._apply_decision(decision, _now()) > 0
+        with self.fenced():
+            return self._apply_decision(decision, _now()) > 0
 
     def apply_decisions(self, decisions: Sequence[JobDecision]) -> list[JobDecision]:
         """:meth:`apply_decision` for each of `decisions`, all in one transaction (one commit
         instead of one each); returns the decisions that changed their task."""
         now = _now()
-        with self.db.atomic():
+        with self.fenced(), self.db.atomic():
             return [d for d in decisions if self._apply_decision(d, now)]
 
     def _apply_decision(self, decision: JobDecision, now: float) -> int:
@@ -811,6 +925,11 @@ class Store(_PollerQueries, _Transitions, _Listing):
                 # For the name_prefix range, which compares with the "C" collation.
                 self._sql(
                     'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
+                )
+                self._sql(_LEASE_DDL)
+                self._sql(
+                    f'INSERT INTO "{LEASE_TABLE}" ("name") VALUES (%s) ON CONFLICT DO NOTHING',
+                    [LEASE_NAME],
                 )
             recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
             if recorded is not None and int(recorded.value) > SCHEMA_VERSION:

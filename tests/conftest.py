@@ -31,6 +31,8 @@ def _fresh_store(url: str) -> Store:
     store = Store.from_url(url)
     store.db.connect(reuse_if_open=True)
     store.db.drop_tables(MODELS, safe=True, cascade=not url.startswith("sqlite"))
+    if not url.startswith("sqlite"):
+        store.db.execute_sql("DROP TABLE IF EXISTS poller_lease")
     store.init_schema("test")
     return store
 

@@ -191,6 +191,35 @@ def database(config: Config) -> str:
     return f"{url} reachable and writable"
 
 
+def poller_lease(config: Config) -> str:
+    """Which node's poller leads (PostgreSQL), or that SQLite is one node only."""
+    from bridge.store import SQLITE_ONE_NODE, Store
+
+    store = Store.from_url(config.database_url)
+    try:
+        with store.db.connection_context():
+            state = store.lease_state()
+    except Exception as exc:
+        raise Failed(
+            f"cannot read the lease: {' '.join(str(exc).split())[:300]}",
+            "see the database check; `tes-bridge init-db` creates the lease's table",
+        ) from None
+    if state is None:
+        return SQLITE_ONE_NODE
+    if state.holder is None or state.age is None or state.remaining is None:
+        return "no poller has led yet (start `tes-bridge poller` or `serve`)"
+    if state.remaining < 0:
+        raise Failed(
+            f"no poller leads: the lease of {state.holder} (epoch {state.epoch}) ended "
+            f"{-state.remaining:.1f} s ago",
+            "start a poller (tes-bridge-poller.service, or serve) on a node",
+        )
+    return (
+        f"{state.holder} leads (epoch {state.epoch}), renewed {state.age:.1f} s ago, "
+        f"ends in {state.remaining:.1f} s"
+    )
+
+
 class FilesystemChecks(CheckGroup):
     """The directories the service writes (work, image cache, metrics) and the ones it reads."""
 
@@ -459,6 +488,7 @@ class Doctor:
         checks: list[tuple[str, Callable[[], str]]] = [
             ("database", lambda: database(config)),
             ("admins", lambda: admins(config)),
+            ("poller lease", lambda: poller_lease(config)),
             ("work dir", files.work_dir),
             ("image cache", files.image_cache),
             ("metrics dir", files.metrics_dir),

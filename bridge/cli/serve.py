@@ -51,8 +51,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     poller = commands.add_parser(
         "poller",
         help="run the poller alone: submit queued tasks, follow Slurm, carry out cancels",
-        description="Run the poller alone (for a separate service unit). Run exactly one "
-        "poller per store.",
+        description="Run the poller alone (for a separate service unit). With SQLite run "
+        "exactly one poller per store; with PostgreSQL one on each login node: the one that "
+        "holds the lease acts, the others take over when it ends (poller.lease_seconds).",
     )
     poller.add_argument("--once", action="store_true", help="run one cycle and exit")
     poller.add_argument(
@@ -283,6 +284,10 @@ def serve(
         print(f"tes-bridge: {problem}", file=sys.stderr)
         return 2
     init_store(config)
+    if config.database_url.startswith("sqlite"):
+        from bridge.store import SQLITE_ONE_NODE
+
+        log.warning(SQLITE_ONE_NODE)
     run_poller = poller and config.server.run_poller
     supervisor: subprocess.Popen[bytes] | None = None
     if run_poller:

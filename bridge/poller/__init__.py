@@ -10,14 +10,15 @@ Each cycle it
 4. carries out cancels recorded by the API (one `scancel` for all of them);
 5. now and then removes old task directories.
 
-Run exactly one poller per store: it holds a lock file in the state directory.
+One poller acts per store: with SQLite it holds a lock file in the state directory (one node);
+with PostgreSQL every node may run one, and the one holding the lease leads (``lease``).
 
 Modules: ``attempt`` (a task's logs: the typed attempt log and the conditions it states while
 they last), ``decisions`` (pure: the TES state and logs from Slurm and the job's records),
 ``watch`` (what Slurm and the jobs said, read once per cycle), ``recover``, ``submit``,
 ``follow``, ``cancel`` and ``cleanup`` (the steps above, each a small collaborator), ``owners``
-(site mode's commands as each task's owner), ``context`` (what they share) and ``loop`` (the
-cycle, the lock, the factory and the process loop).
+(site mode's commands as each task's owner), ``context`` (what they share), ``lease`` (the
+election on PostgreSQL) and ``loop`` (the cycle, the lock, the factory and the process loop).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ class Canceller:
         done: list[TaskRecord] = []
         for owner, owned in groups.items():
             try:
+                self.ctx.check_lease()  # a poller that lost its lease cancels nothing
                 stats.slurm_calls += 1
                 self.ctx.slurm.cancel([t.job_id for t in owned if t.job_id], as_user=owner)
                 done += owned

@@ -26,6 +26,7 @@ class Cleaner:
     def maybe_clean(self) -> None:
         if self.ctx.clock() - self.last_cleanup > CLEANUP_INTERVAL:
             self.last_cleanup = self.ctx.clock()
+            self.ctx.check_lease()  # files on the shared filesystem: the leader's alone
             self.clean_task_dirs()
             self.prune_images()
 

@@ -33,12 +33,19 @@ class CycleStats:
     seconds: float = 0.0
 
 
+def _no_lease() -> None:
+    """One poller per store (SQLite's lock file): it always leads."""
+
+
 @dataclass
 class PollerContext:
     config: Config
     store: Store
     slurm: SlurmBackend
     clock: Callable[[], float] = field(default=time.time)
+    #: Raises NotLeader unless this poller still holds its lease (bridge.poller.lease):
+    #: called just before every sbatch and scancel.
+    check_lease: Callable[[], None] = field(default=_no_lease)
 
     @property
     def site(self) -> bool:

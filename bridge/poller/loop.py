@@ -4,6 +4,7 @@ the loop of cycles with quick checks between them."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import pwd
@@ -11,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bridge.config import Config
@@ -22,11 +24,12 @@ from bridge.poller.capabilities import CapabilitiesReader
 from bridge.poller.cleanup import Cleaner
 from bridge.poller.context import CycleStats, ImageSource, PollerContext
 from bridge.poller.follow import Follower
+from bridge.poller.lease import Lease, LeaseKeeper, holder_name, lease_url
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.recover import Recovery
 from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
-from bridge.store import Store, unavailable_reason
+from bridge.store import SQLITE_ONE_NODE, Store, unavailable_reason
 from bridge.system import metrics
 from bridge.system.relay import RelayServer
 from bridge.system.wake import WakeReceiver
@@ -134,7 +137,8 @@ class Poller:
 
 
 class PollerLock:
-    """An exclusive lock file: a second poller on the same state directory refuses to start."""
+    """SQLite: an exclusive lock file, so a second poller on the same state directory refuses
+    to start (one node only; PostgreSQL elects a leader with a lease instead)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -154,9 +158,9 @@ class PollerLock:
         return True
 
 
-def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | None = None) -> Poller:
+def slurm_client(config: Config) -> SlurmClient:
     cfg = config.slurm
-    client = SlurmClient(
+    return SlurmClient(
         sbatch=cfg.sbatch,
         squeue=cfg.squeue,
         sacct=cfg.sacct,
@@ -167,59 +171,159 @@ def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | Non
         # Outside site mode every job is the service account's own (site mode: its owner's).
         queue_user=None if config.site.run_as_owner else pwd.getpwuid(os.geteuid()).pw_name,
     )
-    images = ImageCache(
+
+
+def image_cache(config: Config, *, wake: Callable[[], None] | None = None) -> ImageCache:
+    return ImageCache(
         config,
         max_workers=config.container.pull_workers,
         failure_ttl=config.container.pull_failure_ttl,
         on_pulled=wake,
     )
-    return Poller(config, store, slurm_client=client, images=images)
+
+
+def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | None = None) -> Poller:
+    return Poller(
+        config, store, slurm_client=slurm_client(config), images=image_cache(config, wake=wake)
+    )
+
+
+@dataclass
+class _Signals:
+    """What stops or hurries the loop."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    #: Set by a finished image pull (or a stop request): the next cycle starts at once.
+    wake: threading.Event = field(default_factory=threading.Event)
+    #: Set by an API worker's nudge (bridge.system.wake), and with `wake`: look now, not in
+    #: 0.2 s. A standby's API nudges its own poller only: the leader's quick check (0.2 s)
+    #: sees the new task all the same.
+    nudge: threading.Event = field(default_factory=threading.Event)
+
+    def wake_now(self) -> None:
+        self.wake.set()
+        self.nudge.set()
+
+    def request_stop(self, *_: object) -> None:
+        self.stop.set()
+        self.wake_now()
 
 
 def run_poller(config: Config, *, once: bool = False) -> int:
-    lock = PollerLock(config.state_dir / "poller.lock")
-    if not lock.acquire():
-        log.error("another poller already runs for %s; exiting", config.state_dir)
-        return 1
     store = Store.from_url(config.database_url)
-    stop = threading.Event()
-    #: Set by a finished image pull (or a stop request): the next cycle starts at once.
-    wake = threading.Event()
-    #: Set by an API worker's nudge (bridge.system.wake), and with `wake`: look now, not in 0.2 s.
-    nudge = threading.Event()
+    lock: PollerLock | None = None
+    if store.is_sqlite:
+        lock = PollerLock(config.state_dir / "poller.lock")
+        if not lock.acquire():
+            log.error("another poller already runs for %s; exiting", config.state_dir)
+            return 1
+        log.warning(SQLITE_ONE_NODE)
+    signals = _Signals()
+    images = image_cache(config, wake=signals.wake_now)
+    client = slurm_client(config)
 
-    def wake_now() -> None:
-        wake.set()
-        nudge.set()
+    def make_poller() -> Poller:
+        return Poller(config, store, slurm_client=client, images=images)
 
-    poller = build_poller(config, store, wake=wake_now)
-    receiver = WakeReceiver(config.state_dir, nudge)
-    # Site mode: the API's live output is read as the owner here, where sudo is allowed.
+    receiver = WakeReceiver(config.state_dir, signals.nudge)
+    # Site mode: the API's live output is read as the owner here, where sudo is allowed. A
+    # standby serves it too: reading output writes nothing.
     relay = RelayServer(config.state_dir, OwnerRunner(config).read_output)
     if not once:
         receiver.start()
         if config.site.run_as_owner:
             relay.start()
-
-    def request_stop(*_: object) -> None:
-        stop.set()
-        wake_now()
-
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, request_stop)
+        signal.signal(signum, signals.request_stop)
     log.info("poller started", extra={"work_dir": str(config.work_dir)})
     try:
-        while not stop.is_set():
-            wake.clear()
-            _run_cycle(poller, config.work_dir)
-            if once:
-                break
-            _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
+        if lock is not None:
+            metrics.POLLER_LEADER.set(1)
+            _lead(make_poller(), config, signals, once=once)
+        else:
+            _elected(config, store, make_poller, signals, once=once)
     finally:
+        metrics.POLLER_LEADER.set(0)
         receiver.close()
         relay.close()
     log.info("poller stopped")
     return 0
+
+
+def _elected(
+    config: Config,
+    store: Store,
+    make_poller: Callable[[], Poller],
+    signals: _Signals,
+    *,
+    once: bool,
+) -> None:
+    """PostgreSQL: wait as a standby until this poller takes the lease, lead while it holds
+    it (writes fenced by its epoch), and wait again once it lost it (bridge.poller.lease)."""
+    seconds = config.poller.lease_seconds
+    lease = Lease(lease_url(config), holder=holder_name(config), seconds=seconds)
+    # A fenced transaction idle this long (its poller stopped) is ended by the server, so it
+    # cannot hold off a takeover.
+    store.fence_idle_timeout = lease.period
+    changed = threading.Event()
+    keeper = LeaseKeeper(lease, signals.stop, changed)
+    log.info("poller waits for the lease", extra={"holder": lease.holder})
+    keeper.start()
+    # --once: one cycle if this poller takes the lease within a lease's time (a new lease).
+    give_up = time.monotonic() + seconds + lease.period if once else float("inf")
+    try:
+        while not signals.stop.is_set():
+            if not lease.valid():
+                metrics.POLLER_LEADER.set(0)
+                if time.monotonic() > give_up:
+                    log.warning("another poller leads; --once ran no cycle")
+                    break
+                changed.wait(lease.period)
+                changed.clear()
+                continue
+            epoch = lease.epoch
+            store.fence_epoch = epoch
+            metrics.POLLER_LEADER.set(1)
+            metrics.POLLER_TAKEOVERS.inc()
+            log.info("this poller leads", extra={"epoch": epoch, "holder": lease.holder})
+            # A fresh poller: nothing it knew before (a lost lease) may still be true.
+            poller = make_poller()
+            poller.ctx.check_lease = lease.check
+            # The old leader's submissions are resolved first, by job name (recover).
+            poller.recovery.hold_after_takeover()
+            leading = functools.partial(_holds, lease, epoch)
+            _lead(poller, config, signals, once=once, leading=leading)
+            if once:
+                break
+            if not signals.stop.is_set():
+                metrics.POLLER_LEADER.set(0)
+                log.warning("this poller lost the lease of epoch %s; standby", epoch)
+    finally:
+        signals.stop.set()
+        keeper.join(timeout=lease.period + 1)
+        lease.release()
+        lease.close()
+
+
+def _holds(lease: Lease, epoch: int | None) -> bool:
+    return lease.valid() and lease.epoch == epoch
+
+
+def _lead(
+    poller: Poller,
+    config: Config,
+    signals: _Signals,
+    *,
+    once: bool,
+    leading: Callable[[], bool] = lambda: True,
+) -> None:
+    while not signals.stop.is_set() and leading():
+        signals.wake.clear()
+        _run_cycle(poller, config.work_dir)
+        if once:
+            break
+        interval = config.slurm.poll_interval
+        _between_cycles(poller, interval, signals.stop, signals.wake, signals.nudge, leading)
 
 
 def _run_cycle(poller: Poller, work_dir: Path) -> None:
@@ -242,11 +346,12 @@ def _between_cycles(
     stop: threading.Event,
     wake: threading.Event,
     nudge: threading.Event,
+    leading: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Quick checks until the next cycle is due, a wake-up, or a job that recorded its
-    outcome: every QUICK_CHECK_INTERVAL, and at once when nudged."""
+    """Quick checks until the next cycle is due, a wake-up, a job that recorded its outcome,
+    or the end of the lease: every QUICK_CHECK_INTERVAL, and at once when nudged."""
     deadline = time.monotonic() + interval
-    while not stop.is_set():
+    while not stop.is_set() and leading():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return

@@ -18,6 +18,18 @@ log = logging.getLogger("bridge.poller")
 class Recovery:
     def __init__(self, ctx: PollerContext) -> None:
         self.ctx = ctx
+        #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
+        #: takeover, when the old leader's sbatch may still be under way on another host
+        #: (see `hold_after_takeover`).
+        self.hold_until = float("-inf")
+
+    def hold_after_takeover(self) -> None:
+        """A new leader: the old one started no sbatch after its lease ended by its own clock,
+        which was before this takeover, and each sbatch is killed at its time-out; so "no
+        job" is believed only `command_timeout + submit_settle` after now, whatever the old
+        host's clock wrote into `submit_started_at`."""
+        slurm_cfg = self.ctx.config.slurm
+        self.hold_until = self.ctx.clock() + slurm_cfg.command_timeout + slurm_cfg.submit_settle
 
     def recover(self, stats: CycleStats) -> None:
         """Tasks whose `sbatch` started but whose job id was never stored: look for the job."""
@@ -42,11 +54,14 @@ class Recovery:
                 log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
                 # Canceled while its sbatch ran: record_job marks the job for scancel.
                 store.record_job(task.id, job.job_id)
-            elif (task.submit_started_at or 0.0) > settled_before:
+            elif (task.submit_started_at or 0.0) > settled_before or self._holding():
                 log.info("interrupted submission of task %s: no job yet, looking again", task.id)
             else:
                 # sbatch never created a job: the task may be submitted again.
                 store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+
+    def _holding(self) -> bool:
+        return self.ctx.clock() < self.hold_until
 
 
 def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:

@@ -462,6 +462,7 @@ class Submitter:
         """The job id, or None when sbatch failed (the task then failed or waits)."""
         account = self.owners.account_args(owner, document) if self.owners else []
         try:
+            self.ctx.check_lease()  # a poller that lost its lease submits nothing
             stats.slurm_calls += 1
             return self.ctx.slurm.submit(
                 prepared.script, job_name=job_name(task.id), comment=task.id,

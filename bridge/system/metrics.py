@@ -162,6 +162,16 @@ POLL_CYCLE = Histogram(
     "Seconds a full poll cycle took (submit, follow jobs, cancel).",
     buckets=SHORT_BUCKETS,
 )
+#: This node's poller: 1 while it holds the lease (PostgreSQL) or its lock file (SQLite).
+#: Each node has its own metrics directory, so a scrape of a node shows that node's poller.
+POLLER_LEADER = Gauge(
+    "tes_bridge_poller_leader",
+    "1 while this node's poller leads (holds the lease), else 0.",
+    multiprocess_mode="livesum",
+)
+POLLER_TAKEOVERS = Counter(
+    "tes_bridge_poller_takeovers", "Times this node's poller became the leader."
+)
 IMAGE_PULLS = Counter("tes_bridge_image_pulls", "Image pulls into the SIF cache started.")
 IMAGE_PULL_FAILURES = Counter(
     "tes_bridge_image_pull_failures",

@@ -24,6 +24,7 @@ CHECKS = [
     "config",
     "database",
     "admins",
+    "poller lease",
     "work dir",
     "image cache",
     "metrics dir",
@@ -83,6 +84,7 @@ def test_a_good_setup_passes_every_check(local_cluster: Any, tmp_path: Path) -> 
     assert [line.split()[0] for line in text.splitlines()] == ["ok"] * len(CHECKS)
     assert "ran alpine" in results["apptainer"]["message"]
     assert local_cluster.partition in results["slurm"]["message"]
+    assert "SQLite: one node only" in results["poller lease"]["message"]
 
 
 BROKEN = {
@@ -115,7 +117,8 @@ def test_a_broken_setup_fails_its_check_and_names_the_fix(
     code, results, text = _check(config, *args)
     assert code == 1
     failed = [name for name, r in results.items() if not r["ok"]]
-    assert failed == [failing], text
+    # The lease is read from the database: it fails with it.
+    assert failed == ([failing, "poller lease"] if failing == "database" else [failing]), text
     assert fix in results[failing]["fix"], results[failing]
     assert f"FAIL  {failing}: " in text and f"fix: {results[failing]['fix']}" in text
 
