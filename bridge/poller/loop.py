@@ -28,6 +28,7 @@ from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import Store, unavailable_reason
 from bridge.system import metrics
+from bridge.system.budget import CallBudget
 from bridge.system.wake import WakeReceiver
 
 log = logging.getLogger("bridge.poller")
@@ -161,7 +162,9 @@ def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | Non
         sacct=cfg.sacct,
         scancel=cfg.scancel,
         sinfo=cfg.sinfo,
+        scontrol=cfg.scontrol,
         timeout=cfg.command_timeout,
+        budget=CallBudget(cfg.calls_per_second, cfg.calls_burst),
         sudo=config.site.sudo,
         # Outside site mode every job is the service account's own (site mode: its owner's).
         queue_user=None if config.site.run_as_owner else pwd.getpwuid(os.geteuid()).pw_name,

@@ -27,6 +27,9 @@ log = logging.getLogger("bridge.poller")
 
 #: Submissions per cycle, so that polling stays regular when thousands of tasks arrive at once.
 MAX_SUBMISSIONS_PER_CYCLE = 500
+#: Slurm calls that submissions leave in the budget for the rest of the cycle: its squeue (two
+#: RPCs), sacct and scancel. Tasks the budget does not let go stay QUEUED for the next cycle.
+BUDGET_RESERVE = 4
 #: Errors while preparing a task directory that pass by themselves (a full or over-quota
 #: filesystem, a file server away): the task waits in QUEUED and is tried again with back-off.
 TRANSIENT_ERRNOS = frozenset(
@@ -361,6 +364,8 @@ class Submitter:
                 if waiting:
                     tell_waiting(self.ctx, [task], waiting)
                     continue
+                if not self.ctx.slurm.budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+                    break  # the Slurm call budget is spent for now: the rest go next cycle
                 if self._submit(task, stats):
                     stats.submitted += 1
                     admission.add(task.owner)

@@ -25,6 +25,7 @@ from bridge.slurm import (
     parse_sinfo_node_sizes,
     parse_sinfo_partitions,
 )
+from bridge.system.budget import CallBudget
 
 #: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"
@@ -69,6 +70,8 @@ class FakeSlurm:
         sinfo_partitions: str = "main*|n1|2|4000|infinite|(null)|0|up|idle\n",
     ) -> None:
         self.jobs: dict[str, JobInfo] = {}
+        #: No limit unless a test sets one (the poller only looks at it).
+        self.budget = CallBudget.unlimited()
         self.ids = itertools.count(100)
         #: The commands run, in order ("find" for find_by_names; partitions() apart).
         self.calls: list[str] = []
