@@ -354,6 +354,10 @@ class Submitter:
             tasks = store.tasks_to_submit(
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
+        budget = self.ctx.slurm.budget
+        # A round spends the tokens it finds, not those that refill while it runs: the follow
+        # and the cancels of this cycle come in between.
+        share, spent = budget.available() - BUDGET_RESERVE, budget.spent
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
@@ -364,7 +368,8 @@ class Submitter:
                 if waiting:
                     tell_waiting(self.ctx, [task], waiting)
                     continue
-                if not self.ctx.slurm.budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+                if budget.spent - spent >= share:
+                    budget.note_wait("sbatch")
                     break  # the Slurm call budget is spent for now: the rest go next cycle
                 if self._submit(task, stats):
                     stats.submitted += 1

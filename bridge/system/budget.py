@@ -93,8 +93,12 @@ class CallBudget:
         cycle)."""
         if self.available() >= cost + keep:
             return True
-        metrics.observe_budget_wait(command or "?")
+        self.note_wait(command or "?")
         return False
+
+    def note_wait(self, command: str) -> None:
+        """Work that needed `command` was left for later for the budget."""
+        metrics.observe_budget_wait(command)
 
     def take(self, command: str, cost: int = 1) -> float:
         """`cost` tokens (at most the burst), waiting for them when there are too few; returns

@@ -156,5 +156,5 @@ def test_calls_stay_within_the_budget_while_2000_tasks_flow(
     spent = sum(RPC_COST.get(command, 1) for command in commands)
     print(f"{spent} RPCs, {spent / (calls[-1][0] - calls[0][0]):.1f} a second")
     assert spent <= BURST + RATE * (calls[-1][0] - calls[0][0] + SPAWN)
-    # and it was used: the rate over the whole run is close to the budget's.
-    assert spent / (calls[-1][0] - calls[0][0]) > RATE * 0.6, (spent, seconds)
+    # The follow kept reading Slurm while the submissions took most of the budget.
+    assert commands.count("squeue") > seconds / 2
