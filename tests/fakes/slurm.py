@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.slurm import (
+    RPC_COST,
     JobInfo,
     NodeSizes,
     Partition,
@@ -95,6 +96,8 @@ class FakeSlurm:
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
+        # Spent as SlurmClient spends it (a test that sets a budget sees it run down).
+        self.budget.take(command, RPC_COST.get(command, 1))
         if self.unavailable:
             raise failure([command], self.unavailable_message)
 

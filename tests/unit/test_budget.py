@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+from bridge.config import load_config
+from bridge.poller import Poller
+from bridge.poller.submit import BUDGET_RESERVE
 from bridge.slurm import (
     RateLimit,
     SlurmClient,
@@ -18,7 +21,9 @@ from bridge.slurm import (
     parse_version,
     squeue_argv,
 )
+from bridge.store import Store
 from bridge.system.budget import CallBudget, lower_of
+from tests.fakes.slurm import FakeSlurm
 
 
 class Clock:
@@ -280,3 +285,87 @@ esac""",
     asked = [a for a in argvs if a != "--version"]
     assert all(("--only-job-state" in a) is states_only for a in asked)
     assert all("--states=all" in a for a in asked)
+
+
+# --- the poller spends it ------------------------------------------------------------------
+
+
+@pytest.fixture
+def budget_env(tmp_path: Path, sqlite_store: Store) -> tuple[Poller, Store, FakeSlurm, Clock]:
+    from tests.unit.test_poller import FakeImages
+
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    slurm = FakeSlurm()
+    clock = Clock()
+    slurm.budget = CallBudget(2.0, 12, clock=clock, sleep=clock.sleep)
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    poller.clock = clock
+    return poller, sqlite_store, slurm, clock
+
+
+ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
+
+
+def test_a_round_of_submissions_leaves_the_cycles_reserve_and_the_rest_wait_queued(
+    budget_env: tuple[Poller, Store, FakeSlurm, Clock],
+) -> None:
+    poller, store, slurm, clock = budget_env
+    ids = [store.create_task(ECHO).id for _ in range(30)]
+    before = waits("sbatch")
+    stats = poller.cycle()
+    assert stats.submitted == 12 - BUDGET_RESERVE  # what the bucket held, less the reserve
+    assert waits("sbatch") == before + 1
+    assert slurm.calls.count("squeue") == 1  # the follow and cancels still had their tokens
+    assert clock.slept == []  # nothing waited: the rest are simply QUEUED for later
+    states = [store.get_task(task_id).state for task_id in ids]  # type: ignore[union-attr]
+    assert states.count("QUEUED") == 30  # submitted ones stay QUEUED until they run
+    for _ in range(40):
+        clock.now += 1.0
+        poller.cycle()
+    assert slurm.calls.count("sbatch") == 30  # all went, none failed, each once
+
+
+def test_the_follow_reads_slurm_at_half_the_rate_while_the_budget_is_low(
+    budget_env: tuple[Poller, Store, FakeSlurm, Clock],
+) -> None:
+    poller, store, slurm, clock = budget_env
+    for _ in range(3):
+        store.create_task(ECHO)
+    poller.cycle()  # 3 sbatch, 1 squeue (2 RPCs): 7 tokens left of 12
+    squeues = slurm.calls.count("squeue")
+    for _ in range(4):
+        slurm.budget.take("sbatch")  # someone else ran it down: 3 left, below half
+    poller.cycle()
+    assert slurm.calls.count("squeue") == squeues  # paced: the last read was just now
+    clock.now += 1.0  # 5 tokens now, still below half
+    poller.cycle()
+    assert slurm.calls.count("squeue") == squeues  # its 2 RPCs at half the rate: 2 s
+    clock.now += 1.0
+    poller.cycle()
+    assert slurm.calls.count("squeue") == squeues + 1
+
+
+def test_the_capabilities_sinfo_waits_for_a_budget_with_room_to_spare(
+    budget_env: tuple[Poller, Store, FakeSlurm, Clock],
+) -> None:
+    poller, _, slurm, clock = budget_env
+    for _ in range(6):
+        slurm.budget.take("sbatch")  # 6 left: fewer than the 8 the capabilities leave
+    poller.cycle()
+    assert slurm.partition_reads == 0
+    clock.now += 10.0
+    poller.cycle()
+    assert slurm.partition_reads == 1
+
+
+def test_calls_are_counted_by_command_for_metrics() -> None:
+    from bridge.system.metrics import observe_slurm_command
+
+    def calls_of(command: str) -> float:
+        sample = REGISTRY.get_sample_value("tes_bridge_slurm_calls_total", {"command": command})
+        return sample or 0.0
+
+    before = calls_of("sbatch"), calls_of("scontrol")
+    observe_slurm_command(["sudo", "-n", "-u", "alice", "--", "/usr/bin/sbatch", "x"], 0.1, False)
+    observe_slurm_command(["scontrol", "show", "config"], 0.1, True)
+    assert (calls_of("sbatch"), calls_of("scontrol")) == (before[0] + 1, before[1] + 1)
