@@ -935,6 +935,8 @@ class SlurmClient:
         self._features: SlurmFeatures | None = None
         #: When slurmctld's own rate limit is read again (:meth:`_run`).
         self._rate_limit_due = 0.0
+        #: The last answer of :meth:`_queue_changed`.
+        self._seen: dict[str, JobInfo] = {}
         #: The user every job asked about belongs to (the service account, outside site mode):
         #: many ids are then looked up by listing this user's jobs (QUEUE_BY_USER_FROM).
         self.queue_user = queue_user
@@ -1036,9 +1038,16 @@ class SlurmClient:
         """What the controller knows of these jobs (queued, running, or ended < MinJobAge ago).
 
         Jobs it no longer knows are absent: ask :meth:`accounting`, they are not "finished".
-        Many ids are looked up by listing `queue_user`'s jobs (see QUEUE_BY_USER_FROM).
+        Many ids are looked up by listing `queue_user`'s jobs (see QUEUE_BY_USER_FROM), or,
+        where squeue has `--only-job-state` (23.11.5+), by their states first (see
+        :meth:`_queue_changed`).
         """
         ids = _check_ids(job_ids)
+        if len(ids) >= QUEUE_BY_USER_FROM and self.features().only_job_state:
+            return self._queue_changed(ids)
+        return self._queue_full(ids)
+
+    def _queue_full(self, ids: list[str]) -> dict[str, JobInfo]:
         if self.queue_user is not None and len(ids) >= QUEUE_BY_USER_FROM:
             _check_text("user", self.queue_user)
             wanted = set(ids)
@@ -1048,6 +1057,22 @@ class SlurmClient:
         found: dict[str, JobInfo] = {}
         for chunk in _chunks(ids):
             found.update(self._squeue(f"--jobs={','.join(chunk)}"))
+        return found
+
+    def _queue_changed(self, ids: list[str]) -> dict[str, JobInfo]:
+        """At site scale most followed jobs run for hours: their states come through the
+        lighter RPC, and only the jobs that are not still RUNNING as last seen (new, pending
+        with a reason that may change, ended) are read in full."""
+        states = self._job_states(ids)
+        found = {
+            job_id: self._seen[job_id]
+            for job_id, state in states.items()
+            if state == "RUNNING" and job_id in self._seen and self._seen[job_id].state == state
+        }
+        changed = [job_id for job_id in states if job_id not in found]
+        if changed:
+            found.update(self._queue_full(changed))
+        self._seen = found
         return found
 
     def features(self) -> SlurmFeatures:
@@ -1067,10 +1092,14 @@ class SlurmClient:
     def queue_states(self, job_ids: Collection[str]) -> dict[str, str]:
         """The state word of each of these jobs the controller knows. Where squeue has
         `--only-job-state` (23.11.5+) it asks with that lighter RPC, else as :meth:`queue`."""
+        ids = _check_ids(job_ids)
         if not self.features().only_job_state:
-            return {job_id: info.state for job_id, info in self.queue(job_ids).items()}
+            return {job_id: info.state for job_id, info in self._queue_full(ids).items()}
+        return self._job_states(ids)
+
+    def _job_states(self, ids: list[str]) -> dict[str, str]:
         states: dict[str, str] = {}
-        for chunk in _chunks(_check_ids(job_ids)):
+        for chunk in _chunks(ids):
             argv = squeue_argv(self.squeue, [f"--jobs={','.join(chunk)}"], states_only=True)
             proc = self._run(argv)
             if proc.returncode != 0:
@@ -1193,7 +1222,7 @@ def parse_rate_limit(text: str) -> RateLimit | None:
 
 def parse_version(text: str) -> tuple[int, ...] | None:
     """`squeue --version` ("slurm 22.05.8", "slurm 23.11.5-1") -> (22, 5, 8)."""
-    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    match = re.search(r"^slurm\S*\s+(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
     if not match:
         return None
     return tuple(int(part) for part in match.groups() if part is not None)

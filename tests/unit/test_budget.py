@@ -13,6 +13,7 @@ from bridge.config import load_config
 from bridge.poller import Poller
 from bridge.poller.submit import BUDGET_RESERVE
 from bridge.slurm import (
+    QUEUE_BY_USER_FROM,
     RateLimit,
     SlurmClient,
     SlurmFeatures,
@@ -369,3 +370,33 @@ def test_calls_are_counted_by_command_for_metrics() -> None:
     observe_slurm_command(["sudo", "-n", "-u", "alice", "--", "/usr/bin/sbatch", "x"], 0.1, False)
     observe_slurm_command(["scontrol", "show", "config"], 0.1, True)
     assert (calls_of("sbatch"), calls_of("scontrol")) == (before[0] + 1, before[1] + 1)
+
+
+def test_at_site_scale_only_jobs_not_still_running_are_read_in_full(tmp_path: Path) -> None:
+    # 23.11.5+: the states of 1,000 jobs through the lighter RPC; in full only those that are
+    # new, pending (their reason may change) or ended. 22.05 reads them all in full.
+    ids = [str(5000 + i) for i in range(QUEUE_BY_USER_FROM)]
+    states = "".join(f"{j}|{'PENDING' if j == '5000' else 'RUNNING'}\\n" for j in ids)
+    full = "".join(
+        f"{j}|tes-{j}|{'PENDING' if j == '5000' else 'RUNNING'}|None|n1|main|"
+        f"2026-11-25T20:00:00|N/A|0:05|(null)\\n"
+        for j in ids
+    )
+    squeue = stand_in(
+        tmp_path,
+        "squeue",
+        f"""case "$*" in
+  --version) echo "slurm 23.11.5" ;;
+  *only-job-state*) printf '{states}' ;;
+  *) printf '{full}' ;;
+esac""",
+    )
+    client = SlurmClient(squeue=squeue)
+    first = client.queue(ids)
+    assert len(first) == QUEUE_BY_USER_FROM and first["5001"].node == "n1"
+    second = client.queue(ids)
+    assert second == first
+    argvs = [a for a in calls(tmp_path, "squeue") if a != "--version"]
+    assert ["only-job-state" in a for a in argvs] == [True, False, True, False]
+    assert argvs[1].count(",") == QUEUE_BY_USER_FROM - 1  # the first time: every job in full
+    assert "--jobs=5000 " in argvs[3] + " "  # then only the pending one
