@@ -354,10 +354,9 @@ class Submitter:
             tasks = store.tasks_to_submit(
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
-        budget = self.ctx.slurm.budget
-        # A round spends the tokens it finds, not those that refill while it runs: the follow
+        # While the budget sets the pace, a round lasts one poll interval at most: the follow
         # and the cancels of this cycle come in between.
-        share, spent = budget.available() - BUDGET_RESERVE, budget.spent
+        until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
@@ -368,8 +367,7 @@ class Submitter:
                 if waiting:
                     tell_waiting(self.ctx, [task], waiting)
                     continue
-                if budget.spent - spent >= share:
-                    budget.note_wait("sbatch")
+                if self._budget_spent(until):
                     break  # the Slurm call budget is spent for now: the rest go next cycle
                 if self._submit(task, stats):
                     stats.submitted += 1
@@ -386,6 +384,17 @@ class Submitter:
                 # The tasks that wait behind it wait for the same reason: say so.
                 tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
+
+    def _budget_spent(self, until: float) -> bool:
+        """Whether this round stops for the call budget: it would leave fewer than
+        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
+        budget = self.ctx.slurm.budget
+        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+            return True
+        if budget.rate and self.ctx.clock() > until:
+            budget.note_wait("sbatch")
+            return True
+        return False
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         assert task.document is not None
