@@ -741,6 +741,8 @@ _MAX_LIST_CHARS = 100_000
 #: a failed read.
 RATE_LIMIT_REFRESH = 3600.0
 RATE_LIMIT_RETRY = 60.0
+#: The longest wait for `scontrol show config`.
+RATE_LIMIT_TIMEOUT = 10.0
 
 #: From this many job ids on, :meth:`SlurmClient.queue` lists the jobs of its `queue_user`
 #: instead of naming the ids: slurmctld matches a ``--jobs`` list against every job it holds,
@@ -949,12 +951,14 @@ class SlurmClient:
         #: How far back find_by_names asks sacct.
         self.history = history
 
-    def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, argv: list[str], timeout: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """run_slurm with the budget, lowered first (at the first command, then every
         RATE_LIMIT_REFRESH s) to slurmctld's own rate limit where it has one."""
         if self.budget.rate and time.monotonic() >= self._rate_limit_due:
             self._apply_rate_limit()
-        return run_slurm(argv, self.timeout, self.budget)
+        return run_slurm(argv, timeout or self.timeout, self.budget)
 
     def _apply_rate_limit(self) -> None:
         try:
@@ -1114,7 +1118,8 @@ class SlurmClient:
         has none (or cannot be read: then nothing lowers the configured budget)."""
         self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH  # no recursion
         self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH  # no recursion
-        proc = self._run([self.scontrol, "show", "config"])
+        # Not worth the whole command timeout: without an answer the setting stands.
+        proc = self._run([self.scontrol, "show", "config"], min(self.timeout, RATE_LIMIT_TIMEOUT))
         if proc.returncode != 0:
             raise command_error(proc, "reading slurmctld's configuration")
         return parse_rate_limit(proc.stdout)
