@@ -59,6 +59,8 @@ setup(
         "PyYAML>=6.0",
         # /metrics: counters shared by gunicorn's workers and the poller (multiprocess mode).
         "prometheus-client>=0.20",
+        # The poller's budget of Slurm calls: its token bucket (bridge.system.budget).
+        "pyrate-limiter>=4.5,<5",
     ],
     extras_require={
         "postgresql": ["psycopg2-binary>=2.9"],

@@ -149,6 +149,14 @@ class SlurmConfig(_Section):
     sacct: str = "sacct"
     scancel: str = "scancel"
     sinfo: str = "sinfo"
+    #: Reads slurmctld's own RPC rate limit (`scontrol show config`), which lowers the budget.
+    scontrol: str = "scontrol"
+    #: The budget of Slurm calls (slurmctld RPCs: squeue and sinfo are two each): at most
+    #: calls_burst at once, then calls_per_second; lowered to slurmctld's rl_* limit where it
+    #: sets one. The defaults stay inside Slurm's rl_enable defaults (30 tokens, 2 a second,
+    #: added at whole seconds: 28 for a bucket refilled evenly). 0: no budget.
+    calls_per_second: float = Field(default=2.0, ge=0)
+    calls_burst: int = Field(default=28, ge=1)
     command_timeout: float = Field(default=30.0, gt=0)
     poll_interval: float = Field(default=1.0, gt=0)
     #: Partitions a task may name in `resources.zones` or backend_parameters.partition;

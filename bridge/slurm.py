@@ -58,6 +58,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol, TypedDict
 
+from bridge.system.budget import CallBudget
 from bridge.system.metrics import observe_slurm_command
 from bridge.system.proc import CommandError, CommandNotFound, CommandTimeout, as_user, run
 
@@ -736,6 +737,13 @@ def parse_sinfo_partitions(text: str) -> list[Partition]:
 
 _MAX_LIST_CHARS = 100_000
 
+#: How often slurmctld's rate limit (`scontrol show config`) is read again, and how soon after
+#: a failed read.
+RATE_LIMIT_REFRESH = 3600.0
+RATE_LIMIT_RETRY = 60.0
+#: The longest wait for `scontrol show config`.
+RATE_LIMIT_TIMEOUT = 10.0
+
 #: From this many job ids on, :meth:`SlurmClient.queue` lists the jobs of its `queue_user`
 #: instead of naming the ids: slurmctld matches a ``--jobs`` list against every job it holds,
 #: which took 0.55-0.61 s for 10,000 ids against 0.10 s for the same jobs listed by user
@@ -774,7 +782,10 @@ class SlurmBackend(Protocol):
     """What the poller needs of Slurm (:class:`SlurmClient`; a fake in the unit tests).
 
     Every call may raise :class:`SlurmError`; ``as_user`` runs the command as that user
-    (site mode)."""
+    (site mode). Every command takes its RPCs from `budget` first (waiting for them if need
+    be); the poller looks at it to leave work for a later cycle instead."""
+
+    budget: CallBudget
 
     def submit(
         self,
@@ -799,9 +810,15 @@ class SlurmBackend(Protocol):
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None: ...
 
 
-def run_slurm(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def run_slurm(
+    argv: Sequence[str], timeout: float, budget: CallBudget | None = None
+) -> subprocess.CompletedProcess[str]:
     """The one place that runs a Slurm command: in UTC, with Slurm's standard time format, killed
-    after `timeout` seconds (raising :class:`SlurmUnavailable`), timed for the metrics."""
+    after `timeout` seconds (raising :class:`SlurmUnavailable`), timed for the metrics; with a
+    `budget`, it first takes the command's RPCs from it (RPC_COST), waiting if need be."""
+    if budget is not None:
+        tool = _tool(argv)
+        budget.take(tool, RPC_COST.get(tool, 1))
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("SQUEUE_", "SACCT_"))
     }  # a user's SQUEUE_USERS or SACCT_FORMAT would change what the parsers see
@@ -833,6 +850,18 @@ def run_slurm(argv: Sequence[str], timeout: float) -> subprocess.CompletedProces
         ) from exc
     finally:
         observe_slurm_command(argv, time.monotonic() - started, failed)
+
+
+#: slurmctld RPCs per command where more than one (Slurm 22.05, counted with `sdiag`): squeue
+#: asks for the jobs and the partitions, sinfo for the partitions and the nodes. sbatch,
+#: scancel and scontrol make one; sacct asks slurmdbd, and counts one all the same.
+RPC_COST = {"squeue": 2, "sinfo": 2}
+
+
+def _tool(argv: Sequence[str]) -> str:
+    """The Slurm tool's name (through sudo, site mode: the word after `--`)."""
+    words = [str(a) for a in argv]
+    return Path(words[words.index("--") + 1] if "--" in words[:5] else words[0]).name
 
 
 class _Command(TypedDict):
@@ -893,12 +922,23 @@ class SlurmClient:
         sacct: str = "sacct",
         scancel: str = "scancel",
         sinfo: str = "sinfo",
+        scontrol: str = "scontrol",
         timeout: float = 30.0,
         history: timedelta = timedelta(days=30),
         sudo: str = "sudo",
         queue_user: str | None = None,
+        budget: CallBudget | None = None,
     ) -> None:
         self.sudo = sudo
+        #: Every command takes a token from it first (slurm.calls_per_second).
+        self.budget = budget or CallBudget.unlimited()
+        self.scontrol = scontrol
+        #: What this cluster's squeue can do, read once (:meth:`features`).
+        self._features: SlurmFeatures | None = None
+        #: When slurmctld's own rate limit is read again (:meth:`_run`).
+        self._rate_limit_due = 0.0
+        #: The last answer of :meth:`_queue_changed`.
+        self._seen: dict[str, JobInfo] = {}
         #: The user every job asked about belongs to (the service account, outside site mode):
         #: many ids are then looked up by listing this user's jobs (QUEUE_BY_USER_FROM).
         self.queue_user = queue_user
@@ -910,6 +950,35 @@ class SlurmClient:
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
+
+    def _run(
+        self, argv: list[str], timeout: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """run_slurm with the budget, lowered first (at the first command, then every
+        RATE_LIMIT_REFRESH s) to slurmctld's own rate limit where it has one."""
+        if self.budget.rate and time.monotonic() >= self._rate_limit_due:
+            self._apply_rate_limit()
+        return run_slurm(argv, timeout or self.timeout, self.budget)
+
+    def _apply_rate_limit(self) -> None:
+        try:
+            limit = self.rate_limit()
+        except SlurmError as exc:
+            log.warning("cannot read slurmctld's rate limit; trying again soon: %s", exc)
+            self._rate_limit_due = time.monotonic() + RATE_LIMIT_RETRY
+            return
+        self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH
+        before = self.budget.describe()
+        if limit is None:
+            self.budget.limit_to(None, None)
+        else:
+            self.budget.limit_to(limit.per_second, limit.safe_burst)
+        if self.budget.describe() != before or limit is not None:
+            log.info(
+                "Slurm call budget: %s (slurmctld's rate limit: %s)",
+                self.budget.describe(),
+                limit or "none",
+            )
 
     def _as(self, user: str | None, argv: list[str]) -> list[str]:
         """Site mode: run as `user` through the sudo rule of deploy/sudoers.tes-bridge."""
@@ -938,7 +1007,7 @@ class SlurmClient:
             _check_text("comment", comment)
             argv.append(f"--comment={comment}")
         argv += [*extra_args, str(script)]
-        proc = run_slurm(self._as(as_user, argv), self.timeout)
+        proc = self._run(self._as(as_user, argv))
         if proc.returncode != 0:
             raise command_error(proc, f"submitting {script}", sbatch=self.sbatch)
         # --parsable prints "id" or "id;cluster".
@@ -955,8 +1024,7 @@ class SlurmClient:
         return job_id
 
     def _squeue(self, *selector: str) -> dict[str, JobInfo]:
-        argv = [self.squeue, "-h", "--states=all", *selector, "-o", SQUEUE_FORMAT]
-        proc = run_slurm(argv, self.timeout)
+        proc = self._run(squeue_argv(self.squeue, selector))
         if proc.returncode != 0:
             if _INVALID_JOB_ID in proc.stderr:
                 return {}  # a single id the controller no longer (or never) knew
@@ -965,7 +1033,7 @@ class SlurmClient:
 
     def _sacct(self, selector: Sequence[str]) -> dict[str, JobInfo]:
         argv = [self.sacct, "-P", "-n", *selector, f"--format={SACCT_FIELDS}"]
-        proc = run_slurm(argv, self.timeout)
+        proc = self._run(argv)
         if proc.returncode != 0:
             raise command_error(proc, "reading accounting")
         return parse_sacct(proc.stdout)
@@ -974,9 +1042,16 @@ class SlurmClient:
         """What the controller knows of these jobs (queued, running, or ended < MinJobAge ago).
 
         Jobs it no longer knows are absent: ask :meth:`accounting`, they are not "finished".
-        Many ids are looked up by listing `queue_user`'s jobs (see QUEUE_BY_USER_FROM).
+        Many ids are looked up by listing `queue_user`'s jobs (see QUEUE_BY_USER_FROM), or,
+        where squeue has `--only-job-state` (23.11.5+), by their states first (see
+        :meth:`_queue_changed`).
         """
         ids = _check_ids(job_ids)
+        if len(ids) >= QUEUE_BY_USER_FROM and self.features().only_job_state:
+            return self._queue_changed(ids)
+        return self._queue_full(ids)
+
+    def _queue_full(self, ids: list[str]) -> dict[str, JobInfo]:
         if self.queue_user is not None and len(ids) >= QUEUE_BY_USER_FROM:
             _check_text("user", self.queue_user)
             wanted = set(ids)
@@ -987,6 +1062,67 @@ class SlurmClient:
         for chunk in _chunks(ids):
             found.update(self._squeue(f"--jobs={','.join(chunk)}"))
         return found
+
+    def _queue_changed(self, ids: list[str]) -> dict[str, JobInfo]:
+        """At site scale most followed jobs run for hours: their states come through the
+        lighter RPC, and only the jobs that are not still RUNNING as last seen (new, pending
+        with a reason that may change, ended) are read in full."""
+        states = self._job_states(ids)
+        found = {
+            job_id: self._seen[job_id]
+            for job_id, state in states.items()
+            if state == "RUNNING" and job_id in self._seen and self._seen[job_id].state == state
+        }
+        changed = [job_id for job_id in states if job_id not in found]
+        if changed:
+            found.update(self._queue_full(changed))
+        self._seen = found
+        return found
+
+    def features(self) -> SlurmFeatures:
+        """What this cluster's squeue can do, from `squeue --version`, read once (one call; a
+        failure reads as 22.05's and is tried again next time)."""
+        if self._features is None:
+            try:
+                proc = self._run([self.squeue, "--version"])
+            except SlurmError as exc:
+                log.warning("cannot read squeue's version: %s", exc)
+                return SlurmFeatures.of(None)
+            version = parse_version(proc.stdout) if proc.returncode == 0 else None
+            self._features = SlurmFeatures.of(version)
+            log.info("Slurm %s: %s", ".".join(map(str, version or ())) or "?", self._features)
+        return self._features
+
+    def queue_states(self, job_ids: Collection[str]) -> dict[str, str]:
+        """The state word of each of these jobs the controller knows. Where squeue has
+        `--only-job-state` (23.11.5+) it asks with that lighter RPC, else as :meth:`queue`."""
+        ids = _check_ids(job_ids)
+        if not self.features().only_job_state:
+            return {job_id: info.state for job_id, info in self._queue_full(ids).items()}
+        return self._job_states(ids)
+
+    def _job_states(self, ids: list[str]) -> dict[str, str]:
+        states: dict[str, str] = {}
+        for chunk in _chunks(ids):
+            argv = squeue_argv(self.squeue, [f"--jobs={','.join(chunk)}"], states_only=True)
+            proc = self._run(argv)
+            if proc.returncode != 0:
+                if _INVALID_JOB_ID in proc.stderr:
+                    continue
+                raise command_error(proc, "reading the queue's job states")
+            states.update(parse_job_states(proc.stdout))
+        return states
+
+    def rate_limit(self) -> RateLimit | None:
+        """slurmctld's RPC rate limit for each user (`scontrol show config`), or None when it
+        has none (or cannot be read: then nothing lowers the configured budget)."""
+        self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH  # no recursion
+        self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH  # no recursion
+        # Not worth the whole command timeout: without an answer the setting stands.
+        proc = self._run([self.scontrol, "show", "config"], min(self.timeout, RATE_LIMIT_TIMEOUT))
+        if proc.returncode != 0:
+            raise command_error(proc, "reading slurmctld's configuration")
+        return parse_rate_limit(proc.stdout)
 
     def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
         """The accounting records of these jobs (any age: ``--jobs`` looks back to the epoch)."""
@@ -1025,16 +1161,14 @@ class SlurmClient:
 
     def node_sizes(self) -> NodeSizes:
         """Each partition's node TmpDisk and memory, in one call (`-a`: hidden partitions too)."""
-        proc = run_slurm([self.sinfo, "-h", "-a", "-o", SINFO_NODE_SIZES_FORMAT], self.timeout)
+        proc = self._run([self.sinfo, "-h", "-a", "-o", SINFO_NODE_SIZES_FORMAT])
         if proc.returncode != 0:
             raise command_error(proc, "reading the partitions' node sizes")
         return parse_sinfo_node_sizes(proc.stdout)
 
     def partitions(self) -> list[Partition]:
         """Every partition's nodes, CPUs, memory, time limit and GRES, in one call."""
-        proc = run_slurm(
-            [self.sinfo, "-h", "-a", "-N", "-o", SINFO_PARTITIONS_FORMAT], self.timeout
-        )
+        proc = self._run([self.sinfo, "-h", "-a", "-N", "-o", SINFO_PARTITIONS_FORMAT])
         if proc.returncode != 0:
             raise command_error(proc, "reading the partitions")
         return parse_sinfo_partitions(proc.stdout)
@@ -1042,9 +1176,101 @@ class SlurmClient:
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""
         for chunk in _chunks(_check_ids(job_ids)):
-            proc = run_slurm(self._as(as_user, [self.scancel, *chunk]), self.timeout)
+            proc = self._run(self._as(as_user, [self.scancel, *chunk]))
             if proc.returncode != 0:
                 raise command_error(proc, f"cancelling job(s) {' '.join(chunk)}")
+
+
+# --- what the cluster's Slurm allows ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """slurmctld's RPC rate limit per user (``SlurmctldParameters=rl_enable``, 23.02+): a
+    bucket of `bucket_size` tokens, `refill_rate` more every `refill_period` seconds."""
+
+    bucket_size: int = 30
+    refill_rate: int = 2
+    refill_period: int = 1
+
+    @property
+    def per_second(self) -> float:
+        return self.refill_rate / self.refill_period
+
+    @property
+    def safe_burst(self) -> int:
+        """The burst a bucket refilled evenly may take and stay inside this one: slurmctld
+        adds its tokens at whole periods, so up to one refill arrives later than ours."""
+        return max(1, self.bucket_size - self.refill_rate)
+
+
+_RL_KEYS = {"rl_bucket_size": "bucket_size", "rl_refill_rate": "refill_rate",
+            "rl_refill_period": "refill_period"}  # fmt: skip
+
+
+def parse_rate_limit(text: str) -> RateLimit | None:
+    """`scontrol show config`'s ``SlurmctldParameters = enable_configless,rl_enable,...``:
+    the rate limit, with slurmctld's defaults for what it leaves out; None without
+    ``rl_enable``. Values slurmctld would refuse (not positive) keep their defaults, as it does."""
+    match = re.search(r"^SlurmctldParameters\s*=\s*(.*)$", text, re.M)
+    words = [w.strip() for w in match.group(1).split(",")] if match else []
+    if "rl_enable" not in (w.lower() for w in words):
+        return None
+    values: dict[str, int] = {}
+    for word in words:
+        key, _, value = word.partition("=")
+        field_name = _RL_KEYS.get(key.strip().lower())
+        if field_name and value.strip().isdigit() and int(value) > 0:
+            values[field_name] = int(value)
+    return RateLimit(**values)
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """`squeue --version` ("slurm 22.05.8", "slurm 23.11.5-1") -> (22, 5, 8)."""
+    match = re.search(r"^slurm\S*\s+(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if not match:
+        return None
+    return tuple(int(part) for part in match.groups() if part is not None)
+
+
+@dataclass(frozen=True)
+class SlurmFeatures:
+    """What a Slurm version's squeue can do that the client uses."""
+
+    #: 23.02+: `--json` honours the job filters (--jobs, --user, --states).
+    json_filters: bool = False
+    #: 23.11.5+: `--only-job-state`, a lighter RPC that reads job states only (with --jobs,
+    #: not --user or --partition).
+    only_job_state: bool = False
+
+    @classmethod
+    def of(cls, version: tuple[int, ...] | None) -> SlurmFeatures:
+        """Unknown versions are treated as 22.05 (the forms every version has)."""
+        v = version or (0,)
+        return cls(json_filters=v >= (23, 2), only_job_state=v >= (23, 11, 5))
+
+
+#: `--only-job-state` output: job id and state.
+JOB_STATES_FORMAT = "%i|%T"
+
+
+def squeue_argv(squeue: str, selector: Sequence[str], *, states_only: bool = False) -> list[str]:
+    """squeue's argv: every field the parsers read, or (`states_only`, 23.11.5+) the states
+    alone through the lighter RPC. --states=all: jobs that ended < MinJobAge ago too."""
+    if states_only:
+        return [squeue, "-h", "--only-job-state", "--states=all", *selector,
+                "-o", JOB_STATES_FORMAT]  # fmt: skip
+    return [squeue, "-h", "--states=all", *selector, "-o", SQUEUE_FORMAT]
+
+
+def parse_job_states(text: str) -> dict[str, str]:
+    """``squeue --only-job-state -o '%i|%T'`` -> job id: base state word."""
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        job_id, sep, state = line.strip().partition("|")
+        if sep and job_id:
+            states[job_id] = base_state(state)
+    return states
 
 
 def _merge(accounting: JobInfo, queue: JobInfo) -> JobInfo:

@@ -10,6 +10,10 @@ Each cycle it
 4. carries out cancels recorded by the API (one `scancel` for all of them);
 5. now and then removes old task directories.
 
+Every Slurm command spends the client's budget of calls (`SlurmClient.budget`): a step that
+finds it low leaves its work for a later cycle (submissions, the follow's reads, the
+capabilities' sinfo) and a command waits for its tokens; nothing fails for it.
+
 One poller acts per store: with SQLite it holds a lock file in the state directory (one node);
 with PostgreSQL every node may run one, and the one holding the lease leads (``lease``).
 

@@ -20,6 +20,8 @@ from bridge.system.proc import CommandError, run
 log = logging.getLogger("bridge.poller")
 
 RUNTIME_VERSION_TIMEOUT = 30.0
+#: Slurm calls the capabilities' sinfo leaves in the budget for the work that waits on Slurm.
+CAPABILITIES_RESERVE = 8
 
 
 def partition_facts(partition: Partition) -> dict[str, Any]:
@@ -40,6 +42,8 @@ class CapabilitiesReader:
         now = self.ctx.clock()
         if now - self.read_at < self.ctx.config.slurm.capabilities_refresh_seconds:
             return
+        if not self.ctx.slurm.budget.allows(keep=CAPABILITIES_RESERVE, command="sinfo", cost=2):
+            return  # the least urgent call: only from a budget with room to spare
         self.read_at = now
         try:
             partitions = self.ctx.slurm.partitions()

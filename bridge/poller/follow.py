@@ -102,7 +102,7 @@ class Follower:
         canceled = dict(self._canceled)
         watched = tasks + [c.task for c in canceled.values()]
         self.watch.update(watched, [facts.job_id for facts in awaited.values()], stats)
-        if self.watch.unavailable:
+        if self.watch.unavailable or self.watch.paced:
             return  # the tasks keep their last known states
         batch: list[_Decided] = []
         for task in tasks:

@@ -31,6 +31,7 @@ from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import SQLITE_ONE_NODE, Store, unavailable_reason
 from bridge.system import metrics
+from bridge.system.budget import CallBudget
 from bridge.system.relay import RelayServer
 from bridge.system.wake import WakeReceiver
 
@@ -166,7 +167,9 @@ def slurm_client(config: Config) -> SlurmClient:
         sacct=cfg.sacct,
         scancel=cfg.scancel,
         sinfo=cfg.sinfo,
+        scontrol=cfg.scontrol,
         timeout=cfg.command_timeout,
+        budget=CallBudget(cfg.calls_per_second, cfg.calls_burst),
         sudo=config.site.sudo,
         # Outside site mode every job is the service account's own (site mode: its owner's).
         queue_user=None if config.site.run_as_owner else pwd.getpwuid(os.geteuid()).pw_name,

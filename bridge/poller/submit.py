@@ -28,6 +28,9 @@ log = logging.getLogger("bridge.poller")
 
 #: Submissions per cycle, so that polling stays regular when thousands of tasks arrive at once.
 MAX_SUBMISSIONS_PER_CYCLE = 500
+#: Slurm calls that submissions leave in the budget for the rest of the cycle: its squeue (two
+#: RPCs), sacct and scancel. Tasks the budget does not let go stay QUEUED for the next cycle.
+BUDGET_RESERVE = 4
 #: Errors while preparing a task directory that pass by themselves (a full or over-quota
 #: filesystem, a file server away): the task waits in QUEUED and is tried again with back-off.
 TRANSIENT_ERRNOS = frozenset(
@@ -362,6 +365,9 @@ class Submitter:
     def _round(self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats) -> int:
         """Submit what admission lets go; returns how many tasks it held back."""
         held = 0
+        # While the budget sets the pace, a round lasts one poll interval at most: the follow
+        # and the cancels of this cycle come in between.
+        until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
@@ -374,6 +380,8 @@ class Submitter:
                     tell_waiting(self.ctx, [task], waiting)
                     held += 1
                     continue
+                if self._budget_spent(until):
+                    break  # the Slurm call budget is spent for now: the rest go next cycle
                 if self._submit(task, stats):
                     stats.submitted += 1
                     admission.add(task.owner)
@@ -390,6 +398,17 @@ class Submitter:
                 tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
         return held
+
+    def _budget_spent(self, until: float) -> bool:
+        """Whether this round stops for the call budget: it would leave fewer than
+        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
+        budget = self.ctx.slurm.budget
+        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+            return True
+        if budget.rate and self.ctx.clock() > until:
+            budget.note_wait("sbatch")
+            return True
+        return False
 
     def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
         assert task.document is not None

@@ -34,11 +34,21 @@ class JobWatch:
         self._records: dict[str, JobRecords] = {}
         #: Followed jobs that neither squeue nor sacct knows: since when.
         self._missing_since: dict[str, float] = {}
+        #: The last update left Slurm unread to spare the call budget (see _due).
+        self.paced = False
+        #: When the last update read Slurm, and the budget's calls it spent.
+        self._read_at = float("-inf")
+        self._read_cost = 0
 
     def update(self, tasks: list[TaskRecord], awaited: Iterable[str], stats: CycleStats) -> None:
         """Read what Slurm says of `tasks`' jobs; `awaited`: finished jobs whose final record
         is still read from sacct (they ride on the same call)."""
         job_ids = [t.job_id for t in tasks if t.job_id]
+        self.paced = not self._due()
+        if self.paced:
+            return
+        spent = self.ctx.slurm.budget.spent
+        self._read_at = self.ctx.clock()
         try:
             queue = self._squeue(job_ids, stats)
         except SlurmError as exc:
@@ -57,6 +67,16 @@ class JobWatch:
         self._missing_since = {
             j: self._missing_since.get(j, now) for j in job_ids if self.job(j) is None
         }
+        self._read_cost = self.ctx.slurm.budget.spent - spent
+
+    def _due(self) -> bool:
+        """Whether to read Slurm this cycle. While the call budget is below half its burst
+        (submissions and cancels are waiting for it), the reads take at most half its rate:
+        they come no sooner than the last one's calls take at that pace."""
+        budget = self.ctx.slurm.budget
+        if not budget.rate or budget.available() * 2 >= budget.burst:
+            return True
+        return self.ctx.clock() - self._read_at >= self._read_cost / (budget.rate / 2)
 
     def _read_records_as_owners(
         self, owners: OwnerRunner, tasks: list[TaskRecord]

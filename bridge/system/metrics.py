@@ -157,6 +157,17 @@ SLURM_FAILURES = Counter(
     "Slurm commands that exited non-zero, timed out or could not start, by command.",
     ["command"],
 )
+SLURM_CALLS = Counter(
+    "tes_bridge_slurm_calls",
+    "Slurm commands run, by command (each one or more RPCs to slurmctld or slurmdbd).",
+    ["command"],
+)
+SLURM_BUDGET_WAITS = Counter(
+    "tes_bridge_slurm_budget_waits",
+    "Times a Slurm command, or the poller's work that needed one, waited for the call budget "
+    "(slurm.calls_per_second), by command.",
+    ["command"],
+)
 POLL_CYCLE = Histogram(
     "tes_bridge_poll_cycle_seconds",
     "Seconds a full poll cycle took (submit, follow jobs, cancel).",
@@ -225,7 +236,7 @@ HTTP_DURATION = Histogram(
 )
 
 
-_SLURM_COMMANDS = frozenset(["sbatch", "squeue", "sacct", "scancel", "sinfo"])
+_SLURM_COMMANDS = frozenset(["sbatch", "squeue", "sacct", "scancel", "sinfo", "scontrol"])
 
 
 def init_label_sets() -> None:
@@ -265,8 +276,15 @@ def observe_slurm_command(argv: Sequence[str], seconds: float, failed: bool) -> 
     names = [os.path.basename(word) for word in argv]
     command = next((n for n in names if n in _SLURM_COMMANDS), names[0] if names else "?")
     SLURM_COMMAND.labels(command).observe(seconds)
+    SLURM_CALLS.labels(command).inc()
     if failed:
         SLURM_FAILURES.labels(command).inc()
+
+
+def observe_budget_wait(command: str) -> None:
+    """A Slurm command (or the work that needed one) waited for the call budget."""
+    name = os.path.basename(command)
+    SLURM_BUDGET_WAITS.labels(name if name in _SLURM_COMMANDS else "?").inc()
 
 
 def _seconds_between(start: str | None, end: str | None) -> float | None:
@@ -311,6 +329,8 @@ def registry() -> CollectorRegistry:
         RUN_TIME,
         SLURM_COMMAND,
         SLURM_FAILURES,
+        SLURM_CALLS,
+        SLURM_BUDGET_WAITS,
         POLL_CYCLE,
         IMAGE_PULLS,
         IMAGE_PULL_FAILURES,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.slurm import (
+    RPC_COST,
     JobInfo,
     NodeSizes,
     Partition,
@@ -25,6 +26,7 @@ from bridge.slurm import (
     parse_sinfo_node_sizes,
     parse_sinfo_partitions,
 )
+from bridge.system.budget import CallBudget
 
 #: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"
@@ -69,6 +71,8 @@ class FakeSlurm:
         sinfo_partitions: str = "main*|n1|2|4000|infinite|(null)|0|up|idle\n",
     ) -> None:
         self.jobs: dict[str, JobInfo] = {}
+        #: No limit unless a test sets one (the poller only looks at it).
+        self.budget = CallBudget.unlimited()
         self.ids = itertools.count(100)
         #: The commands run, in order ("find" for find_by_names; partitions() apart).
         self.calls: list[str] = []
@@ -92,6 +96,8 @@ class FakeSlurm:
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
+        # Spent as SlurmClient spends it (a test that sets a budget sees it run down).
+        self.budget.take(command, RPC_COST.get(command, 1))
         if self.unavailable:
             raise failure([command], self.unavailable_message)
 
