@@ -143,6 +143,8 @@ class SlurmConfig(_Section):
     sacct: str = "sacct"
     scancel: str = "scancel"
     sinfo: str = "sinfo"
+    #: Read once for the cluster's MaxArraySize (`scontrol show config`).
+    scontrol: str = "scontrol"
     command_timeout: float = Field(default=30.0, gt=0)
     poll_interval: float = Field(default=1.0, gt=0)
     #: Partitions a task may name in `resources.zones` or backend_parameters.partition;
@@ -172,6 +174,12 @@ class SlurmConfig(_Section):
     #: saying why. 0: no limit.
     max_jobs_in_flight: int = Field(default=0, ge=0)
     max_jobs_per_owner: int = Field(default=0, ge=0)
+    #: Job arrays. auto: QUEUED tasks ready in the same submission round that ask Slurm for
+    #: the same (their job scripts' directives alike but for name, output and directory, and
+    #: the same owner) go as one `sbatch --array`, once at least `array_min_tasks` of them
+    #: are ready; never: one sbatch per task. Site mode always submits one job per task.
+    arrays: Literal["auto", "never"] = "auto"
+    array_min_tasks: int = Field(default=4, ge=2)
     #: What a task's `resources.disk_gb` becomes. auto: `--tmp` (MB, rounded up) only where
     #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
     #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.

@@ -161,6 +161,7 @@ def build_poller(config: Config, store: Store, *, wake: Callable[[], None] | Non
         sacct=cfg.sacct,
         scancel=cfg.scancel,
         sinfo=cfg.sinfo,
+        scontrol=cfg.scontrol,
         timeout=cfg.command_timeout,
         sudo=config.site.sudo,
         # Outside site mode every job is the service account's own (site mode: its owner's).
