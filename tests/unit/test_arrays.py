@@ -17,8 +17,8 @@ from bridge.config import load_config
 from bridge.core.tes import State
 from bridge.jobscript.array import read_directives, render_array_script, shape
 from bridge.poller import Poller
-from bridge.poller.attempt import LOST_JOBS_KEY
 from bridge.poller.arrays import ARRAY_INDEX_KEY, ARRAY_JOB_KEY, ARRAY_NAME_KEY
+from bridge.poller.attempt import LOST_JOBS_KEY
 from bridge.slurm import expand_array_range, parse_max_array_size, parse_sacct, parse_squeue
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm
@@ -72,9 +72,7 @@ def test_tasks_of_one_shape_go_as_one_array_in_manifest_order(tmp_path, sqlite_s
     assert all((poller.task_dir(t.id) / "job.sh").is_file() for t in tasks)
 
 
-def test_each_shape_is_its_own_array_and_a_unique_shape_a_job_of_its_own(
-    tmp_path, sqlite_store
-):
+def test_each_shape_is_its_own_array_and_a_unique_shape_a_job_of_its_own(tmp_path, sqlite_store):
     poller, fake = make_poller(tmp_path, sqlite_store)
     ones = [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
     twos = [sqlite_store.create_task(with_cpus(2)) for _ in range(5)]
