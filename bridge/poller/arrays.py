@@ -36,6 +36,8 @@ ARRAY_INDEX_KEY = "slurm_array_index"
 #: The array's own job id (the task's job is `ID_I`).
 ARRAY_JOB_KEY = "slurm_array_job_id"
 _MARKS = (ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY)
+#: Slurm's own ceiling of MaxArraySize.
+MAX_ANY = 4_000_001
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class ArrayPlanner:
     def __init__(self, ctx: PollerContext) -> None:
         self.ctx = ctx
         self._max_size: int | None = None
+        #: The largest array a submit limit let through lately (None: no limit met).
+        self._cap: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -111,7 +115,7 @@ class ArrayPlanner:
         groups: dict[tuple[Any, ...], list[Ready]] = {}
         for item in ready:
             groups.setdefault(self._key(item), []).append(item)
-        size = self._array_size(stats)
+        size = min(self._array_size(stats), self._cap or MAX_ANY)
         units: list[list[Ready]] = []
         for group in groups.values():
             for chunk in _chunks(group, size):
@@ -120,6 +124,16 @@ class ArrayPlanner:
                 else:
                     units += [[r] for r in chunk]
         return units
+
+    def refused_for_a_limit(self, size: int) -> None:
+        """Slurm refused an array of `size` for a limit (a QOS's MaxSubmitJobs counts each
+        element): the next ones are at most half as large, down to one job per task."""
+        self._cap = max(1, size // 2)
+
+    def accepted(self, size: int) -> None:
+        """An array of `size` went through: the cap grows back."""
+        if self._cap is not None and size >= self._cap:
+            self._cap *= 2
 
     def _key(self, item: Ready) -> tuple[Any, ...]:
         try:

@@ -471,11 +471,14 @@ class Submitter:
                 self._fail(ready.task, message, attempt=ready.task.attempt + 1)
             return 0
         except SlurmError as exc:
+            if isinstance(exc, SlurmUnavailable) and exc.outage is Outage.LIMIT:
+                self.arrays.refused_for_a_limit(len(members))
             delay = None
             for ready in members:
                 delay = self._wait_for_slurm(ready.task, ready.task.attempt + 1, exc, delay)
             return 0
         self.backoff.failures = 0
+        self.arrays.accepted(len(members))
         for index, ready in enumerate(members):
             task = ready.task
             job_id = f"{array_id}_{index}"

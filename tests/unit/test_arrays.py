@@ -22,6 +22,7 @@ from bridge.poller.attempt import LOST_JOBS_KEY
 from bridge.slurm import expand_array_range, parse_max_array_size, parse_sacct, parse_squeue
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm
+from tests.unit.test_hpc_poller import LIMIT_REFUSALS
 from tests.unit.test_poller import ECHO, FakeImages
 
 
@@ -287,3 +288,18 @@ def test_max_array_size(text, size):
     assert parse_max_array_size("AccountingStorageType = x\n" + text + "MaxJobCount = 1\n") == size
     with pytest.raises(ValueError):
         parse_max_array_size("MaxJobCount = 1\n")
+
+
+def test_an_array_refused_for_a_submit_limit_is_split_down_to_single_jobs(tmp_path, sqlite_store):
+    # A QOS's MaxSubmitJobsPerUser counts each element: an array larger than the limit would be
+    # refused for ever.
+    poller, fake = make_poller(tmp_path, sqlite_store, array_min_tasks=2)
+    tasks = [sqlite_store.create_task(ECHO) for _ in range(8)]
+    fake.sbatch_error = LIMIT_REFUSALS[0]
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 1
+    fake.sbatch_error = None
+    poller.clock = lambda: 1e12
+    poller.cycle()
+    assert fake.arrays == [4, 4]
+    assert all(sqlite_store.get_task(t.id).job_id for t in tasks)
