@@ -344,10 +344,8 @@ class Submitter:
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
         ready = self._prepare_round(tasks, admission, stats)
-        if ready and self.backoff.paused:
-            # Prepared, but no sbatch starts during the back-off: they wait with the others.
-            tell_waiting(self.ctx, [r.task for r in ready], self.backoff.reason)
-        elif ready:
+        if ready:
+            # The tasks prepared before one had to wait go on, as they would one by one.
             self._submit_round(self.arrays.plan(ready, stats), stats)
 
     def _prepare_round(
@@ -380,9 +378,11 @@ class Submitter:
         return ready
 
     def _submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
-        """One sbatch per unit: a task of its own, or several as one array."""
+        """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
+        stops the round (the back-off it starts)."""
+        paused_until = self.backoff.paused_until
         for index, unit in enumerate(units):
-            if self.backoff.paused:
+            if self.backoff.paused_until > paused_until and self.backoff.paused:
                 waiting = [r.task for later in units[index:] for r in later]
                 tell_waiting(self.ctx, waiting, self.backoff.reason)
                 break
