@@ -30,6 +30,8 @@ from pydantic import (
 from bridge.core.backend_params import DEFAULT_SUPPORTED, SiteTimes, parse_time
 
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
+#: Where the systemd units (deploy/systemd) and docs/operations.md put the configuration.
+DEFAULT_CONFIG_FILE = Path("/etc/tes-bridge/tes-bridge.toml")
 ENV_DATABASE = "TES_BRIDGE_DATABASE"
 ENV_STATE_DIR = "TES_BRIDGE_STATE_DIR"
 ENV_WORK_DIR = "TES_BRIDGE_WORK_DIR"
@@ -110,6 +112,10 @@ class ServiceInfoConfig(_Section):
 class BackendParametersConfig(_Section):
     #: Keys accepted in a task's backend_parameters (compared case-insensitively).
     supported: list[str] = Field(default_factory=lambda: list(SLURM_BACKEND_PARAMETERS))
+    #: A key not in `supported`: "ignore" (TES: a backend may ignore them; dropped, with a
+    #: system log line suggesting the nearest supported key) or "refuse" (a 400 naming it and
+    #: the suggestion). A task's own `backend_parameters_strict: true` always refuses.
+    unsupported: Literal["ignore", "refuse"] = "ignore"
 
 
 class SiteRule(_Section):
@@ -265,6 +271,10 @@ class ContainerConfig(_Section):
     #: An image or tag that does not exist is not looked up again for this long; tasks using it
     #: fail at once. Transient failures (registry down, full disk) are retried with back-off.
     pull_failure_ttl: float = Field(default=30.0, ge=0)
+    #: A registry that cannot be reached (its host name not found, connection refused, no
+    #: route) for this long fails the tasks waiting for it, and new ones at once, until it
+    #: answers again; a cached SIF still serves. Until then they wait in QUEUED, saying why.
+    pull_give_up_seconds: float = Field(default=600.0, gt=0)
     #: The flag that gives executors of a task that asks for GPUs the host's GPU libraries:
     #: `--nv` (NVIDIA) or `--rocm` (AMD).
     gpu_flag: Literal["--nv", "--rocm"] = "--nv"

@@ -37,7 +37,7 @@ import peewee
 from playhouse.db_url import connect as connect_url
 
 from bridge.core.naming import format_time_now
-from bridge.core.tes import TERMINAL_STATES, State
+from bridge.core.tes import CONDITION_KINDS_KEY, TERMINAL_STATES, State
 
 SCHEMA_VERSION = 1
 
@@ -128,6 +128,8 @@ class TaskRecord:
     submit_started_at: float | None = None
     next_submit_at: float | None = None
     cancel_pending: bool = False
+    #: cancel_task: this call moved the task to CANCELED (it was not final before).
+    canceled_now: bool = False
 
 
 @dataclass
@@ -439,15 +441,23 @@ class _PollerQueries:
 class _Transitions(_Part):
     """The state changes of a task after its creation (a part of :class:`Store`)."""
 
-    def cancel_task(self, task_id: str, *, owner: str | None = None) -> TaskRecord | None:
+    def cancel_task(
+        self, task_id: str, *, owner: str | None = None, note: str | None = None
+    ) -> TaskRecord | None:
         """Mark a task CANCELED at once (clients treat only final states as final).
 
         A task that may have a Slurm job keeps `cancel_pending` so the poller scancels it. A
-        terminal task keeps its state. Returns None for an unknown id.
+        terminal task keeps its state. `note` (who canceled it) goes into its last attempt's
+        system_logs. Returns None for an unknown id.
         """
         with self.db.atomic():
             query = TaskRow.select(
-                TaskRow.seq, TaskRow.id, TaskRow.state, TaskRow.job_id, TaskRow.submit_started_at
+                TaskRow.seq,
+                TaskRow.id,
+                TaskRow.state,
+                TaskRow.job_id,
+                TaskRow.submit_started_at,
+                TaskRow.logs,
             ).where(TaskRow.id == task_id)
             if owner is not None:
                 query = query.where(TaskRow.owner == owner)
@@ -457,14 +467,27 @@ class _Transitions(_Part):
             if row.state in TERMINAL_STATES:
                 return _record(row, False)
             may_have_job = row.job_id is not None or row.submit_started_at is not None
-            TaskRow.update(
-                state=State.CANCELED.value, cancel_pending=may_have_job, updated_at=_now()
-            ).where(
-                (TaskRow.seq == row.seq) & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
-            ).execute()
+            changes: dict[str, Any] = {"logs": _with_line(row.logs, note)} if note else {}
+            canceled = (
+                TaskRow.update(
+                    state=State.CANCELED.value,
+                    cancel_pending=may_have_job,
+                    updated_at=_now(),
+                    **changes,
+                )
+                .where(
+                    (TaskRow.seq == row.seq)
+                    & TaskRow.state.not_in([s.value for s in TERMINAL_STATES])
+                )
+                .execute()
+            )
         minimal = TaskRow.select(TaskRow.seq, TaskRow.id, TaskRow.state)
         after = minimal.where(TaskRow.id == task_id).first()
-        return None if after is None else _record(after, False)
+        if after is None:
+            return None
+        record = _record(after, False)
+        record.canceled_now = bool(canceled)
+        return record
 
     def update_task(self, task_id: str, *, allow_terminal: bool = False, **changes: Any) -> bool:
         """Set columns directly, for tests and repairs; the poller uses the transitions below.
@@ -645,6 +668,18 @@ class _Listing(_Part):
         rows = rows[:page_size]
         token = self._encode_token(rows[-1].seq) if more and rows else None
         return [_record(row, full) for row in rows], token
+
+    def count_states(self, task_filter: TaskFilter) -> dict[str, int]:
+        """How many tasks match `task_filter` in each state (its own state filter ignored)."""
+        query = TaskRow.select(TaskRow.state, peewee.fn.COUNT(TaskRow.seq))
+        any_state = TaskFilter(task_filter.name_prefix, None, task_filter.tags, task_filter.owner)
+        query = self._filtered(query, any_state, None).group_by(TaskRow.state)
+        return dict(cast("Iterable[tuple[str, int]]", query.tuples()))
+
+    def owners_of(self, task_ids: Sequence[str]) -> dict[str, str | None]:
+        """Each known id's owner (None: a task created without authentication)."""
+        query = TaskRow.select(TaskRow.id, TaskRow.owner).where(TaskRow.id.in_(list(task_ids)))
+        return dict(cast("Iterable[tuple[str, str | None]]", query.tuples()))
 
     def _list_within_budget(
         self, task_filter: TaskFilter, page_size: int, page_token: str | None, budget: int
@@ -938,6 +973,20 @@ def _prefix_successor(prefix: str) -> str | None:
             return prefix[:-1] + chr(code)
         prefix = prefix[:-1]
     return None
+
+
+def _with_line(logs_json: str | None, line: str) -> str:
+    """The stored logs with `line` among the last attempt's lasting system_logs (before its
+    condition lines, which end them: bridge.poller.attempt)."""
+    logs: list[dict[str, Any]] = json.loads(logs_json) if logs_json else []
+    if not logs:
+        logs = [{"logs": [], "outputs": []}]
+    entry = logs[-1]
+    lines = list(entry.get("system_logs") or [])
+    kinds = entry.get(CONDITION_KINDS_KEY) or []
+    lines.insert(len(lines) - len(kinds), line)
+    entry["system_logs"] = lines
+    return json.dumps(logs)
 
 
 def _record_from_columns(columns: dict[str, Any]) -> TaskRecord:

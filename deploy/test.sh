@@ -19,13 +19,14 @@ step() { printf '\n== %s\n' "$*"; }
 step "system packages"
 export DEBIAN_FRONTEND=noninteractive
 apt_get=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
-# nginx-light, logrotate and systemd (for systemd-analyze; PID 1 may be anything): the
-# deploy/ files are tested with the real tools.
-packages=(postgresql curl python3-venv sudo nginx-light logrotate systemd)
+# nginx-light, logrotate, systemd (for systemd-analyze; PID 1 may be anything) and prometheus
+# (for promtool; its daemon is kept from starting like the others): the deploy/ files are
+# tested with the real tools.
+packages=(postgresql curl python3-venv sudo nginx-light logrotate systemd prometheus)
 if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
   "${apt_get[@]}" update
-  # policy-rc.d keeps the packages from starting a system-wide PostgreSQL or nginx: the
-  # tests start their own private servers on free ports.
+  # policy-rc.d keeps the packages from starting a system-wide PostgreSQL, nginx or
+  # Prometheus: the tests start their own private servers on free ports.
   own_policy=0
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d

@@ -12,7 +12,7 @@ from typing import Any
 
 import falcon
 
-from bridge.api.auth import Authenticator, AuthError, build_authenticator
+from bridge.api.auth import Authenticator, AuthError, NoLocalUser, build_authenticator
 from bridge.api.metrics_api import MetricsResource, RequestMetrics
 from bridge.api.resources import (
     Capabilities,
@@ -26,6 +26,7 @@ from bridge.api.resources import (
 )
 from bridge.api.ui import add_routes as add_ui_routes
 from bridge.api.ui import is_ui_path
+from bridge.api.ui_data import add_routes as add_ui_data_routes
 from bridge.config import Config, load_config
 from bridge.store import Store, unavailable_reason
 from bridge.system.wake import WakeSender
@@ -62,6 +63,7 @@ class Authentication:
     public: those exact paths, not every path ending like them (`/tasks/openapi.json` is a task
     id, and needs an identity); the page's data comes from the API, with credentials.
     The 401 never says which part of the credentials was wrong; the reason goes to the log.
+    Good credentials that name no local Unix user are a 403 that says so.
     """
 
     PUBLIC_PATHS = frozenset(
@@ -78,6 +80,9 @@ class Authentication:
             return
         try:
             req.context.identity = self.authenticator.authenticate(req.get_header("Authorization"))
+        except NoLocalUser as exc:
+            error_log.warning("access refused for %s %s: %s", req.method, req.path, exc)
+            raise falcon.HTTPForbidden(description=exc.public) from None
         except AuthError as exc:
             error_log.info("authentication refused for %s %s: %s", req.method, req.path, exc)
             challenge = self.authenticator.challenge
@@ -196,6 +201,7 @@ def create_app(
         app.add_route(f"{prefix}/openapi.json", openapi)
         app.add_route(f"{prefix}/capabilities", capabilities)
     add_ui_routes(app)
+    add_ui_data_routes(app, config, store)
     if config.metrics.enabled and not config.metrics.bind:
         app.add_route("/metrics", MetricsResource(store.count_by_state))
     return app

@@ -51,6 +51,15 @@ class AuthError(Exception):
     """The request is not authenticated; the message is for the log, never for the client."""
 
 
+class NoLocalUser(AuthError):
+    """The credentials are good, but name no local Unix user to own tasks: a 403 whose
+    message (`public`) says so, since the caller has proven who they are."""
+
+    def __init__(self, message: str, public: str) -> None:
+        super().__init__(message)
+        self.public = public
+
+
 @dataclass(frozen=True)
 class Identity:
     #: The Unix user that owns the caller's tasks; None in mode `none` (no owner).
@@ -102,7 +111,12 @@ class _Mapped:
         try:
             user = self.users.resolve(name).user
         except UnknownUser as exc:
-            raise AuthError(str(exc)) from None
+            raise NoLocalUser(
+                str(exc),
+                f"authenticated as {name!r}, but {exc}: every caller, an administrator too, "
+                "must be a local Unix user (not root) on this host; ask the operator to add "
+                "the user or map the identity (auth.user_map_file)",
+            ) from None
         return Identity(user=user, is_admin=self.admins.is_admin(user))
 
 

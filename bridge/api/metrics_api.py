@@ -7,10 +7,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import falcon
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    generate_latest,
+    start_wsgi_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from bridge import __version__
 from bridge.core.tes import State
 from bridge.system import metrics
 
@@ -31,11 +37,27 @@ class TaskStates:
         yield family
 
 
-def scrape(count_by_state: Callable[[], dict[str, int]]) -> bytes:
-    """The text exposition of every process's metrics and the store's task states."""
+class BuildInfo:
+    """`tes_bridge_build_info{version}` 1: which version answers (a dashboard's annotation)."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "tes_bridge_build_info", "The bridge's version; always 1.", labels=["version"]
+        )
+        family.add_metric([__version__], 1)
+        yield family
+
+
+def _registry(count_by_state: Callable[[], dict[str, int]]) -> CollectorRegistry:
     collected = metrics.registry()
     collected.register(TaskStates(count_by_state))
-    return generate_latest(collected)
+    collected.register(BuildInfo())
+    return collected
+
+
+def scrape(count_by_state: Callable[[], dict[str, int]]) -> bytes:
+    """The text exposition of every process's metrics and the store's task states."""
+    return generate_latest(_registry(count_by_state))
 
 
 class _Scrape:
@@ -45,9 +67,7 @@ class _Scrape:
         self.count_by_state = count_by_state
 
     def collect(self) -> Iterator[Metric]:
-        collected = metrics.registry()
-        collected.register(TaskStates(self.count_by_state))
-        yield from collected.collect()
+        yield from _registry(self.count_by_state).collect()
 
 
 def serve_metrics(bind: str, count_by_state: Callable[[], dict[str, int]]) -> None:

@@ -3,22 +3,21 @@
 What an executor prints reaches its file at once (bridge.job.output), so a client can follow
 it while the task runs without the TES document holding an executor log that has no
 `exit_code` yet. The file is read here directly, or in site mode, where task directories are
-private to their owners, by `python -m bridge.job read-output` as the owner through the sudo
-rule (deploy/sudoers.tes-bridge).
+private to their owners, by the poller (bridge.system.relay), which runs `python -m bridge.job
+read-output` as the owner through the sudo rule (deploy/sudoers.tes-bridge): the API's unit
+forbids sudo (NoNewPrivileges), only the poller's site-mode drop-in allows it.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from bridge.config import Config
 from bridge.job.output import OutputChunk, Stream, chunk_from_json, read_output
-from bridge.job.owner import EXIT_REFUSED
 from bridge.job.safepath import UnsafePathError
 from bridge.store import TaskRecord
-from bridge.system.proc import CommandError, as_user, run
+from bridge.system.relay import RelayUnavailable, ask
 
 
 class OutputUnavailable(Exception):
@@ -60,7 +59,7 @@ class LiveOutput:
     def read(self, record: TaskRecord, job_id: str, request: OutputRequest) -> OutputChunk:
         task_dir = self.config.work_dir / record.id
         if self.config.site.run_as_owner and record.owner:
-            return self._read_as_owner(record.owner, str(task_dir), job_id, request)
+            return self._read_as_owner(record.owner, record.id, job_id, request)
         try:
             return read_output(
                 task_dir,
@@ -76,43 +75,31 @@ class LiveOutput:
             raise OutputUnavailable(f"cannot read the output: {exc}") from None
 
     def _read_as_owner(
-        self, owner: str, task_dir: str, job_id: str, request: OutputRequest
+        self, owner: str, task_id: str, job_id: str, request: OutputRequest
     ) -> OutputChunk:
-        # The argument order is the one the sudo rule's regular expression pins.
-        command = [
-            self.config.job.python,
-            "-m",
-            "bridge.job",
-            "read-output",
-            "--work-dir",
-            str(self.config.work_dir),
-            "--task-dir",
-            task_dir,
-            "--job-id",
-            job_id,
-            "--executor",
-            str(request.executor),
-            "--stream",
-            request.stream,
-            "--offset",
-            str(request.offset),
-            "--max-bytes",
-            str(request.max_bytes),
-        ]
+        # sudo is the poller's alone (the API's unit has NoNewPrivileges): ask it.
+        question = {
+            "owner": owner,
+            "task_id": task_id,
+            "job_id": job_id,
+            "executor": request.executor,
+            "stream": request.stream,
+            "offset": request.offset,
+            "max_bytes": request.max_bytes,
+        }
         try:
-            proc = run(
-                as_user(self.config.site.sudo, owner, command),
-                timeout=self.config.slurm.command_timeout,
-                cwd="/",
-            )
-        except (CommandError, ValueError) as exc:
+            answer = ask(self.config.state_dir, question, self.config.slurm.command_timeout + 5)
+        except RelayUnavailable as exc:
+            raise OutputUnavailable(
+                f"cannot read the output as {owner}: {exc}; in site mode the poller reads it"
+            ) from None
+        except (OSError, ValueError) as exc:
             raise OutputUnavailable(f"cannot read the output as {owner}: {exc}") from None
-        detail = proc.stderr.strip().splitlines()[-1:] or ["no message"]
-        if proc.returncode == EXIT_REFUSED:
-            raise OutputRefused(f"the output is not readable: {detail[0]}")
-        if proc.returncode != 0:
-            raise OutputUnavailable(f"cannot read the output as {owner}: {detail[0]}")
+        if answer.get("error") == "refused":
+            raise OutputRefused(str(answer.get("message")))
+        if "chunk" not in answer:
+            raise OutputUnavailable(str(answer.get("message") or "no answer from the poller"))
         try:
-            return chunk_from_json(json.loads(proc.stdout))
+            return chunk_from_json(answer["chunk"])
         except (ValueError, KeyError, TypeError) as exc:
             raise OutputUnavailable(f"unexpected answer from read-output: {exc}") from None

@@ -6,7 +6,9 @@ The API never runs a Slurm command: a cancel is recorded in the store and the po
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import Any
 
 import falcon
@@ -18,6 +20,7 @@ from bridge.config import Config
 from bridge.core import backend_params
 from bridge.core.tes import (
     Limits,
+    State,
     TaskValidationError,
     View,
     parse_state,
@@ -27,10 +30,14 @@ from bridge.core.tes import (
 )
 from bridge.job.output import OutputChunk, chunk_to_json
 from bridge.store import CAPABILITIES_KEY, InvalidPageToken, Store, TaskFilter, TaskRecord
-from bridge.system.metrics import TASKS_CREATED
+from bridge.system.metrics import TASKS_CREATED, observe_finished
 from bridge.system.wake import WakeSender
 
+log = logging.getLogger("bridge.api")
+
 DEFAULT_PAGE_SIZE = 256
+#: A create checks the task against the partitions the poller read, read again this often.
+CLUSTER_FACTS_SECONDS = 10.0
 MAX_PAGE_SIZE = 2047
 
 
@@ -82,6 +89,8 @@ class Tasks:
         self.limits = Limits(
             **{name: getattr(config.limits, name) for name in Limits.__dataclass_fields__}
         )
+        self._partitions_cache: list[dict[str, Any]] = []
+        self._partitions_read_at = float("-inf")
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json_body(req, self.config.limits.max_body_bytes)
@@ -90,13 +99,16 @@ class Tasks:
                 body,
                 limits=self.limits,
                 supported_backend_parameters=self.config.backend_parameters.supported,
+                refuse_unsupported_backend_parameters=(
+                    self.config.backend_parameters.unsupported == "refuse"
+                ),
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
             )
             # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
             problems = backend_params.check_task(
                 task.document, self.config.backend_parameters.supported, self.config.slurm.times
-            )
+            ) or backend_params.cluster_problems(task.document, self._partitions())
             if problems:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
@@ -108,6 +120,20 @@ class Tasks:
         if self.wake is not None:
             self.wake.nudge()  # the poller submits it now (bridge.system.wake)
         resp.media = {"id": record.id}
+
+    def _partitions(self) -> list[dict[str, Any]]:
+        """The partitions the poller last read (bridge.poller.capabilities), read again from
+        the store after CLUSTER_FACTS_SECONDS (at each create while none are known); []
+        while unknown."""
+        now = time.monotonic()
+        if not self._partitions_cache or now - self._partitions_read_at >= CLUSTER_FACTS_SECONDS:
+            try:
+                facts = json.loads(self.store.meta(CAPABILITIES_KEY) or "{}")
+                self._partitions_cache = list(facts.get("partitions") or [])
+            except (ValueError, AttributeError, TypeError):
+                self._partitions_cache = []
+            self._partitions_read_at = now
+        return self._partitions_cache
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
@@ -222,8 +248,27 @@ class Task:
             _no_nul("id", task_id)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        if self.store.cancel_task(task_id, owner=req.context.identity.owner_filter) is None:
+        identity = req.context.identity
+        note = f"canceled by {identity.user}" if identity.user else None
+        if note and identity.is_admin:
+            note += " (an administrator)"
+        record = self.store.cancel_task(task_id, owner=identity.owner_filter, note=note)
+        if record is None:
             raise _not_found(task_id)
+        if record.canceled_now:
+            observe_finished(State.CANCELED.value)
+        if record.canceled_now and identity.user:
+            # Slurm's accounting shows the owner canceling (scancel runs as them in site mode).
+            log.info(
+                "task %s canceled by %s",
+                task_id,
+                identity.user,
+                extra={
+                    "task_id": task_id,
+                    "canceled_by": identity.user,
+                    "admin": identity.is_admin,
+                },
+            )
         if self.wake is not None:
             self.wake.nudge()  # its job is canceled now (bridge.system.wake)
         resp.media = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import grp
 import json
 import os
 import pwd
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bridge import config as config_module
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.system.proc import CommandError, run
 
@@ -45,14 +47,26 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     check.set_defaults(run_unconfigured=check_command)
 
 
+def config_file(given: str | None) -> str | None:
+    """The file to check: --config, else $TES_BRIDGE_CONFIG, else the one the systemd units
+    name (DEFAULT_CONFIG_FILE) when it exists; None: the defaults."""
+    if given or os.environ.get(ENV_CONFIG):
+        return given or os.environ.get(ENV_CONFIG)
+    default = config_module.DEFAULT_CONFIG_FILE
+    return str(default) if default.exists() else None
+
+
 def check_command(args: argparse.Namespace) -> int:
     """One line per check (or JSON); 1 when any failed."""
+    path = config_file(args.config)
     try:
-        config = load_config(args.config)
+        config = load_config(path)
     except ConfigError as exc:
         results = [Result("config", False, str(exc), "correct the configuration file")]
     else:
-        where = args.config or os.environ.get(ENV_CONFIG) or "defaults"
+        where = path or (
+            f"defaults: no --config, ${ENV_CONFIG} unset and no {config_module.DEFAULT_CONFIG_FILE}"
+        )
         results = [Result("config", True, f"loaded ({where})")]
         results += Doctor(config, image=args.image).run()
     if args.json:
@@ -357,6 +371,40 @@ class RuntimeChecks(CheckGroup):
         )
 
 
+def admins(config: Config) -> str:
+    """The administrators exist: in site mode every caller, an admin too, must be a local
+    user (else every request of theirs is refused), and an admin group must exist."""
+    auth = config.auth
+    if auth.mode == "none":
+        return "authentication is off (auth.mode = none): every caller may do everything"
+    if auth.admin_group:
+        try:
+            grp.getgrnam(auth.admin_group)
+        except KeyError:
+            raise Failed(
+                f"auth.admin_group {auth.admin_group!r} is not a group on this host",
+                f"create it (`groupadd {auth.admin_group}`) or correct auth.admin_group",
+            ) from None
+    if config.site.run_as_owner:
+        missing = [user for user in auth.admin_users if not _local_user(user)]
+        if missing:
+            raise Failed(
+                f"auth.admin_users {', '.join(map(repr, missing))} "
+                f"{'is not a local user' if len(missing) == 1 else 'are not local users'}: "
+                "in site mode their requests are refused (403)",
+                "create the users on this host, or correct auth.admin_users",
+            )
+    group = f"; group {auth.admin_group}" if auth.admin_group else ""
+    return f"{', '.join(auth.admin_users) or 'no admin users'}{group}"
+
+
+def _local_user(name: str) -> bool:
+    try:
+        return pwd.getpwnam(name).pw_uid != 0
+    except KeyError:
+        return False
+
+
 class SiteChecks(CheckGroup):
     """Site mode: the sudo rules that let the service act as task owners, and no more."""
 
@@ -410,6 +458,7 @@ class Doctor:
         slurm = SlurmChecks(config, account)
         checks: list[tuple[str, Callable[[], str]]] = [
             ("database", lambda: database(config)),
+            ("admins", lambda: admins(config)),
             ("work dir", files.work_dir),
             ("image cache", files.image_cache),
             ("metrics dir", files.metrics_dir),

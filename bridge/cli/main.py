@@ -39,6 +39,17 @@ service account.
 """
 
 
+def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
+    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                no_abbreviations(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tes-bridge",
@@ -72,13 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     task = commands.add_parser(
         "task",
-        help="a client for any TES server: run, submit, list, get, cancel, logs, wait "
+        help="a client for any TES server: run, submit, resubmit, list, get, cancel, logs, wait "
         "(`tes-bridge task --help`)",
         add_help=False,
     )
     task.add_argument("task_args", nargs=argparse.REMAINDER)
     task.set_defaults(hand_over=run_task_client)
-    return parser
+    return no_abbreviations(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

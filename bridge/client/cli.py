@@ -6,40 +6,31 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import yaml
 
 from bridge.client.api import FINAL_STATES, TesClient, TesError
+from bridge.client.listing import matching_tasks, since_option, states_option, table
 from bridge.client.watch import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
     LogPrinter,
     follow_logs,
+    outcome,
     wait_for,
 )
 
-STATES = (
-    "UNKNOWN",
-    "QUEUED",
-    "INITIALIZING",
-    "RUNNING",
-    "PAUSED",
-    "COMPLETE",
-    "EXECUTOR_ERROR",
-    "SYSTEM_ERROR",
-    "CANCELED",
-    "PREEMPTED",
-    "CANCELING",
-)
 VIEWS = ("MINIMAL", "BASIC", "FULL")
 DEFAULT_URL = "http://127.0.0.1:8000"
 #: The actions that can wait for tasks, and so exit with their outcome.
-WAITING = ("run", "submit", "logs")
+WAITING = ("run", "submit", "resubmit", "logs")
 
 DESCRIPTION = f"""\
 A client for any GA4GH TES 1.1 server (this bridge, Funnel, ...): create, list, inspect, cancel
@@ -67,8 +58,14 @@ task's id; with --wait, then waits for it like `wait` and exits with its outcome
 --input URL=PATH stages URL into the container at PATH before the executor runs; --output
 PATH=URL uploads PATH afterwards. A PATH that ends in / is a DIRECTORY.
 
+Slurm's own options: --time/-t (a time limit as sbatch takes it), --partition/-p, --gpus
+and --backend-parameter KEY=VALUE (any other, e.g. qos=long) go into the task's
+resources.backend_parameters. Options are never abbreviated: --time is not --timeout (how
+long --wait waits).
+
 examples:
   tes-bridge task run alpine -- echo hello
+  tes-bridge task run -t 2:00:00 -p long --gpus a100:1 --wait tool:1 -- train.sh
   tes-bridge task run --wait --cpus 2 --ram 4 --tag project=x \\
       --input s3://bucket/reads.fq=/data/reads.fq --output /data/out/=s3://bucket/out/ \\
       quay.io/biocontainers/fastqc:0.12.1--hdfd78af_0 -- fastqc -o /data/out /data/reads.fq
@@ -88,12 +85,21 @@ examples:
     "list": (
         "list tasks, newest first",
         """\
-List tasks as a table (ID, STATE, CREATED, NAME) or, with --json, as a JSON array. Follows
-the server's page tokens to the last page, or until --limit tasks.
+List tasks as a table or, with --json, as a JSON array. The table shows each task's id,
+state, creation time and name, and of its last attempt the Slurm job id, the elapsed time,
+the exit code (the first failing executor's, else the last one's) and the peak memory, as
+far as the server records them (this bridge does). Follows the server's page tokens to the
+last page, or until --limit tasks or a task older than --since.
+
+--state takes several states, comma-separated or repeated, in any case (running,queued).
+--since takes a duration back from now (30m, 2h, 1d, 1w) or a date/time in UTC
+(2026-11-25T10:00). --watch prints the table again every --interval seconds, like `watch`.
 
 examples:
-  tes-bridge task list --state RUNNING
+  tes-bridge task list --state running,queued
+  tes-bridge task list --state EXECUTOR_ERROR --state SYSTEM_ERROR --since 1d
   tes-bridge task list --name-prefix align- --tag project=x --tag urgent --limit 20
+  tes-bridge task list --watch --state running
   tes-bridge task list --json --view FULL | jq '.[].id'
 """,
     ),
@@ -106,10 +112,22 @@ example:
   tes-bridge task get 3f2a9c1e-... --view BASIC
 """,
     ),
+    "resubmit": (
+        "post a copy of a task again; prints the new id",
+        """\
+Read the task (FULL view) and create a new task from it: the same executors, inputs,
+outputs, resources, volumes, tags, name and description, without what the server added (id,
+state, creation time, logs). Prints the new task's id; with --wait, waits for it like `wait`.
+
+example:
+  tes-bridge task resubmit --wait 3f2a9c1e-...
+""",
+    ),
     "cancel": (
         "cancel tasks",
         """\
-Ask the server to cancel each task (a task that already ended keeps its state).
+Ask the server to cancel each task. A task that had already ended keeps its state: that is
+said on stderr (`ID: had already ended COMPLETE; not canceled`) and the exit status is 1.
 
 example:
   tes-bridge task cancel 3f2a9c1e-... 77b0d4a2-...
@@ -119,7 +137,10 @@ example:
         "print a task's output: executor stdout and stderr, system logs",
         """\
 Print the executors' stdout (on stdout) and stderr (on stderr) of the task's last attempt,
-then its system logs (on stderr, as `system: ...`). A server may keep only the tail of each.
+each finished executor's exit code (on stderr, as `executor N: exit code X`), then its system
+logs (on stderr, as `system: ...`). A server may keep only the tail of each. The exit status
+is the task's outcome once it is final (0 COMPLETE, 3 EXECUTOR_ERROR, ...; see below), 0
+while it is not.
 With --follow, poll until the task is final, printing only new text, and exit like `wait`:
 from tes-slurm-bridge each line as the executor writes it (its live output endpoint), from
 other servers an executor's output once it has finished.
@@ -231,6 +252,17 @@ def _add_wait_options(
         )
 
 
+def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
+    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                no_abbreviations(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tes-bridge task",
@@ -291,6 +323,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="task tag (repeatable)",
     )
+    slurm = run.add_argument_group(
+        "Slurm (resources.backend_parameters; a server may ignore keys it does not know)"
+    )
+    slurm.add_argument(
+        "--time",
+        "-t",
+        metavar="TIME",
+        help="time limit as sbatch takes it: minutes, HH:MM:SS or D-HH:MM (key `time`)",
+    )
+    slurm.add_argument("--partition", "-p", metavar="NAME", help="Slurm partition (`partition`)")
+    slurm.add_argument("--gpus", metavar="[TYPE:]N", help="GPUs for the job, e.g. 1 or a100:2")
+    slurm.add_argument(
+        "--backend-parameter",
+        action="append",
+        default=[],
+        type=_pair("=", "KEY=VALUE"),
+        metavar="KEY=VALUE",
+        help="any backend parameter, e.g. qos=long or constraint=avx2 (repeatable)",
+    )
     _add_wait_options(run, wait_flag=True)
 
     submit = sub["submit"]
@@ -298,7 +349,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wait_options(submit, wait_flag=True)
 
     listing = sub["list"]
-    listing.add_argument("--state", choices=STATES, metavar="STATE", help="only tasks in STATE")
+    listing.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        type=states_option,
+        metavar="STATE[,STATE...]",
+        help="only tasks in these states, any case; repeatable",
+    )
+    listing.add_argument(
+        "--since",
+        type=since_option,
+        metavar="WHEN",
+        help="only tasks created since: a duration back (30m, 2h, 1d) or a UTC date/time",
+    )
+    listing.add_argument(
+        "--watch", action="store_true", help="print the table again every --interval seconds"
+    )
+    listing.add_argument(
+        "--interval",
+        type=_positive(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="with --watch: how often (2)",
+    )
     listing.add_argument("--name-prefix", metavar="PREFIX", help="only names starting so")
     listing.add_argument(
         "--tag",
@@ -321,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("id", help="task id")
     get.add_argument("--view", choices=VIEWS, default="FULL", help="default: FULL")
 
+    resubmit = sub["resubmit"]
+    resubmit.add_argument("id", help="the task to copy")
+    _add_wait_options(resubmit, wait_flag=True)
+
     sub["cancel"].add_argument("ids", nargs="+", metavar="ID", help="task ids")
 
     logs = sub["logs"]
@@ -331,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait = sub["wait"]
     wait.add_argument("ids", nargs="+", metavar="ID", help="task ids")
     _add_wait_options(wait, wait_flag=False)
-    return parser
+    return no_abbreviations(parser)
 
 
 def make_client(args: argparse.Namespace) -> TesClient:
@@ -366,19 +444,39 @@ def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.name:
         task["name"] = args.name
     if args.input:
-        task["inputs"] = [{"url": url, **_path(path)} for url, path in args.input]
+        task["inputs"] = [{"url": _local_url(url), **_path(path)} for url, path in args.input]
     if args.output:
-        task["outputs"] = [{"url": url, **_path(path)} for path, url in args.output]
-    resources = {
-        key: value
-        for key, value in (("cpu_cores", args.cpus), ("ram_gb", args.ram), ("disk_gb", args.disk))
-        if value is not None
-    }
+        task["outputs"] = [{"url": _local_url(url), **_path(path)} for path, url in args.output]
+    resources = _resources(args)
     if resources:
         task["resources"] = resources
     if args.tag:
         task["tags"] = dict(args.tag)
     return task
+
+
+def _resources(args: argparse.Namespace) -> dict[str, Any]:
+    """resources from --cpus, --ram, --disk and the Slurm options (backend_parameters; the
+    named options win over a --backend-parameter of the same key)."""
+    resources: dict[str, Any] = {
+        key: value
+        for key, value in (("cpu_cores", args.cpus), ("ram_gb", args.ram), ("disk_gb", args.disk))
+        if value is not None
+    }
+    backend = dict(args.backend_parameter)
+    named = (("time", args.time), ("partition", args.partition), ("gpus", args.gpus))
+    backend.update({key: value for key, value in named if value is not None})
+    if backend:
+        resources["backend_parameters"] = backend
+    return resources
+
+
+def _local_url(url: str) -> str:
+    """A relative local path (`./in.txt`, `data/in.txt`) as the file:// URL of its absolute
+    path: the server, which stages it, does not know this shell's working directory."""
+    if urlsplit(url).scheme or url.startswith("/"):
+        return url
+    return "file://" + os.path.abspath(url)
 
 
 def _path(path: str) -> dict[str, str]:
@@ -408,33 +506,6 @@ def read_document(name: str) -> dict[str, Any]:
     return document
 
 
-def _when(value: Any) -> str:
-    try:
-        moment = datetime.fromisoformat(str(value))
-    except ValueError:
-        return str(value or "")
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(UTC)
-    return f"{moment:%Y-%m-%d %H:%M:%S}"
-
-
-def print_table(tasks: list[dict[str, Any]]) -> None:
-    rows = [("ID", "STATE", "CREATED (UTC)", "NAME")]
-    rows += [
-        (
-            str(t.get("id", "")),
-            str(t.get("state", "")),
-            _when(t.get("creation_time")),
-            str(t.get("name") or ""),
-        )
-        for t in tasks
-    ]
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-        print("  ".join([*cells, row[3]]).rstrip())
-
-
 # ------------------------------------------------------------------------------ commands
 def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) -> int:
     task_id = client.create(task)
@@ -460,19 +531,30 @@ def submit_task(client: TesClient, args: argparse.Namespace) -> int:
 
 
 def list_tasks(client: TesClient, args: argparse.Namespace) -> int:
-    tasks = client.tasks(
-        state=args.state,
-        name_prefix=args.name_prefix,
-        tags=args.tag,
-        view=args.view if args.json else "BASIC",
-        page_size=args.page_size,
-        limit=args.limit,
-    )
-    if args.json:
-        print(json.dumps(list(tasks), indent=2))
-    else:
-        print_table(list(tasks))
-    return 0
+    while True:
+        tasks = matching_tasks(client, args, args.view if args.json else "BASIC")
+        text = json.dumps(tasks, indent=2) if args.json else "\n".join(table(tasks))
+        if not args.watch:
+            print(text)
+            return 0
+        if sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[2J")  # like watch(1): the table from the top
+        print(f"every {args.interval:g} s, {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC\n{text}\n")
+        sys.stdout.flush()
+        time.sleep(args.interval)
+
+
+def resubmit_task(client: TesClient, args: argparse.Namespace) -> int:
+    return create(client, task_copy(client.get(args.id, view="FULL")), args)
+
+
+#: What a server adds to a task: not sent again.
+OUTPUT_ONLY = ("id", "state", "creation_time", "logs")
+
+
+def task_copy(task: dict[str, Any]) -> dict[str, Any]:
+    """A task document to post again: `task` without what the server added."""
+    return {key: value for key, value in task.items() if key not in OUTPUT_ONLY}
 
 
 def get_task(client: TesClient, args: argparse.Namespace) -> int:
@@ -485,9 +567,13 @@ def show_logs(client: TesClient, args: argparse.Namespace) -> int:
         return follow_logs(client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval)
     task = client.get(args.id, view="FULL")
     LogPrinter(sys.stdout, sys.stderr).show(task)
-    if task.get("state") not in FINAL_STATES:
-        print(f"task {args.id} is {task.get('state')}; --follow prints what comes", file=sys.stderr)
-    return 0
+    state = str(task.get("state"))
+    if state not in FINAL_STATES:
+        print(f"task {args.id} is {state}; --follow prints what comes", file=sys.stderr)
+        return 0
+    if state != "COMPLETE":
+        print(f"task {args.id}: {state}", file=sys.stderr)
+    return outcome([state])
 
 
 def wait_tasks(client: TesClient, args: argparse.Namespace) -> int:
@@ -502,9 +588,16 @@ def wait_tasks(client: TesClient, args: argparse.Namespace) -> int:
 
 
 def cancel_tasks(client: TesClient, args: argparse.Namespace) -> int:
+    """Cancel each task; one that had already ended is said so (its state kept) and, like
+    scancel of a finished job, makes the exit status 1."""
     code = 0
     for task_id in args.ids:
         try:
+            state = str(client.get(task_id).get("state"))
+            if state in FINAL_STATES:
+                print(f"{task_id}: had already ended {state}; not canceled", file=sys.stderr)
+                code = EXIT_FAILED
+                continue
             client.cancel(task_id)
         except TesError as exc:
             print(f"tes-bridge task: {exc}", file=sys.stderr)
@@ -530,6 +623,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 ACTIONS: dict[str, Callable[[TesClient, argparse.Namespace], int]] = {
     "run": run_task,
     "submit": submit_task,
+    "resubmit": resubmit_task,
     "list": list_tasks,
     "get": get_task,
     "cancel": cancel_tasks,

@@ -18,7 +18,10 @@ EXIT_FAILED = 1
 #: `--timeout` passed before every task was final.
 EXIT_TIMEOUT = 7
 #: On a terminal, more tasks than this show only the count line and the tasks that failed.
+#: Up to this many, `wait` also shows why a task waits (its latest system log line).
 MANY = 20
+#: The states in which a task's latest system log line says why it waits.
+WAITING_STATES = ("QUEUED", "INITIALIZING")
 
 EXIT_CODES_HELP = """\
 exit status:
@@ -55,6 +58,8 @@ class Progress:
         self.tty = out.isatty()
         self.status_shown = False
         self.problem = ""
+        #: task id -> the waiting reason shown last.
+        self.notes: dict[str, str] = {}
 
     def _clear(self) -> None:
         if self.status_shown:
@@ -68,6 +73,16 @@ class Progress:
             self._clear()
             self.out.write(f"{datetime.now():%H:%M:%S}  {task_id}  {state}\n")
         self.out.flush()
+
+    def note(self, task_id: str, text: str) -> None:
+        """Why a task waits (its latest system log line), once each time it changes; on
+        stderr, so that stdout keeps only `ID STATE` lines for scripts."""
+        if not text or self.notes.get(task_id) == text:
+            return
+        self.notes[task_id] = text
+        self._clear()
+        self.err.write(f"{task_id}: {text}\n")
+        self.err.flush()
 
     def status(self, states: dict[str, str | None], elapsed: float, problem: str) -> None:
         if not self.tty:
@@ -132,8 +147,11 @@ def _poll(client: TesClient, states: dict[str, str | None], progress: Progress) 
     """Ask for the state of each task not final yet, and report those that changed. Returns ""
     or why the server cannot answer now (the tasks left are asked again next round)."""
     for task_id in [i for i, state in states.items() if state not in FINAL_STATES]:
+        # A few waiting tasks are read in FULL: their system logs say why they wait.
+        full = len(states) <= MANY and states[task_id] in (None, *WAITING_STATES)
         try:
-            state = str(client.get(task_id)["state"])
+            task = client.get(task_id, view="FULL" if full else "MINIMAL")
+            state = str(task["state"])
         except TesError as exc:
             if exc.status is not None and exc.status < 500:
                 progress.done(states)
@@ -144,7 +162,17 @@ def _poll(client: TesClient, states: dict[str, str | None], progress: Progress) 
         if state != states[task_id]:
             states[task_id] = state
             progress.change(task_id, state)
+        if full and state in WAITING_STATES:
+            progress.note(task_id, waiting_reason(task))
     return ""
+
+
+def waiting_reason(task: dict[str, Any]) -> str:
+    """The last system log line of the task's latest attempt ("" when there is none)."""
+    logs = task.get("logs") or []
+    last = logs[-1] if logs and isinstance(logs[-1], dict) else {}
+    lines = last.get("system_logs") or []
+    return str(lines[-1]).splitlines()[0] if lines and str(lines[-1]).strip() else ""
 
 
 def new_text(shown: str, current: str) -> str:
@@ -171,6 +199,8 @@ class LogPrinter:
         self.attempt: int | None = None
         self.shown: dict[tuple[int, str], str] = {}
         self.system_seen: set[str] = set()
+        #: (attempt, executor) whose exit code was printed.
+        self.codes_seen: set[tuple[int, int]] = set()
 
     def show(self, task: dict[str, Any], *, streams: bool = True) -> None:
         """With `streams` False, only the system logs (the streams are followed live)."""
@@ -179,8 +209,11 @@ class LogPrinter:
             return
         self._follow_attempt(len(attempts) - 1, announce=streams)
         last = attempts[-1] or {}
-        if streams:
-            self._print_streams(last.get("logs") or [])
+        executor_logs = last.get("logs") or []
+        for number, log in enumerate(executor_logs):
+            if streams:
+                self._print_streams(number, log or {})
+            self._print_exit_code(len(attempts) - 1, number, log or {})
         for line in last.get("system_logs") or []:
             if line not in self.system_seen:
                 self.system_seen.add(line)
@@ -196,12 +229,18 @@ class LogPrinter:
             self.shown.clear()
         self.attempt = index
 
-    def _print_streams(self, executor_logs: list[dict[str, Any] | None]) -> None:
-        for number, log in enumerate(executor_logs):
-            for stream, target in (("stdout", self.out), ("stderr", self.err)):
-                text = (log or {}).get(stream) or ""
-                target.write(new_text(self.shown.get((number, stream), ""), text))
-                self.shown[(number, stream)] = text
+    def _print_exit_code(self, attempt: int, number: int, log: dict[str, Any]) -> None:
+        code = log.get("exit_code")
+        if isinstance(code, int) and (attempt, number) not in self.codes_seen:
+            self.codes_seen.add((attempt, number))
+            self.out.flush()
+            self.err.write(f"executor {number}: exit code {code}\n")
+
+    def _print_streams(self, number: int, log: dict[str, Any]) -> None:
+        for stream, target in (("stdout", self.out), ("stderr", self.err)):
+            text = log.get(stream) or ""
+            target.write(new_text(self.shown.get((number, stream), ""), text))
+            self.shown[(number, stream)] = text
 
 
 class OutputUnsupported(Exception):

@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -207,3 +208,52 @@ def check_task(
     except ParameterError as exc:
         return [(exc.field, exc.message)]
     return []
+
+
+def _named_partitions(resources: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(field, partition) the task names: backend_parameters.partition, else its zones."""
+    partition = _lowered(resources.get("backend_parameters")).get("partition")
+    if partition:
+        return [("resources.backend_parameters.partition", partition)]
+    zones = resources.get("zones") or []
+    return [(f"resources.zones[{i}]", str(zone)) for i, zone in enumerate(zones)]
+
+
+def _memory_problem(
+    ram: object, named: list[tuple[str, str]], by_name: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """ram_gb larger than the largest node of the partitions named (or of any) has."""
+    if not isinstance(ram, int | float) or ram <= 0:
+        return []
+    candidates = [by_name[name] for _, name in named] or list(by_name.values())
+    largest = max(int(p.get("max_memory_mb_per_node") or 0) for p in candidates)
+    # The decimal reading, the smaller one: a node of exactly that much gets the job (render).
+    needed = math.ceil(Decimal(repr(float(ram))) * 1000)
+    if largest <= 0 or needed <= largest:
+        return []
+    where = ", ".join(name for _, name in named) if named else "any partition"
+    message = (
+        f"{ram:g} GB is more than the largest node of {where} has: {largest} MB "
+        f"({largest / 1000:g} GB)"
+    )
+    return [("resources.ram_gb", message)]
+
+
+def cluster_problems(
+    document: Mapping[str, Any], partitions: list[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    """What sbatch would refuse, known from the partitions the poller last read (the
+    capabilities document's `partitions`; empty: not known yet, nothing is refused): a
+    partition that does not exist, memory larger than any node (of the partitions named) has.
+    As (field, message) for a 400."""
+    by_name = {str(p["name"]): p for p in partitions if isinstance(p, dict) and p.get("name")}
+    if not by_name:
+        return []
+    resources = document.get("resources") or {}
+    named = _named_partitions(resources)
+    unknown = [
+        (field, f"no partition {name!r} on this cluster; its partitions: {', '.join(by_name)}")
+        for field, name in named
+        if name not in by_name
+    ]
+    return unknown or _memory_problem(resources.get("ram_gb"), named, by_name)

@@ -13,6 +13,8 @@ string); their errors are turned into one message per field path, e.g.
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 import os
 import posixpath
@@ -20,7 +22,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 from pydantic import (
     AfterValidator,
@@ -330,14 +332,26 @@ def format_field_path(loc: Iterable[str | int]) -> str:
     return text
 
 
+def _element_message(error: Mapping[str, Any]) -> str:
+    """An element of an array of strings that is not one: what it is, and (YAML writes
+    `[sleep, 1]` for ["sleep", 1]) how to write it as a string."""
+    value = error.get("input")
+    if isinstance(value, bool | int | float) and error["type"] == "string_type":
+        shown = json.dumps(value)
+        return f'must be a string, got the {type(value).__name__} {shown}; quote it ("{shown}")'
+    return _GENERIC_MESSAGES.get(error["type"], str(error["msg"]))
+
+
 def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
     loc = [p for p in error["loc"] if p not in ("function-after", "function-before")]
-    # A dedicated message applies to an error at the field itself or at one element of it,
-    # reported at the field (`executors[0].command`, not `executors[0].command[2]`).
+    # A dedicated message applies to an error at the field itself, and an element's error is
+    # reported at the element (`executors[0].command[1]: must be a string, got ...`).
     if error["type"] not in ("missing", "value_error"):
         for depth, part in enumerate(loc):
             rest = loc[depth + 1 :]
-            if part in _FIELD_MESSAGES and len(rest) <= 1 and all(isinstance(p, int) for p in rest):
+            if part in _FIELD_MESSAGES and len(rest) == 1 and isinstance(rest[0], int):
+                return format_field_path(loc), _element_message(error)
+            if part in _FIELD_MESSAGES and not rest:
                 return format_field_path(loc[: depth + 1]), _FIELD_MESSAGES[part]
     if error["type"] == "value_error":
         message = str(error.get("ctx", {}).get("error", error["msg"]))
@@ -417,6 +431,7 @@ def validate_task(
     *,
     limits: Limits = Limits(),
     supported_backend_parameters: Iterable[str] = (),
+    refuse_unsupported_backend_parameters: bool = False,
     allowed_dirs: Iterable[str] | None = None,
     local_image_dirs: Iterable[str] = (),
 ) -> ValidatedTask:
@@ -451,7 +466,9 @@ def validate_task(
     for kind in ("inputs", "outputs"):
         for item in document.get(kind, []):
             item.setdefault("type", FileType.FILE.value)
-    warnings = _filter_backend_parameters(document, supported_backend_parameters)
+    warnings = _filter_backend_parameters(
+        document, supported_backend_parameters, refuse=refuse_unsupported_backend_parameters
+    )
     return ValidatedTask(document=document, warnings=warnings)
 
 
@@ -576,8 +593,48 @@ def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, s
     return problems
 
 
-def _filter_backend_parameters(document: dict[str, Any], supported: Iterable[str]) -> list[str]:
-    """Keep the supported keys (case-insensitively); strict mode refuses the others."""
+#: Keys people write for what TES asks elsewhere (difflib would suggest `gpus` for `cpus`).
+_TES_FIELDS = {
+    **dict.fromkeys(("cpus", "cpu", "ncpus", "cores", "cpus_per_task"), "resources.cpu_cores"),
+    **dict.fromkeys(("mem", "memory", "ram", "mem_mb", "mem_gb"), "resources.ram_gb"),
+    **dict.fromkeys(("disk", "tmp", "disk_mb"), "resources.disk_gb"),
+}
+
+
+def suggestion(key: str, allowed: Iterable[str]) -> str:
+    """`did you mean `time`?` for a key close to a supported one (or a TES field), or ""."""
+    lowered = key.lower()
+    if lowered in _TES_FIELDS:
+        return f"did you mean {_TES_FIELDS[lowered]}?"
+    close = difflib.get_close_matches(lowered, sorted(allowed), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else ""
+
+
+def _joined(*parts: str) -> str:
+    return "; ".join(part for part in parts if part)
+
+
+def _refuse(unsupported: list[str], allowed: set[str], why: str) -> NoReturn:
+    supported = ", ".join(sorted(allowed)) or "none"
+    raise TaskValidationError(
+        [
+            (
+                f"resources.backend_parameters.{key}",
+                _joined(
+                    f"is not supported by this server ({why}; supported: {supported})",
+                    suggestion(key, allowed),
+                ),
+            )
+            for key in unsupported
+        ]
+    )
+
+
+def _filter_backend_parameters(
+    document: dict[str, Any], supported: Iterable[str], *, refuse: bool = False
+) -> list[str]:
+    """Keep the supported keys (case-insensitively); strict mode (the task's
+    backend_parameters_strict, or the server's `refuse`) refuses the others."""
     resources = document.get("resources")
     if not resources or "backend_parameters" not in resources:
         return []
@@ -587,23 +644,19 @@ def _filter_backend_parameters(document: dict[str, Any], supported: Iterable[str
     if not unsupported:
         return []
     if resources.get("backend_parameters_strict"):
-        raise TaskValidationError(
-            [
-                (
-                    f"resources.backend_parameters.{key}",
-                    "is not supported by this server (backend_parameters_strict is true); "
-                    f"supported: {', '.join(sorted(allowed)) or 'none'}",
-                )
-                for key in unsupported
-            ]
-        )
+        _refuse(unsupported, allowed, "backend_parameters_strict is true")
+    if refuse:
+        _refuse(unsupported, allowed, "backend_parameters.unsupported = refuse")
     kept = {k: v for k, v in given.items() if k.lower() in allowed}
     if kept:
         resources["backend_parameters"] = kept
     else:
         del resources["backend_parameters"]
     return [
-        f"backend parameter {key!r} is not supported by this server and was ignored"
+        _joined(
+            f"backend parameter {key!r} is not supported by this server and was ignored",
+            suggestion(key, allowed),
+        )
         for key in unsupported
     ]
 

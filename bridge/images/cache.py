@@ -71,6 +71,7 @@ class ImageCache:
             max_workers=max_workers,
             failure_ttl=config.container.pull_failure_ttl if failure_ttl is None else failure_ttl,
             on_pulled=on_pulled,
+            give_up_seconds=config.container.pull_give_up_seconds,
         )
 
     def normalize(self, image: str) -> str:

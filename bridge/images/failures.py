@@ -8,11 +8,14 @@ from __future__ import annotations
 
 
 class Transient(Exception):
-    """The registry or the cache cannot serve the image now; try again later."""
+    """The registry or the cache cannot serve the image now; try again later. `unreachable`:
+    the registry cannot be reached at all (name, route, refused), which is given up on after
+    container.pull_give_up_seconds (a misspelled host never comes back)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
         super().__init__(message)
         self.message = message
+        self.unreachable = unreachable
 
 
 def short_text(value: object, limit: int = 200) -> str:

@@ -38,6 +38,9 @@ class _Retry:
     message: str
     attempts: int
     delay: float
+    #: When the registry first could not be reached in this streak (monotonic; None: it
+    #: answered, e.g. 503, or the trouble was the cache's).
+    unreachable_since: float | None = None
 
 
 class PullJobs:
@@ -53,12 +56,15 @@ class PullJobs:
         max_workers: int,
         failure_ttl: float,
         on_pulled: Callable[[], None] | None,
+        give_up_seconds: float = float("inf"),
     ) -> None:
         #: (ref, key, check) -> the new entry; runs in a pool thread.
         self._job = job
         #: key -> (the SIF on disk or None, whether it is fresh).
         self._cached = cached
         self.failure_ttl = failure_ttl
+        #: A registry unreachable this long fails the tasks that wait for it.
+        self.give_up_seconds = give_up_seconds
         #: Called (from the pull thread) when a job ends, so a waiting poller can wake up.
         self.on_pulled = on_pulled
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="image-pull")
@@ -89,12 +95,30 @@ class PullJobs:
             retry = self._retries.get(key)
             # While the registry cannot be reached, a cached SIF serves rather than stalling work.
             fallback = sif if retry is not None else None
+            given_up = self._given_up(retry) if fallback is None else None
             if future is not None or (retry is not None and time.monotonic() < retry.at):
+                if given_up:
+                    raise ImagePullError(image, given_up)
                 return fallback
+            # Retries go on after giving up, so a registry that comes back serves new tasks.
             future = self._start(ref, key, check=False)
         # Outside the lock: the callback runs at once, in this thread, if the job already ended.
         future.add_done_callback(self._wake)
+        if given_up:
+            raise ImagePullError(image, given_up)
         return fallback
+
+    def _given_up(self, retry: _Retry | None) -> str | None:
+        """The failure to give tasks once the registry has been unreachable too long."""
+        if retry is None or retry.unreachable_since is None:
+            return None
+        waited = time.monotonic() - retry.unreachable_since
+        if waited < self.give_up_seconds:
+            return None
+        return (
+            f"{retry.message} since {waited:.0f} s ago; gave up after "
+            f"{self.give_up_seconds:.0f} s (container.pull_give_up_seconds)"
+        )
 
     def problem(self, image: str, key: str) -> str | None:
         """What a task waiting for `image` says: the transient trouble of its last attempt, else
@@ -180,7 +204,12 @@ class PullJobs:
         previous = self._retries.get(key)
         attempts = previous.attempts + 1 if previous else 1
         delay = min(RETRY_FIRST * 2 ** (attempts - 1), RETRY_MAX)
-        self._retries[key] = _Retry(time.monotonic() + delay, message, attempts, delay)
+        now = time.monotonic()
+        since = None
+        if isinstance(exc, Transient) and exc.unreachable:
+            since = previous.unreachable_since if previous else None
+            since = now if since is None else since
+        self._retries[key] = _Retry(now + delay, message, attempts, delay, since)
         name = self._names.get(key, key)
         log.warning("image %s not available now (%s); retrying in %.0f s", name, message, delay)
 

@@ -21,6 +21,26 @@ from bridge.images.ref import DIGEST, DOCKER_HUB, ImagePullError
 REGISTRY_TIMEOUT = 30.0
 
 
+#: Words of urllib3's and the resolver's messages -> what a user is told.
+_CONNECTION_PROBLEMS = (
+    (("nameresolution", "name or service not known", "name resolution", "getaddrinfo",
+      "nodename nor servname", "no address associated"), "host name not found"),
+    (("refused",), "connection refused"),
+    (("no route to host",), "no route to host"),
+    (("network is unreachable",), "network unreachable"),
+)  # fmt: skip
+
+
+def connection_problem(exc: BaseException) -> str:
+    """A connection error in a few words, not urllib3's nested text."""
+    text = str(exc).lower()
+    for words, problem in _CONNECTION_PROBLEMS:
+        if any(word in text for word in words):
+            return problem
+    reason = exc.args[0] if exc.args else exc
+    return short_text(reason)
+
+
 class Registry:
     """The registry side: the manifest digest a reference's tag names now."""
 
@@ -58,10 +78,8 @@ class Registry:
                 "(container.pull_timeout_seconds)"
             ) from None
         except (requests.ConnectionError, OSError) as exc:
-            reason = exc.args[0] if exc.args else exc
-            if "refused" in str(reason).lower():
-                reason = "connection refused"
-            raise Transient(f"registry {host} unreachable ({short_text(reason)})") from None
+            reason = connection_problem(exc)
+            raise Transient(f"registry {host} unreachable ({reason})", unreachable=True) from None
         if not re.fullmatch(DIGEST, digest):
             raise Transient(f"registry {host} gave no usable digest for {name}:{tag}")
         return digest

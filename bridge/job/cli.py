@@ -71,12 +71,23 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     owner.add_subcommands(subparsers)
 
 
+def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
+    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                no_abbreviations(sub)
+    return parser
+
+
 def build_parser(prog: str = "python -m bridge.job") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Compute-node side of a tes-slurm-bridge task."
     )
     add_subcommands(parser.add_subparsers(dest="job_command", required=True))
-    return parser
+    return no_abbreviations(parser)
 
 
 def run(args: argparse.Namespace) -> int:

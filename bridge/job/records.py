@@ -8,6 +8,7 @@ line, which the reader skips)::
     phase                          staging | running <N> | uploading | done
     outcome                        complete | executor_error | system_error (absent: unfinished)
     memory_peak_bytes              the peak of the job's memory cgroup, when it has one
+    cpu_usage_usec                 the CPU time (µs) the job's cgroup used, when it has one
     system_logs.jsonl              {"time": ..., "message": ...}
     outputs.jsonl                  {"url": ..., "path": ..., "size_bytes": "123"}
     executors/<N>/start_time, end_time, exit_code
@@ -112,6 +113,8 @@ class JobRecords:
     #: The peak of the job's memory cgroup (None without one): also for jobs too short for
     #: Slurm's accounting samples.
     memory_peak_bytes: int | None = None
+    #: The CPU time in microseconds of the job's cgroup (None without one), for efficiency.
+    cpu_usage_usec: int | None = None
 
     @property
     def started(self) -> bool:
@@ -206,6 +209,7 @@ def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
     outcome = _read_small(records_dir / "outcome", 256)
     records.outcome = outcome if _is_outcome(outcome) else None
     records.memory_peak_bytes = _parse_int(_read_small(records_dir / "memory_peak_bytes", 256))
+    records.cpu_usage_usec = _parse_int(_read_small(records_dir / "cpu_usage_usec", 256))
 
     stdio = _stdio_paths(layout)
     for index in _executor_indexes(records_dir):

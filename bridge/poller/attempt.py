@@ -35,6 +35,7 @@ _JOB_FACTS = (
     "slurm_elapsed_seconds",
     "slurm_max_rss_bytes",
     "memory_peak_bytes",
+    "cpu_time_seconds",
 )
 
 

@@ -222,6 +222,8 @@ def _fill_metadata(
     metadata["slurm_job_id"] = records.job_id
     if records.memory_peak_bytes is not None:
         metadata["memory_peak_bytes"] = str(records.memory_peak_bytes)
+    if records.cpu_usage_usec is not None:
+        metadata["cpu_time_seconds"] = f"{records.cpu_usage_usec / 1e6:.3f}"
     if final and (job is None or not job.ended):
         # The job recorded its outcome before Slurm ended it: squeue's RUNNING is not a final
         # fact. sacct's final record is read on a following cycle (Follower._refresh_facts).

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from bridge.core.tes import State
+from bridge.core.tes import TERMINAL_STATES, State
 from bridge.poller.attempt import TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.decisions import (
@@ -72,6 +72,8 @@ class _Decided:
             self.after.value,
             self.job_done,
         )
+        if self.after is not self.before and self.after in TERMINAL_STATES:
+            metrics.observe_finished(self.after.value)
 
 
 class Follower:

@@ -28,6 +28,7 @@ from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import Store, unavailable_reason
 from bridge.system import metrics
+from bridge.system.relay import RelayServer
 from bridge.system.wake import WakeReceiver
 
 log = logging.getLogger("bridge.poller")
@@ -194,8 +195,12 @@ def run_poller(config: Config, *, once: bool = False) -> int:
 
     poller = build_poller(config, store, wake=wake_now)
     receiver = WakeReceiver(config.state_dir, nudge)
+    # Site mode: the API's live output is read as the owner here, where sudo is allowed.
+    relay = RelayServer(config.state_dir, OwnerRunner(config).read_output)
     if not once:
         receiver.start()
+        if config.site.run_as_owner:
+            relay.start()
 
     def request_stop(*_: object) -> None:
         stop.set()
@@ -207,20 +212,21 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     try:
         while not stop.is_set():
             wake.clear()
-            _run_cycle(poller)
+            _run_cycle(poller, config.work_dir)
             if once:
                 break
             _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
     finally:
         receiver.close()
+        relay.close()
     log.info("poller stopped")
     return 0
 
 
-def _run_cycle(poller: Poller) -> None:
+def _run_cycle(poller: Poller, work_dir: Path) -> None:
     try:
         stats = poller.cycle()
-        metrics.POLL_CYCLE.observe(stats.seconds)
+        metrics.observe_poller_cycle(stats.seconds, time.time(), work_dir)
         if stats.submitted or stats.updated or stats.canceled:
             log.info("poll cycle", extra=stats.__dict__)
     except Exception as exc:

@@ -1,18 +1,21 @@
 """Site mode: the per-user steps, run as each task's owner through the sudo rule.
 
-`python -m bridge.job adopt | read-records | remove` (bridge/job/owner.py) as `sudo -n -u OWNER`
-(deploy/sudoers.tes-bridge), and the owner's Slurm account.
+`python -m bridge.job adopt | read-records | remove | read-output` (bridge/job/owner.py) as
+`sudo -n -u OWNER` (deploy/sudoers.tes-bridge), and the owner's Slurm account. `read-output` is
+the API's, asked of the poller over bridge.system.relay: only the poller's unit may use sudo.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
-from bridge.job.owner import records_from_json
+from bridge.core.naming import is_task_id
+from bridge.job.owner import EXIT_REFUSED, records_from_json
 from bridge.job.records import JobRecords
 from bridge.jobscript.render import task_files
 from bridge.poller.context import short
@@ -22,6 +25,32 @@ from bridge.system.proc import CommandError, as_user, run
 from bridge.system.users import UserMap
 
 log = logging.getLogger("bridge.poller")
+
+
+_USER = re.compile(r"^[a-z_][a-z0-9_.-]{0,63}\$?$")
+_JOB_ID = re.compile(r"^[0-9_+]{1,32}$")
+
+
+def _output_args(request: dict[str, Any]) -> tuple[str, list[str]]:
+    """The owner and read-output's arguments from the API's request; ValueError when a field is
+    not what the sudo rule would accept."""
+    owner, task_id, job_id = request.get("owner"), request.get("task_id"), request.get("job_id")
+    executor, stream = request.get("executor"), request.get("stream")
+    offset, max_bytes = request.get("offset"), request.get("max_bytes")
+    if not (isinstance(owner, str) and _USER.fullmatch(owner)) or owner == "root":
+        raise ValueError("owner")
+    if not is_task_id(task_id) or task_id in (".", ".."):
+        raise ValueError("task_id")
+    if not (isinstance(job_id, str) and _JOB_ID.fullmatch(job_id)):
+        raise ValueError("job_id")
+    if stream not in ("stdout", "stderr"):
+        raise ValueError("stream")
+    numbers = (executor, offset, max_bytes)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise ValueError("executor, offset and max_bytes must be integers")
+    args = ["--task-dir", task_id, "--job-id", job_id, "--executor", str(executor)]
+    args += ["--stream", str(stream), "--offset", str(offset), "--max-bytes", str(max_bytes)]
+    return owner, args
 
 
 class OwnerCommandError(Exception):
@@ -87,6 +116,35 @@ class OwnerRunner:
             except (OwnerCommandError, ValueError, KeyError, TypeError) as exc:
                 log.warning("cannot read the records of %s's jobs: %s", owner, short(exc))
         return found
+
+    def read_output(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The API's live output request (bridge.system.relay): `{"chunk": ...}`, or
+        `{"error": "refused" | "unavailable" | "bad-request", "message": ...}`."""
+        try:
+            owner, args = _output_args(request)
+        except ValueError as exc:
+            return {"error": "bad-request", "message": f"bad output request: {exc}"}
+        args[1] = str(self.config.work_dir / args[1])
+        command = [self.config.job.python, "-m", "bridge.job", "read-output"]
+        command += ["--work-dir", str(self.config.work_dir), *args]
+        try:
+            proc = run(
+                as_user(self.config.site.sudo, owner, command),
+                timeout=self.config.slurm.command_timeout,
+                cwd="/",
+            )
+        except (CommandError, ValueError) as exc:
+            return {"error": "unavailable", "message": f"cannot read the output as {owner}: {exc}"}
+        detail = (proc.stderr.strip().splitlines()[-1:] or ["no message"])[0]
+        if proc.returncode == EXIT_REFUSED:
+            return {"error": "refused", "message": f"the output is not readable: {detail}"}
+        if proc.returncode != 0:
+            message = f"cannot read the output as {owner}: {detail}"
+            return {"error": "unavailable", "message": message}
+        try:
+            return {"chunk": json.loads(proc.stdout)}
+        except ValueError as exc:
+            return {"error": "unavailable", "message": f"unexpected answer from read-output: {exc}"}
 
     def remove(self, owner: str, task_dir: Path) -> None:
         self.run(owner, ["remove", "--task-dir", str(task_dir)])

@@ -23,6 +23,7 @@ from bridge.poller.decisions import TIME_LIMIT_KEY
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import NodeSizes, Outage, Refusal, SlurmError, SlurmRejected, SlurmUnavailable
 from bridge.store import SubmissionFailure, TaskRecord, unavailable_reason
+from bridge.system import metrics
 
 log = logging.getLogger("bridge.poller")
 
@@ -326,6 +327,8 @@ class Submitter:
         self.backoff = Backoff(ctx)
         self.prepare = Preparer(ctx, owners)
         self.arrays = ArrayPlanner(ctx)
+        #: Tasks of this submission round waiting for an image pull (a gauge).
+        self.waiting_for_images = 0
 
     def submit_queued(self, stats: CycleStats) -> None:
         if self.backoff.paused:
@@ -333,7 +336,9 @@ class Submitter:
         store = self.ctx.store
         now = self.ctx.clock()
         tasks = store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
+        self.waiting_for_images = 0
         if not tasks:
+            metrics.observe_submission_round(0, 0)
             return
         admission = Admission(self.ctx)
         at_limit = admission.owners_at_limit()
@@ -343,26 +348,31 @@ class Submitter:
             tasks = store.tasks_to_submit(
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
-        ready = self._prepare_round(tasks, admission, stats)
+        ready, held = self._prepare_round(tasks, admission, stats)
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one.
             self._submit_round(self.arrays.plan(ready, stats), stats)
+        metrics.observe_submission_round(held, self.waiting_for_images)
 
     def _prepare_round(
         self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats
-    ) -> list[Ready]:
+    ) -> tuple[list[Ready], int]:
         """The round's tasks that admission lets go, their directories and job scripts written
-        (counted in `admission` as they come); the others wait or failed."""
+        (counted in `admission` as they come), and how many tasks admission held back; the
+        others wait or failed."""
         ready: list[Ready] = []
+        held = 0
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
                 if waiting and admission.full:
                     # Every task behind it waits for the same jobs to end: say so, stop here.
                     tell_waiting(self.ctx, tasks[index:], waiting)
+                    held += len(tasks) - index
                     break
                 if waiting:
                     tell_waiting(self.ctx, [task], waiting)
+                    held += 1
                     continue
                 item = self._ready(task, stats)
                 if item is not None:
@@ -375,7 +385,7 @@ class Submitter:
                 # The tasks that wait behind it wait for the same reason: say so.
                 tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
-        return ready
+        return ready, held
 
     def _submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
@@ -552,6 +562,8 @@ class Submitter:
             return None
         # Transient trouble (registry down, full cache) is said in system_logs while it lasts.
         notes = [] if image_paths else [p for p in map(self.images.problem, images) if p]
+        if image_paths is None:
+            self.waiting_for_images += 1
         self._note_images(task, notes, write=image_paths is None)
         return image_paths
 
@@ -649,5 +661,6 @@ class Submitter:
 
     def _fail(self, task: TaskRecord, message: str, *, attempt: int | None = None) -> None:
         logs = failure_logs(task.logs, attempt or task.attempt, message, format_time_now())
-        self.ctx.store.fail(task.id, logs, attempt=attempt, end_submission=attempt is not None)
+        if self.ctx.store.fail(task.id, logs, attempt=attempt, end_submission=attempt is not None):
+            metrics.observe_finished("SYSTEM_ERROR")
         log.info("task %s failed: %s", task.id, message)

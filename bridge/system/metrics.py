@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from bridge.core.tes import TERMINAL_STATES
 
 log = logging.getLogger("bridge.system.metrics")
 
@@ -165,6 +167,41 @@ IMAGE_PULL_FAILURES = Counter(
     "tes_bridge_image_pull_failures",
     "Image cache updates that failed: the registry's digest check or the pull.",
 )
+FINAL_STATES = sorted(state.value for state in TERMINAL_STATES)
+TASKS_FINISHED = Counter(
+    "tes_bridge_tasks_finished",
+    "Tasks that reached a final state, by that state (the poller's decisions, refused "
+    "submissions and the API's cancels).",
+    ["state"],
+)
+# The poller alone sets these gauges; "mostrecent" keeps the value of its last write, whatever
+# process wrote it (a restarted poller's files replace the old one's values).
+POLLER_LAST_CYCLE = Gauge(
+    "tes_bridge_poller_last_cycle_timestamp_seconds",
+    "Unix time at which the poller last finished a cycle (its heartbeat).",
+    multiprocess_mode="max",
+)
+TASKS_HELD_BY_ADMISSION = Gauge(
+    "tes_bridge_tasks_held_by_admission",
+    "QUEUED tasks the last submission round held back for slurm.max_jobs_in_flight or "
+    "slurm.max_jobs_per_owner.",
+    multiprocess_mode="mostrecent",
+)
+TASKS_WAITING_FOR_IMAGE = Gauge(
+    "tes_bridge_tasks_waiting_for_image",
+    "QUEUED tasks of the last submission round waiting for an image pull.",
+    multiprocess_mode="mostrecent",
+)
+WORK_DIR_FREE = Gauge(
+    "tes_bridge_work_dir_free_bytes",
+    "Bytes free for the service in the filesystem of the work directory (job.work_dir).",
+    multiprocess_mode="mostrecent",
+)
+WORK_DIR_SIZE = Gauge(
+    "tes_bridge_work_dir_size_bytes",
+    "Size in bytes of the filesystem of the work directory (job.work_dir).",
+    multiprocess_mode="mostrecent",
+)
 HTTP_REQUESTS = Counter(
     "tes_bridge_http_requests",
     "HTTP requests answered, by method, route template and status.",
@@ -179,6 +216,37 @@ HTTP_DURATION = Histogram(
 
 
 _SLURM_COMMANDS = frozenset(["sbatch", "squeue", "sacct", "scancel", "sinfo"])
+
+
+def init_label_sets() -> None:
+    """Failure counters and finished tasks exist at 0 before their first event, so that a rate
+    or an alert sees a series from the start (an absent series is no increase)."""
+    for command in sorted(_SLURM_COMMANDS):
+        SLURM_FAILURES.labels(command)
+    for state in FINAL_STATES:
+        TASKS_FINISHED.labels(state)
+
+
+def observe_finished(state: str) -> None:
+    if state in FINAL_STATES:
+        TASKS_FINISHED.labels(state).inc()
+
+
+def observe_poller_cycle(seconds: float, now: float, work_dir: str | os.PathLike[str]) -> None:
+    """A cycle ended: its duration, the heartbeat, and the work directory's free space."""
+    POLL_CYCLE.observe(seconds)
+    POLLER_LAST_CYCLE.set(now)
+    try:
+        stats = os.statvfs(work_dir)
+    except OSError:
+        return  # a missing work directory is said by the cycle itself; the gauges keep the last
+    WORK_DIR_FREE.set(stats.f_bavail * stats.f_frsize)
+    WORK_DIR_SIZE.set(stats.f_blocks * stats.f_frsize)
+
+
+def observe_submission_round(held_by_admission: int, waiting_for_image: int) -> None:
+    TASKS_HELD_BY_ADMISSION.set(held_by_admission)
+    TASKS_WAITING_FOR_IMAGE.set(waiting_for_image)
 
 
 def observe_slurm_command(argv: Sequence[str], seconds: float, failed: bool) -> None:
@@ -238,6 +306,15 @@ def registry() -> CollectorRegistry:
         IMAGE_PULL_FAILURES,
         HTTP_REQUESTS,
         HTTP_DURATION,
+        TASKS_FINISHED,
+        POLLER_LAST_CYCLE,
+        TASKS_HELD_BY_ADMISSION,
+        TASKS_WAITING_FOR_IMAGE,
+        WORK_DIR_FREE,
+        WORK_DIR_SIZE,
     ):
         result.register(metric)
     return result
+
+
+init_label_sets()

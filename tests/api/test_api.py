@@ -346,9 +346,15 @@ def error_of(client: testing.TestClient, body: Any, status: int = 400) -> dict[s
         ),
         (
             {"executors": [{"image": "a", "command": ["echo", 1]}]},
-            "executors[0].command",
-            "must be a non-empty array of strings",
+            "executors[0].command[1]",
+            'must be a string, got the int 1; quote it ("1")',
         ),
+        (
+            {"executors": [{"image": "a", "command": ["echo", None]}]},
+            "executors[0].command[1]",
+            "must be a string",
+        ),
+        ({"resources": {"zones": ["a", 2.5]}, **ECHO}, "resources.zones[1]", "got the float 2.5"),
         (
             {"executors": [{"image": "a", "command": ["x"], "workdir": "relative"}]},
             "executors[0].workdir",
@@ -497,6 +503,35 @@ def test_unsupported_backend_parameters_are_dropped_with_a_warning(client):
     basic = get(client, task["id"], "BASIC")
     assert "system_logs" not in basic["logs"][0]
     assert basic["logs"][0]["logs"] == [] and basic["logs"][0]["outputs"] == []
+
+
+def test_a_misspelled_backend_parameter_is_said_with_the_nearest_key(client, tmp_path, store):
+    """TES lets a backend ignore unknown keys: the task runs without them, and its system log
+    says which key was meant. backend_parameters.unsupported = "refuse" makes it a 400."""
+    body = {"resources": {"backend_parameters": {"tiem": "5", "partiton": "x", "cpus": "2"}}}
+    task = get(client, create(client, {**body, **ECHO}), "FULL")
+    assert "backend_parameters" not in task["resources"]
+    assert task["logs"][0]["system_logs"] == [
+        "backend parameter 'cpus' is not supported by this server and was ignored; "
+        "did you mean resources.cpu_cores?",
+        "backend parameter 'partiton' is not supported by this server and was ignored; "
+        "did you mean `partition`?",
+        "backend parameter 'tiem' is not supported by this server and was ignored; "
+        "did you mean `time`?",
+    ]
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "refusing")},
+        overrides={"backend_parameters.unsupported": "refuse"},
+    )
+    refusing = testing.TestClient(create_app(config, store=store))
+    errors = {e["field"]: e["message"] for e in error_of(refusing, {**body, **ECHO})["errors"]}
+    message = errors["resources.backend_parameters.tiem"]
+    assert message.startswith(
+        "is not supported by this server (backend_parameters.unsupported = refuse; supported: "
+        "account, "
+    )
+    assert message.endswith("); did you mean `time`?")
+    assert "did you mean `partition`?" in errors["resources.backend_parameters.partiton"]
 
 
 def test_supported_backend_parameters_in_strict_mode_are_kept(client):

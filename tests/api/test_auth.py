@@ -409,7 +409,13 @@ def test_identity_mapping_file(tmp_path: Path, sqlite_store: Store, oidc: OIDC):
     assert created.status_code == 200
     assert sqlite_store.get_task(created.json["id"]).owner == "tesalice"
     unknown = _bearer(oidc.token("x", email="mallory@example.org"))
-    assert client.simulate_get(f"{API}/tasks", headers=unknown).status_code == 401
+    refused = client.simulate_get(f"{API}/tasks", headers=unknown)
+    # A valid token of an identity with no local user: 403, saying why (the caller proved who).
+    assert refused.status_code == 403
+    assert refused.json["message"].startswith(
+        "authenticated as 'mallory@example.org', but identity 'mallory@example.org' is not in "
+        "the user mapping file: every caller, an administrator too, must be a local Unix user"
+    )
     no_claim = _bearer(oidc.token("tesalice"))
     assert client.simulate_get(f"{API}/tasks", headers=no_claim).status_code == 401
     users = UserMap.load(mapping)
@@ -431,6 +437,60 @@ def test_identities_must_be_user_names_without_a_mapping_file(unix_users: UnixUs
     admins = AdminPolicy(["tesadmin"], group=unix_users.group)
     assert admins.is_admin("tesadmin") and admins.is_admin("tesalice")
     assert not admins.is_admin(unix_users.outsider)
+
+
+def test_an_admin_who_is_not_a_local_user_is_told_why(
+    tmp_path: Path, sqlite_store: Store, htpasswd: Path
+):
+    """Site mode runs every task as a local user: an admin with no account here is a 403
+    that says so (it was a bare 401, the reason in the server log only)."""
+    write_htpasswd(htpasswd, {**PASSWORDS, "opsghost": "pw-ghost"})
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={
+            "auth.mode": "basic",
+            "auth.htpasswd_file": str(htpasswd),
+            "auth.admin_users": ["tesadmin", "opsghost"],
+            "site.run_as_owner": True,
+        },
+    )
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    answer = client.simulate_get(f"{API}/tasks", headers=_basic("opsghost", "pw-ghost"))
+    assert answer.status_code == 403
+    assert "user 'opsghost' does not exist on this host" in answer.json["message"]
+    assert "administrator too, must be a local Unix user" in answer.json["message"]
+    # A wrong password still says nothing of which part was wrong.
+    wrong = client.simulate_get(f"{API}/tasks", headers=_basic("opsghost", "nope"))
+    assert wrong.status_code == 401 and wrong.json["message"] == "authentication required"
+
+
+def test_who_canceled_a_task_is_in_its_system_logs(
+    basic_client: testing.TestClient, sqlite_store: Store, caplog: pytest.LogCaptureFixture
+):
+    """An admin's cancel runs scancel as the owner (sacct shows the owner): the task says who."""
+    alice = _basic("tesalice", PASSWORDS["tesalice"])
+    admin = _basic("tesadmin", PASSWORDS["tesadmin"])
+    first = basic_client.simulate_post(f"{API}/tasks", json=TASK, headers=alice).json["id"]
+    second = basic_client.simulate_post(f"{API}/tasks", json=TASK, headers=alice).json["id"]
+    with caplog.at_level("INFO", logger="bridge.api"):
+        assert (
+            basic_client.simulate_post(f"{API}/tasks/{first}:cancel", headers=admin).status_code
+            == 200
+        )
+    assert (
+        basic_client.simulate_post(f"{API}/tasks/{second}:cancel", headers=alice).status_code == 200
+    )
+
+    def system_logs(task_id: str) -> list[str]:
+        answer = basic_client.simulate_get(f"{API}/tasks/{task_id}?view=FULL", headers=alice)
+        return answer.json["logs"][-1]["system_logs"]
+
+    assert system_logs(first) == ["canceled by tesadmin (an administrator)"]
+    assert system_logs(second) == ["canceled by tesalice"]
+    assert f"task {first} canceled by tesadmin" in caplog.text
+    # A task that had ended is not canceled again, and says nothing more.
+    basic_client.simulate_post(f"{API}/tasks/{first}:cancel", headers=alice)
+    assert system_logs(first) == ["canceled by tesadmin (an administrator)"]
 
 
 # ------------------------------------------------------------------------------ isolation

@@ -212,7 +212,9 @@ def test_list_filters_follows_page_tokens_and_prints_a_table(server: Server):
 
     table = tes_task(server.url, "list", "--name-prefix", prefix, "--page-size", "2")
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["ID", "STATE", "CREATED", "(UTC)", "NAME"]
+    assert lines[0].split() == [
+        "ID", "STATE", "CREATED", "(UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "NAME"
+    ]  # fmt: skip
     assert [line.split()[0] for line in lines[1:]] == newest_first
     assert lines[1].split()[1] == "QUEUED" and lines[1].split()[-1] == f"{prefix}-4"
     assert lines[4].split()[1] == "CANCELED"
@@ -236,6 +238,17 @@ def test_cancel_cancels_each_task_and_reports_the_ones_it_could_not(server: Serv
         f"{second}: cancel requested",
     ]
     assert "404 task 'no-such-task' not found" in result.stderr
+
+
+def test_cancel_of_a_task_that_already_ended_says_so(server: Server):
+    done, queued = server.create(), server.create()
+    server.update(done, state="COMPLETE")
+    result = tes_task(server.url, "cancel", done, queued)
+    assert result.returncode == 1
+    assert f"{done}: had already ended COMPLETE; not canceled" in result.stderr
+    assert result.stdout.splitlines() == [f"{queued}: cancel requested"]
+    assert server.task(done)["state"] == "COMPLETE"
+    assert server.task(queued)["state"] == "CANCELED"
 
 
 # ------------------------------------------------------------------------------ errors
@@ -369,6 +382,18 @@ def test_wait_follows_changes_and_gives_up_at_its_timeout(server: Server):
     assert "1 task(s) not final after 1 s" in result.stderr
 
 
+def test_wait_says_why_a_queued_task_waits(server: Server):
+    """The latest system log line of a waiting task (an image pull retried, a limit) is shown
+    once on stderr, stdout keeping its `ID STATE` lines."""
+    task_id = server.create()
+    reason = "pulling image reg.invalid/x: registry reg.invalid unreachable (host name not found)"
+    server.update(task_id, logs=[{"logs": [], "outputs": [], "system_logs": [reason]}])
+    result = tes_task(server.url, "wait", "--interval", "0.2", "--timeout", "1", task_id)
+    assert result.returncode == 7
+    assert result.stdout.splitlines() == [f"{task_id} QUEUED"]
+    assert result.stderr.count(f"{task_id}: {reason}\n") == 1, result.stderr
+
+
 def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
     ids = [server.create() for _ in range(3)]
     primary, replica = pty.openpty()
@@ -427,11 +452,89 @@ def test_logs_prints_the_last_attempts_output_and_system_logs(server: Server):
     result = tes_task(server.url, "logs", task_id)
     assert result.returncode == 0
     assert result.stdout == "hello\n"
-    assert result.stderr == "warning\nsystem: staged 2 inputs\n"
+    assert result.stderr == "warning\nexecutor 0: exit code 0\nsystem: staged 2 inputs\n"
     queued = server.create()
     early = tes_task(server.url, "logs", queued)
     assert early.returncode == 0 and early.stdout == ""
     assert early.stderr == f"task {queued} is QUEUED; --follow prints what comes\n"
+
+
+def test_logs_of_a_failed_task_show_exit_codes_and_exit_with_the_outcome(server: Server):
+    task_id = server.create()
+    attempt = {
+        "logs": [{"exit_code": 0, "stdout": "ok\n"}, {"exit_code": 2, "stderr": "no such file\n"}],
+        "outputs": [],
+    }
+    server.update(task_id, state="EXECUTOR_ERROR", logs=[attempt])
+    result = tes_task(server.url, "logs", task_id)
+    assert result.returncode == 3
+    assert result.stdout == "ok\n"
+    assert result.stderr == (
+        "executor 0: exit code 0\nno such file\nexecutor 1: exit code 2\n"
+        f"task {task_id}: EXECUTOR_ERROR\n"
+    )
+
+
+def test_list_takes_several_states_any_case_a_time_window_and_shows_slurm_facts(server: Server):
+    prefix = unique("slurmy")
+    ids = [server.create(name=f"{prefix}-{n}") for n in range(4)]
+    server.update(ids[0], state="RUNNING")
+    server.update(ids[1], state="EXECUTOR_ERROR")
+    attempt = {
+        "logs": [{"exit_code": 0}, {"exit_code": 137}],
+        "outputs": [],
+        "start_time": "2026-11-25T10:00:00Z",
+        "end_time": "2026-11-25T11:02:03Z",
+        "metadata": {"slurm_job_id": "4711", "slurm_max_rss_bytes": str(3 * 1024**3 // 2)},
+    }
+    server.update(ids[2], state="COMPLETE", logs=[attempt])
+
+    def listed(*args: str) -> list[str]:
+        result = tes_task(server.url, "list", "--json", "--name-prefix", prefix, *args)
+        assert result.returncode == 0, result.stderr
+        return [task["id"] for task in json.loads(result.stdout)]
+
+    assert listed("--state", "running,executor_error") == [ids[1], ids[0]]
+    assert listed("--state", "Complete", "--state", "RUNNING") == [ids[2], ids[0]]
+    assert listed("--since", "1h") == ids[::-1]
+    assert listed("--since", "2000-01-01", "--state", "queued") == [ids[3]]
+    assert listed("--since", "2999-01-01") == []
+    bad = tes_task(server.url, "list", "--state", "RUNING")
+    assert bad.returncode == 2 and "expected states among" in bad.stderr
+
+    table = tes_task(server.url, "list", "--name-prefix", prefix).stdout.splitlines()
+    done = next(line for line in table if line.startswith(ids[2])).split()
+    assert done[1:] == ["COMPLETE", *done[2:4], "4711", "01:02:03", "137", "1.5G", f"{prefix}-2"]
+
+
+def test_list_watch_prints_the_table_again(server: Server):
+    prefix = unique("watched")
+    server.create(name=prefix)
+    watch = subprocess.Popen(
+        [*TES_TASK, "list", "--watch", "--interval", "0.3", "--name-prefix", prefix],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=client_env(server.url),
+    )
+    time.sleep(2.5)
+    watch.terminate()
+    out, _ = watch.communicate(timeout=30)
+    assert out.count("every 0.3 s, ") >= 2 and out.count(prefix) >= 2
+
+
+def test_resubmit_posts_a_copy_of_the_task(server: Server):
+    original = server.create(name=unique("again"), tags={"k": "v"})
+    server.update(original, state="SYSTEM_ERROR", logs=[_attempt("x")])
+    result = tes_task(server.url, "resubmit", original)
+    assert result.returncode == 0, result.stderr
+    copy = result.stdout.strip()
+    assert copy != original
+    first, second = server.task(original), server.task(copy)
+    assert second["state"] == "QUEUED" and "logs" not in second
+    dropped = ("id", "state", "creation_time", "logs")
+    assert {k: v for k, v in first.items() if k not in dropped} == {
+        k: v for k, v in second.items() if k not in dropped
+    }
 
 
 def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server):
@@ -455,7 +558,11 @@ def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server
     out, err = follow.communicate(timeout=30)
     assert follow.returncode == 3
     assert out == "line 1\nline 2\nline 3\n"
-    assert err == f"system: started\noops\nsystem: exit 1\ntask {task_id}: EXECUTOR_ERROR\n"
+    # (This fake attempt has executor 0's exit code from the start.)
+    assert err == (
+        "executor 0: exit code 0\nsystem: started\noops\nsystem: exit 1\n"
+        f"task {task_id}: EXECUTOR_ERROR\n"
+    )
 
 
 def test_logs_follow_prints_a_running_executors_output_as_it_is_written(server: Server):
@@ -512,10 +619,10 @@ def test_help_explains_each_command_with_an_example():
         ).stdout
     )
     actions = next(a for a in build_parser()._actions if a.dest == "action").choices
-    assert set(actions) == {"run", "submit", "list", "get", "cancel", "logs", "wait"}
+    assert set(actions) == {"run", "submit", "resubmit", "list", "get", "cancel", "logs", "wait"}
     for name, parser in actions.items():
         text = parser.format_help()
         assert "example" in text and f"tes-bridge task {name}" in text, name
-        if name in ("run", "submit", "logs", "wait"):
+        if name in ("run", "submit", "resubmit", "logs", "wait"):
             assert "3  a task ended EXECUTOR_ERROR" in text, name
             assert "5  a task was CANCELED" in text, name

@@ -186,3 +186,39 @@ def test_the_openapi_document_bounds_a_fractional_cpu_cores(client) -> None:
     numbers = [m for m in members if m["type"] in ("integer", "number")]
     assert {m["type"] for m in numbers} == {"integer", "number"}
     assert all(m["minimum"] == 0 and m["maximum"] == 65533 for m in numbers)
+
+
+def test_what_the_cluster_cannot_run_is_a_400_once_its_partitions_are_known(
+    tmp_path, sqlite_store
+) -> None:
+    """An unknown partition or more memory than any node has: sbatch would refuse the job, and
+    the capabilities the poller read already say so, so create refuses naming the field."""
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    big = {**ECHO, "resources": {"ram_gb": 4000}}
+    # Not known yet: accepted (the poller's sbatch decides).
+    assert client.simulate_post("/ga4gh/tes/v1/tasks", json=big).status_code == 200
+
+    fake = FakeSlurm(sinfo_partitions=GPU_SINFO)
+    Poller(config, sqlite_store, slurm_client=fake, images=FakeImages()).cycle()
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    partitions = client.simulate_get("/ga4gh/tes/v1/capabilities").json["partitions"]
+    names = [p["name"] for p in partitions]
+    largest = max(p["max_memory_mb_per_node"] for p in partitions)
+
+    message = errors_of(client, with_params(partition="mian"))[
+        "resources.backend_parameters.partition"
+    ]
+    assert message == f"no partition 'mian' on this cluster; its partitions: {', '.join(names)}"
+    zones = errors_of(client, {**ECHO, "resources": {"zones": [names[0], "nope"]}})
+    assert "no partition 'nope'" in zones["resources.zones[1]"]
+    ram = errors_of(client, big)["resources.ram_gb"]
+    assert ram == (
+        f"4000 GB is more than the largest node of any partition has: {largest} MB "
+        f"({largest / 1000:g} GB)"
+    )
+    in_cpu = {**ECHO, "resources": {"ram_gb": 300, "backend_parameters": {"partition": "cpu"}}}
+    assert "largest node of cpu has: 256000 MB" in errors_of(client, in_cpu)["resources.ram_gb"]
+    # A node's whole memory in decimal GB fits (the job gets the whole node).
+    in_cpu["resources"]["ram_gb"] = 256
+    assert client.simulate_post("/ga4gh/tes/v1/tasks", json=in_cpu).status_code == 200

@@ -186,3 +186,53 @@ def test_with_a_metrics_bind_the_api_serves_no_metrics(tmp_path: Path, sqlite_st
     )
     client = testing.TestClient(create_app(config, store=sqlite_store))
     assert client.simulate_get("/metrics").status_code == 404
+
+
+def test_failure_counters_and_finished_tasks_exist_at_zero_with_the_build_info(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An alert's rate() needs a series before the first failure: every label set is there."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # this process's values
+    text = scrape(dict)
+    found = samples(text)
+    for command in ("sbatch", "squeue", "sacct", "scancel", "sinfo"):
+        assert ("tes_bridge_slurm_command_failures_total", (("command", command),)) in found
+    for state in ("COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED", "PREEMPTED"):
+        assert ("tes_bridge_tasks_finished_total", (("state", state),)) in found
+    assert ("tes_bridge_image_pull_failures_total", ()) in found
+    from bridge import __version__
+
+    assert value(text, "tes_bridge_build_info", version=__version__) == 1
+
+
+def test_a_cancel_through_the_api_counts_one_canceled_task(
+    client: testing.TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    before = scrape(dict)
+    task_id = client.simulate_post(f"{API}/tasks", json=TASK).json["id"]
+    assert client.simulate_post(f"{API}/tasks/{task_id}:cancel", json={}).status_code == 200
+    assert client.simulate_post(f"{API}/tasks/{task_id}:cancel", json={}).status_code == 200
+    after = scrape(dict)
+    name = "tes_bridge_tasks_finished_total"
+    assert value(after, name, state="CANCELED") == value(before, name, state="CANCELED") + 1
+
+
+def test_the_poller_gauges_heartbeat_work_dir_and_submission_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics.observe_poller_cycle(0.5, 1_700_000_000.0, tmp_path)
+    metrics.observe_submission_round(3, 2)
+    text = scrape(dict)
+    assert value(text, "tes_bridge_poller_last_cycle_timestamp_seconds") == 1_700_000_000.0
+    stats = os.statvfs(tmp_path)
+    assert value(text, "tes_bridge_work_dir_size_bytes") == stats.f_blocks * stats.f_frsize
+    assert 0 < value(text, "tes_bridge_work_dir_free_bytes") <= stats.f_blocks * stats.f_frsize
+    assert value(text, "tes_bridge_tasks_held_by_admission") == 3
+    assert value(text, "tes_bridge_tasks_waiting_for_image") == 2
+    # A missing work directory keeps the last values, and the heartbeat still moves.
+    metrics.observe_poller_cycle(0.5, 1_700_000_010.0, tmp_path / "gone")
+    text = scrape(dict)
+    assert value(text, "tes_bridge_poller_last_cycle_timestamp_seconds") == 1_700_000_010.0
+    assert value(text, "tes_bridge_work_dir_size_bytes") == stats.f_blocks * stats.f_frsize

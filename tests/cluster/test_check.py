@@ -23,6 +23,7 @@ pytestmark = pytest.mark.cluster
 CHECKS = [
     "config",
     "database",
+    "admins",
     "work dir",
     "image cache",
     "metrics dir",

@@ -213,13 +213,26 @@ def test_hostile_values_run_exactly_what_was_asked(bridge_service, local_cluster
     assert not any(path.exists() for path in markers)
 
 
-def test_more_memory_than_the_node_has_is_a_system_error_with_slurm_reason(bridge_service):
-    task = bridge_service.run(
-        {"resources": {"ram_gb": 100000}, "executors": [executor("true")]}, timeout=60
+def test_more_memory_than_any_node_has_is_refused_at_create(bridge_service):
+    """Once the poller has read the partitions (GET /capabilities), a task sbatch would refuse
+    for its memory is a 400 naming resources.ram_gb and the largest node's memory."""
+    deadline = time.monotonic() + 60
+    while not requests.get(f"{bridge_service.api}/capabilities", timeout=10).json()["partitions"]:
+        assert time.monotonic() < deadline, "the poller never read the partitions"
+        time.sleep(0.5)
+    body = {"resources": {"ram_gb": 100000}, "executors": [executor("true")]}
+    answer = requests.post(f"{bridge_service.api}/tasks", json=body, timeout=10)
+    assert answer.status_code == 400, answer.text
+    (error,) = answer.json()["errors"]
+    assert (
+        error["field"] == "resources.ram_gb" and "largest node of any partition" in error["message"]
     )
-    assert task["state"] == "SYSTEM_ERROR", task
-    text = "\n".join(only_log(task)["system_logs"])
-    assert "Slurm refused the job" in text and "memory" in text.lower()
+    body = {
+        "resources": {"backend_parameters": {"partition": "mian"}},
+        "executors": [executor("true")],
+    }
+    answer = requests.post(f"{bridge_service.api}/tasks", json=body, timeout=10)
+    assert answer.status_code == 400 and "its partitions: " in answer.text and "main" in answer.text
 
 
 def test_cancel_of_a_running_task(bridge_service):

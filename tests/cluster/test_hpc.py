@@ -213,6 +213,9 @@ def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeS
     # Too short for an accounting sample, so sacct's MaxRSS may say 0; the cgroup's peak does not.
     peak = int(task["logs"][0]["metadata"]["memory_peak_bytes"])
     assert 100 << 20 < peak < 512 << 20, peak
+    # And the CPU time its cgroup used, for the web page's efficiency (seff's TotalCPU).
+    cpu = float(task["logs"][0]["metadata"]["cpu_time_seconds"])
+    assert 0 < cpu < 60, cpu
 
 
 def largest_node_memory_mb() -> int:

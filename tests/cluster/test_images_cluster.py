@@ -34,6 +34,8 @@ pytestmark = pytest.mark.cluster
 #: Small, so a moved tag is seen within the test; the default is 300 s.
 REFRESH = 2.0
 PULL_TIMEOUT = 6.0
+#: Longer than a closed door test keeps its registry away (a few seconds).
+GIVE_UP = 25.0
 
 
 class RegistryDoor:
@@ -138,6 +140,7 @@ def service(
             "insecure_registries": [local_cluster.registry, door.address, black_hole],
             "refresh_seconds": REFRESH,
             "pull_timeout_seconds": PULL_TIMEOUT,
+            "pull_give_up_seconds": GIVE_UP,
             "local_image_dirs": [str(sif_dir)],
         },
     ) as service:
@@ -272,6 +275,24 @@ def test_a_registry_that_is_down_keeps_the_task_queued_until_it_is_back(
     # Retried soon after the registry answered again (back-off at most 30 s, 8 s here).
     assert time.monotonic() - back < 45
     assert not [line for line in system_logs(task) if line.startswith("pulling image")]
+
+
+def test_a_misspelled_registry_host_fails_the_task_after_the_give_up_time(
+    service: BridgeService,
+) -> None:
+    """No such host (DNS): the task waits saying so in one line, then ends SYSTEM_ERROR once
+    the registry has been unreachable for container.pull_give_up_seconds."""
+    task_id = service.create(cat_marker("registry.no-such-host.invalid/test/tool:1"))
+    task = wait_for_log(service, task_id, "unreachable (host name not found); retrying in")
+    assert task["state"] == "QUEUED"
+    started = time.monotonic()
+    task = service.wait(task_id, timeout=GIVE_UP + 60)
+    assert task["state"] == "SYSTEM_ERROR"
+    assert time.monotonic() - started < GIVE_UP + 30
+    line = next(line for line in system_logs(task) if "gave up" in line)
+    assert "registry registry.no-such-host.invalid unreachable (host name not found)" in line
+    assert "(container.pull_give_up_seconds)" in line and "\n" not in line
+    assert "urllib3" not in line and "Pool" not in line
 
 
 def test_a_stalled_registry_times_out_and_says_so(service: BridgeService, black_hole: str) -> None:

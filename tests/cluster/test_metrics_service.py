@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import requests
 
-from tests.api.test_metrics import value
+from tests.api.test_metrics import samples, value
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
 from tests.fixtures.service import TERMINAL, BridgeService, start_bridge_service
 from tests.procs import free_port
+from tests.unit.test_monitoring_files import dashboard_exprs, metric_names, rule_exprs
 
 pytestmark = pytest.mark.cluster
 
@@ -171,3 +172,32 @@ def test_metrics_on_a_bind_of_their_own(
         assert value(text, "tes_bridge_tasks", state="COMPLETE") == 1
         assert value(text, "tes_bridge_slurm_command_seconds_count", command="sbatch") == 1
         assert requests.get(f"{service.url}/metrics", timeout=10).status_code == 404
+
+
+def test_the_alerts_and_the_dashboard_use_only_metrics_the_bridge_exports(
+    service: BridgeService,
+) -> None:
+    """Every metric name in deploy/prometheus's rules and deploy/grafana's dashboard is a series
+    of this real bridge's /metrics (API workers and poller), after a task ran."""
+    task_id = requests.post(
+        f"{service.api}/tasks",
+        json={"executors": [{"image": "alpine", "command": ["true"]}]},
+        auth=USER,
+        timeout=10,
+    ).json()["id"]
+    assert _wait(service, task_id)["state"] == "COMPLETE"
+    text = _scrape(service)
+    exported = {name for name, _ in samples(text)}
+    used: set[str] = set()
+    for expr in rule_exprs() + dashboard_exprs():
+        used |= metric_names(expr)
+    assert used and used <= exported, sorted(used - exported)
+    # The poller's own gauges are live: a heartbeat of the last seconds, a work dir with room.
+    assert time.time() - value(text, "tes_bridge_poller_last_cycle_timestamp_seconds") < 60
+    assert (
+        0
+        < value(text, "tes_bridge_work_dir_free_bytes")
+        <= value(text, "tes_bridge_work_dir_size_bytes")
+    )
+    assert value(text, "tes_bridge_tasks_finished_total", state="COMPLETE") >= 1
+    assert ("tes_bridge_tasks_finished_total", (("state", "SYSTEM_ERROR"),)) in samples(text)

@@ -193,6 +193,8 @@ run_as_owner = true
         user=service_user,
         python=site_python,
         shared=site_shared,
+        # As deploy/systemd/tes-bridge-api.service runs it: no set-user-ID program (sudo) works.
+        api_prefix=["setpriv", "--no-new-privs"],
     ) as service:
         yield service
 
@@ -397,7 +399,8 @@ def test_unauthenticated_requests_are_refused(site: BridgeService):
 
 
 def test_live_output_is_read_as_the_owner(site: BridgeService, site_python: str):
-    """The task directory is private to its owner: the API reads a running executor's output
+    """The task directory is private to its owner: the API, which runs with no new privileges
+    as its unit says (no sudo), asks the poller, which reads a running executor's output
     through the sudo rule's `read-output`, for the owner (and admins) only."""
     alice = Client(site, "tesalice")
     uid = pwd.getpwnam("tesalice").pw_uid

@@ -116,3 +116,24 @@ def test_a_lost_job_leaves_its_id_and_node_and_nothing_else_of_its_own():
         ],
         "metadata": {"slurm_lost_job_ids": "12,13"},
     }
+
+
+def test_the_job_s_cgroup_cpu_time_and_peak_enter_the_attempt_metadata(tmp_path) -> None:
+    """The cgroup's CPU time (for the web page's efficiency) and memory peak, read from the
+    job's records, become the attempt's metadata beside sacct's facts."""
+    from bridge.job.layout import TaskLayout
+    from bridge.job.records import read_records
+    from bridge.poller.decisions import fill_attempt_log
+
+    layout = TaskLayout(tmp_path)
+    records_dir = layout.records_dir("42")
+    records_dir.mkdir(parents=True)
+    (records_dir / "memory_peak_bytes").write_text("5242880\n")
+    (records_dir / "cpu_usage_usec").write_text("1500000\n")
+    records = read_records(tmp_path, "42", tail_bytes=1024)
+    assert (records.memory_peak_bytes, records.cpu_usage_usec) == (5242880, 1500000)
+    entry = AttemptLog({})
+    fill_attempt_log(entry, records, None, final=False)
+    metadata = entry.to_json()["metadata"]
+    assert metadata["cpu_time_seconds"] == "1.500"
+    assert metadata["memory_peak_bytes"] == "5242880"

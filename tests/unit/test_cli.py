@@ -178,3 +178,53 @@ def test_kill_9_of_the_serve_master_takes_its_poller_along(tmp_path: Path):
         for pid in (supervisor, poller):  # orphans of a failed run
             if pid and alive(pid) and "bridge" in cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_check_reads_the_units_config_file_when_none_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --config (and $TES_BRIDGE_CONFIG), `check` reads the file the systemd units
+    name, and says which file it read; it once checked the defaults and failed on them."""
+    from bridge import config as config_module
+    from bridge.cli import check
+
+    monkeypatch.delenv("TES_BRIDGE_CONFIG", raising=False)
+    monkeypatch.setattr(check.Doctor, "run", lambda self: iter([]))
+    default = tmp_path / "etc" / "tes-bridge.toml"
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_FILE", default)
+    args = build_parser().parse_args(["check"])
+    assert check.check_command(args) == 0
+    assert "(defaults: no --config, $TES_BRIDGE_CONFIG unset and no " in capsys.readouterr().out
+
+    default.parent.mkdir()
+    default.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    assert check.check_command(args) == 0
+    assert capsys.readouterr().out == f"ok    config: loaded ({default})\n"
+    default.write_text("[server]\nno_such_key = 1\n")
+    assert check.check_command(args) == 1
+    assert "no_such_key" in capsys.readouterr().out
+
+
+def test_check_flags_admins_who_are_not_local_users(tmp_path: Path) -> None:
+    from bridge.cli.check import Failed, admins
+    from bridge.config import Config
+
+    def site(**auth: object) -> Config:
+        htpasswd = tmp_path / "htpasswd"
+        htpasswd.touch()
+        return Config.model_validate(
+            {
+                "state_dir": str(tmp_path),
+                "auth": {"mode": "basic", "htpasswd_file": str(htpasswd), **auth},
+                "site": {"run_as_owner": True},
+            }
+        )
+
+    assert "nobody" in admins(site(admin_users=["nobody"]))
+    with pytest.raises(Failed, match="'no-such-admin-here' is not a local user") as info:
+        admins(site(admin_users=["nobody", "no-such-admin-here"]))
+    assert "auth.admin_users" in info.value.fix
+    with pytest.raises(Failed, match="'root', 'ghost2' are not local users"):
+        admins(site(admin_users=["root", "ghost2"]))
+    with pytest.raises(Failed, match=r"auth\.admin_group 'no-such-group-here' is not a group"):
+        admins(site(admin_group="no-such-group-here"))

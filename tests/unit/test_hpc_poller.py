@@ -181,3 +181,53 @@ def test_a_time_limit_refusal_names_the_limit_the_job_was_given(tmp_path, sqlite
         "slurm.default_time: ask for less time, or for a partition whose limit is longer "
         "(sinfo -o '%P %l')"
     ]
+
+
+def test_the_admission_gauge_counts_the_tasks_held_back(
+    tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bridge.system import metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # this process's values
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=2)
+    for _ in range(5):
+        sqlite_store.create_task(ECHO)
+    poller.cycle()
+    assert metrics.TASKS_HELD_BY_ADMISSION._value.get() == 3
+    assert metrics.TASKS_WAITING_FOR_IMAGE._value.get() == 0
+    finish(sqlite_store, "100")
+    finish(sqlite_store, "101")
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 4
+    assert metrics.TASKS_HELD_BY_ADMISSION._value.get() == 1
+
+
+def test_tasks_that_end_are_counted_by_final_state(
+    tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import replace
+
+    from bridge.job.records import JobRecords
+    from bridge.system import metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    finished = metrics.TASKS_FINISHED.labels("COMPLETE")
+    failed = metrics.TASKS_FINISHED.labels("EXECUTOR_ERROR")
+    before = (finished._value.get(), failed._value.get())
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    ok = sqlite_store.create_task(ECHO)
+    bad = sqlite_store.create_task(ECHO)
+    poller.cycle()
+    jobs = {task.id: sqlite_store.get_task(task.id).job_id for task in (ok, bad)}
+    outcomes = {jobs[ok.id]: "complete", jobs[bad.id]: "executor_error"}
+    for job_id in outcomes:
+        fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETED", exit_code=0)
+    monkeypatch.setattr(
+        "bridge.poller.watch.read_records",
+        lambda _dir, job_id, **_: JobRecords(job_id=job_id, phase="done", outcome=outcomes[job_id]),
+    )
+    poller.cycle()
+    assert sqlite_store.get_task(ok.id).state == "COMPLETE"
+    assert sqlite_store.get_task(bad.id).state == "EXECUTOR_ERROR"
+    poller.cycle()  # counted once
+    assert (finished._value.get(), failed._value.get()) == (before[0] + 1, before[1] + 1)

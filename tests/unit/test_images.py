@@ -730,3 +730,37 @@ def test_auto_unpacks_on_a_local_filesystem_outside_site_mode(tmp_path: Path) ->
         Config.model_validate(
             {"state_dir": str(tmp_path), "container": {"image_format": "sandbox"}, **site}
         )
+
+
+def test_an_unknown_registry_host_fails_its_tasks_after_the_give_up_time(
+    tmp_path: Path, runtime: dict[str, Path]
+) -> None:
+    """A misspelled registry host (DNS) waits with a one-line reason naming the host, then,
+    after container.pull_give_up_seconds, fails the task with the setting named."""
+    host = "no-such-registry.invalid"
+    cache = make_cache(tmp_path, runtime, host, {"pull_give_up_seconds": 2})
+    assert cache.ensure(f"{host}/tool:1") is None
+    image = f"{host}/tool:1"
+
+    def retrying() -> str | None:
+        cache.ensure(image)
+        problem = cache.problem(image)
+        return problem if problem and "retrying" in problem else None
+
+    problem = wait_for(retrying)
+    assert problem == (
+        f"pulling image {host}/tool:1: registry {host} unreachable (host name not found); "
+        "retrying in 2 s"
+    )
+    assert "\n" not in problem and "urllib3" not in problem and "Pool" not in problem
+
+    def gave_up() -> str | None:
+        try:
+            cache.ensure(f"{host}/tool:1")
+        except ImagePullError as exc:
+            return exc.reason
+        return None
+
+    reason = wait_for(gave_up, timeout=15)
+    assert reason.startswith(f"registry {host} unreachable (host name not found) since ")
+    assert reason.endswith("; gave up after 2 s (container.pull_give_up_seconds)")

@@ -135,3 +135,55 @@ def test_read_output_reads_a_range_and_refuses_a_link(work: Path, victim: Path) 
     (edir / "stdout").symlink_to(victim / "precious.txt")
     refused = _read_output(work)
     assert refused.returncode == 3 and "keep me" not in refused.stdout
+
+
+def _fake_sudo(tmp_path: Path) -> Path:
+    """`sudo -n -u OWNER -- CMD...` that runs CMD as the caller, from the checkout."""
+    sudo = tmp_path / "sudo"
+    sudo.write_text(
+        f'#!/bin/sh\n[ "$1 $2 $4" = "-n -u --" ] || exit 99\nshift 4\ncd {REPO}\nexec "$@"\n'
+    )
+    sudo.chmod(0o755)
+    return sudo
+
+
+def test_the_poller_reads_live_output_for_the_api_without_sudo_in_the_api(
+    tmp_path: Path, work: Path, victim: Path
+) -> None:
+    """Site mode: the API's unit has NoNewPrivileges, so sudo is the poller's: the API asks it
+    over the relay socket, and gets the chunk, a refusal or a clean 'not running'."""
+    from bridge.api.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable
+    from bridge.config import load_config
+    from bridge.poller.owners import OwnerRunner
+    from bridge.system.relay import RelayServer
+
+    state = tmp_path / "s"
+    state.mkdir()
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(state), "TES_BRIDGE_WORK_DIR": str(work)},
+        overrides={"site.sudo": str(_fake_sudo(tmp_path)), "job.python": sys.executable},
+    )
+    request = OutputRequest(executor=0, stream="stdout", offset=0, max_bytes=100)
+    live = LiveOutput(config)
+    with pytest.raises(OutputUnavailable, match="the poller reads it"):
+        live._read_as_owner("alice", "t1", "7", request)
+
+    edir = work / "t1" / "records" / "7" / "executors" / "0"
+    edir.mkdir(parents=True)
+    (edir / "stdout").write_text("so far\n")
+    relay = RelayServer(state, OwnerRunner(config).read_output)
+    assert relay.start()
+    try:
+        chunk = live._read_as_owner("alice", "t1", "7", request)
+        assert (chunk.text, chunk.next_offset, chunk.done) == ("so far\n", 7, False)
+        # The poller checks what it puts on sudo's command line.
+        for owner, task in (("root", "t1"), ("alice", ".."), ("-u", "t1"), ("alice", "a/b")):
+            with pytest.raises(OutputUnavailable, match="bad output request"):
+                live._read_as_owner(owner, task, "7", request)
+        (edir / "stdout").unlink()
+        (edir / "stdout").symlink_to(victim / "precious.txt")
+        with pytest.raises(OutputRefused):
+            live._read_as_owner("alice", "t1", "7", request)
+    finally:
+        relay.close()
+    assert not (state / "poller.relay").exists()

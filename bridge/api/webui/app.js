@@ -5,6 +5,8 @@
 "use strict";
 
 const API = new URL("../ga4gh/tes/v1/", document.baseURI);
+// The page's private JSON beside TES (bridge/api/ui_data.py): counts by state, owners for admins.
+const UI_DATA = new URL("../ui-data/", document.baseURI);
 const STATES = ["QUEUED", "INITIALIZING", "RUNNING", "PAUSED", "COMPLETE", "EXECUTOR_ERROR",
   "SYSTEM_ERROR", "CANCELED", "PREEMPTED", "CANCELING"];
 const FINAL = new Set(["COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED", "PREEMPTED"]);
@@ -12,6 +14,9 @@ const REFRESH_MS = 5000;
 const LIVE_MS = 2000;
 const LIVE_TAIL_BYTES = 64 * 1024;
 const AUTH_KEY = "tes-bridge-authorization";
+const WORKFLOW_PAGE_SIZE = 200;
+const WORKFLOW_MAX_TASKS = 2000;
+const SVG_NS = "http://www.w3.org/2000/svg";
 
 const $ = (id) => document.getElementById(id);
 
@@ -66,10 +71,87 @@ function bytes(value) {
   return `${size.toFixed(unit ? 1 : 0)} ${units[unit]}`;
 }
 
+function zoneOf(date) {
+  try {
+    const parts = new Intl.DateTimeFormat(undefined, { timeZoneName: "short" }).formatToParts(date);
+    const zone = parts.find((part) => part.type === "timeZoneName");
+    return zone ? zone.value : "";
+  } catch (_) {
+    return "";
+  }
+}
+
+// A time in the browser's zone, with the zone said ("2026-05-04 13:02:11 CEST").
 function when(value) {
   if (!value) return "";
   const date = new Date(value);
-  return Number.isNaN(date.getTime()) ? value : date.toLocaleString();
+  if (Number.isNaN(date.getTime())) return value;
+  const pad = (n) => String(n).padStart(2, "0");
+  const day = `${date.getFullYear()}-${pad(date.getMonth() + 1)}-${pad(date.getDate())}`;
+  const time = `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
+  return `${day} ${time} ${zoneOf(date)}`.trim();
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "";
+  if (seconds < 60) return `${seconds.toFixed(seconds < 10 ? 1 : 0)} s`;
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) return `${minutes} min ${Math.round(seconds % 60)} s`;
+  return `${Math.floor(minutes / 60)} h ${minutes % 60} min`;
+}
+
+function percent(ratio) {
+  return ratio === null || !Number.isFinite(ratio) ? "" : `${(ratio * 100).toFixed(ratio < 0.1 ? 1 : 0)} %`;
+}
+
+function secondsBetween(start, end) {
+  const from = Date.parse(start);
+  const to = Date.parse(end);
+  return Number.isFinite(from) && Number.isFinite(to) ? Math.max(0, (to - from) / 1000) : null;
+}
+
+// ------------------------------------------------------------------------------ task facts
+// The peak memory of an attempt. sacct's MaxRSS is sampled (JobAcctGatherFrequency): a job
+// shorter than a sample has none, or 0, while its cgroup kept the true peak.
+function peakMemory(meta) {
+  const rss = Number(meta.slurm_max_rss_bytes || 0);
+  const cgroup = Number(meta.memory_peak_bytes || 0);
+  if (rss > 0) return { bytes: rss, source: "sacct MaxRSS" };
+  if (cgroup > 0) return { bytes: cgroup, source: "the job's cgroup peak" };
+  return { bytes: null, source: "" };
+}
+
+// What one attempt used against what the task asked for (seff's efficiencies).
+function usage(task, log) {
+  const meta = (log && log.metadata) || {};
+  const resources = task.resources || {};
+  const cores = Number(resources.cpu_cores) || 1;  // Slurm gives one CPU when none is asked
+  const requested = resources.ram_gb ? Number(resources.ram_gb) * 2 ** 30 : null;  // --mem is GiB
+  const ended = log && log.end_time;
+  const elapsed = meta.slurm_elapsed_seconds !== undefined && Number(meta.slurm_elapsed_seconds) > 0
+    ? Number(meta.slurm_elapsed_seconds)
+    : secondsBetween(log && log.start_time, ended || (log && log.start_time && !FINAL.has(task.state)
+      ? new Date().toISOString() : null));
+  const cpu = meta.cpu_time_seconds !== undefined ? Number(meta.cpu_time_seconds) : null;
+  const peak = peakMemory(meta);
+  return {
+    cores, requested, elapsed, cpu, peak: peak.bytes, peakSource: peak.source,
+    cpuEfficiency: ended && cpu !== null && elapsed ? cpu / (cores * elapsed) : null,
+    memoryEfficiency: peak.bytes && requested ? peak.bytes / requested : null,
+  };
+}
+
+function lastAttempt(task) {
+  const logs = task.logs || [];
+  return logs.length ? logs[logs.length - 1] : null;
+}
+
+// The exit code a list shows: the first executor's that failed, else 0; "" before any ended.
+function exitCode(log) {
+  const codes = ((log && log.logs) || []).map((executor) => executor.exit_code);
+  if (!codes.length) return "";
+  const failed = codes.find((code) => code !== 0);
+  return String(failed === undefined ? 0 : failed);
 }
 
 // ------------------------------------------------------------------------------ the API
@@ -80,8 +162,8 @@ class AuthRequired extends Error {
   }
 }
 
-async function api(path, { method = "GET", params = null, body = null } = {}) {
-  const url = new URL(path, API);
+async function api(path, { method = "GET", params = null, body = null, base = API } = {}) {
+  const url = new URL(path, base);
   for (const [key, value] of params || []) url.searchParams.append(key, value);
   const headers = { Accept: "application/json" };
   const authorization = sessionStorage.getItem(AUTH_KEY);
@@ -116,6 +198,7 @@ function askForCredentials(challenge) {
   $("login").hidden = false;
   $("list-view").hidden = true;
   $("task-view").hidden = true;
+  $("workflow-view").hidden = true;
   stopTimers();
 }
 
@@ -138,6 +221,7 @@ function signIn(event) {
 }
 
 function signOut() {
+  me = null;
   sessionStorage.removeItem(AUTH_KEY);
   sessionStorage.removeItem(`${AUTH_KEY}-user`);
   location.hash = "#/";
@@ -180,38 +264,127 @@ function stopTimers() {
   liveTimer = null;
 }
 
-// ------------------------------------------------------------------------------ the list
-const listState = { tokens: [""], page: 0, loads: 0 };
+// ------------------------------------------------------------------------------ who
+let me = null;  // { user, admin } of the credentials in use, asked once
 
-function listParams() {
-  const params = [["view", "BASIC"], ["page_size", $("filter-size").value]];
-  if ($("filter-state").value) params.push(["state", $("filter-state").value]);
-  if ($("filter-name").value) params.push(["name_prefix", $("filter-name").value]);
-  const tag = $("filter-tag").value.trim();
-  if (tag) {
-    const [key, ...rest] = tag.split("=");
+async function whoAmI() {
+  if (!me) me = await api("me", { base: UI_DATA });
+  return me;
+}
+
+async function ownersOf(ids) {
+  if (!ids.length || !(await whoAmI()).admin) return null;
+  const answer = await api("owners", { base: UI_DATA, params: ids.map((id) => ["id", id]) });
+  return answer.owners || {};
+}
+
+// ------------------------------------------------------------------------------ filters
+// The list's filters live in the address (#/?state=…&name=…&tag=…&size=…), so that a view can
+// be bookmarked, shared and reloaded; the workflow view takes the same ones (#/workflow?…).
+function filtersFrom(query) {
+  const params = new URLSearchParams(query || "");
+  const size = params.get("size") || "50";
+  return {
+    state: STATES.includes(params.get("state")) ? params.get("state") : "",
+    name: params.get("name") || "",
+    tag: params.get("tag") || "",
+    size: /^[0-9]+$/.test(size) ? size : "50",
+  };
+}
+
+function hashFor(view, filters) {
+  const params = new URLSearchParams();
+  for (const key of ["state", "name", "tag"]) if (filters[key]) params.set(key, filters[key]);
+  if (filters.size && filters.size !== "50") params.set("size", filters.size);
+  const query = params.toString();
+  return `#/${view}${query ? `?${query}` : ""}`;
+}
+
+function formFilters() {
+  return {
+    state: $("filter-state").value, name: $("filter-name").value,
+    tag: $("filter-tag").value.trim(), size: $("filter-size").value,
+  };
+}
+
+function showFilters(filters) {
+  $("filter-state").value = filters.state;
+  $("filter-name").value = filters.name;
+  $("filter-tag").value = filters.tag;
+  if (![...$("filter-size").options].some((option) => option.value === filters.size)) {
+    $("filter-size").append(el("option", { value: filters.size }, filters.size));
+  }
+  $("filter-size").value = filters.size;
+}
+
+function filterParams(filters, { withState = true } = {}) {
+  const params = [];
+  if (withState && filters.state) params.push(["state", filters.state]);
+  if (filters.name) params.push(["name_prefix", filters.name]);
+  if (filters.tag) {
+    const [key, ...rest] = filters.tag.split("=");
     params.push(["tag_key", key], ["tag_value", rest.join("=")]);
   }
+  return params;
+}
+
+function go(hash) {
+  if (location.hash === hash) route();
+  else location.hash = hash;  // hashchange routes
+}
+
+// ------------------------------------------------------------------------------ the list
+const listState = { tokens: [""], page: 0, loads: 0, filters: filtersFrom("") };
+
+function listParams() {
+  const filters = listState.filters;
+  const params = [["view", "BASIC"], ["page_size", filters.size], ...filterParams(filters)];
   const token = listState.tokens[listState.page];
   if (token) params.push(["page_token", token]);
   return params;
 }
 
-function taskRow(task) {
+function taskRow(task, owners) {
   const tags = Object.entries(task.tags || {}).map(([k, v]) => (v ? `${k}=${v}` : k));
   const link = el("a", { href: `#/task/${encodeURIComponent(task.id)}` }, task.name || "(no name)");
+  const log = lastAttempt(task);
+  const used = usage(task, log);
   return el("tr", { "data-id": task.id },
     el("td", { class: "name" }, link),
     el("td", { class: `state state-${task.state}` }, task.state),
-    el("td", {}, when(task.creation_time)),
+    owners ? el("td", { class: "owner" }, owners[task.id] || "") : null,
+    el("td", { class: "job" }, ((log && log.metadata) || {}).slurm_job_id || ""),
+    el("td", { class: "created", title: task.creation_time || "" }, when(task.creation_time)),
+    el("td", { class: "duration" }, duration(used.elapsed)),
+    el("td", { class: "exit" }, exitCode(log)),
     el("td", { class: "tags" }, tags.join(", ")),
     el("td", { class: "id" }, task.id));
 }
 
+function countsPart(counts) {
+  const total = Object.values(counts).reduce((sum, n) => sum + n, 0);
+  const current = listState.filters.state;
+  const chip = (state, label, n) => el("a", {
+    class: `count${state ? ` state-${state}` : ""}${state === current ? " current" : ""}`,
+    "data-state": state, href: hashFor("", { ...listState.filters, state }),
+  }, `${label} `, el("b", {}, String(n)));
+  return [chip("", "all", total),
+    ...STATES.filter((state) => counts[state]).map((state) => chip(state, state, counts[state]))];
+}
+
 async function loadList() {
-  const answer = await api("tasks", { params: listParams() });
+  const filters = listState.filters;
+  const [answer, summary] = await Promise.all([
+    api("tasks", { params: listParams() }),
+    api("summary", { base: UI_DATA, params: filterParams(filters, { withState: false }) }),
+  ]);
   const tasks = answer.tasks || [];
-  clear($("tasks").tBodies[0]).append(...tasks.map(taskRow));
+  const owners = await ownersOf(tasks.map((task) => task.id));
+  $("owner-head").hidden = owners === null;
+  clear($("tasks").tBodies[0]).append(...tasks.map((task) => taskRow(task, owners)));
+  clear($("state-counts")).append(...countsPart(summary.counts || {}));
+  $("workflow-hint").hidden = !(filters.name || filters.tag);
+  $("workflow-link").setAttribute("href", hashFor("workflow", filters));
   $("empty").hidden = tasks.length > 0;
   listState.tokens.length = listState.page + 1;
   if (answer.next_page_token) listState.tokens.push(answer.next_page_token);
@@ -230,10 +403,212 @@ function scheduleList() {
   }
 }
 
-function showList() {
-  $("task-view").hidden = true;
-  $("list-view").hidden = false;
+function showList(filters) {
+  if (filters) {
+    listState.filters = filters;
+    listState.tokens = [""];
+    listState.page = 0;
+    showFilters(filters);
+  }
+  showOnly("list-view");
   return guarded(loadList).then(scheduleList);
+}
+
+function showOnly(id) {
+  for (const view of ["list-view", "task-view", "workflow-view"]) $(view).hidden = view !== id;
+}
+
+// ------------------------------------------------------------------------------ a workflow
+// The tasks that share a tag or a name prefix, as Nextflow's timeline report draws a run: each
+// task's waiting and running spans on one time axis, and what each used of what it asked.
+async function workflowTasks(filters) {
+  const tasks = [];
+  let token = "";
+  do {
+    const params = [["view", "BASIC"], ["page_size", String(WORKFLOW_PAGE_SIZE)], ...filterParams(filters)];
+    if (token) params.push(["page_token", token]);
+    const answer = await api("tasks", { params });
+    tasks.push(...(answer.tasks || []));
+    token = answer.next_page_token || "";
+  } while (token && tasks.length < WORKFLOW_MAX_TASKS);
+  return tasks.reverse();  // oldest first, as they were created
+}
+
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, String(value));
+  for (const child of children) node.append(child instanceof Node ? child : String(child));
+  return node;
+}
+
+// Each task's spans in milliseconds: created → started (waiting), started → ended (running).
+function spans(task, now) {
+  const created = Date.parse(task.creation_time);
+  const logs = task.logs || [];
+  const first = logs.find((log) => log.start_time);
+  const last = lastAttempt(task);
+  const started = first ? Date.parse(first.start_time) : NaN;
+  let ended = last && last.end_time ? Date.parse(last.end_time) : NaN;
+  if (!Number.isFinite(ended)) ended = FINAL.has(task.state) ? NaN : now;
+  return { created, started, ended };
+}
+
+function timelinePart(tasks) {
+  const now = Date.now();
+  const rows = tasks.map((task) => ({ task, ...spans(task, now) }))
+    .filter((row) => Number.isFinite(row.created));
+  if (!rows.length) return el("p", { class: "note" }, "No task to draw.");
+  const t0 = Math.min(...rows.map((row) => row.created));
+  const ends = rows.flatMap((row) => [row.created, row.started, row.ended]).filter(Number.isFinite);
+  const t1 = Math.max(t0 + 1000, ...ends);
+  const [label, width, rowHeight, top] = [240, 1000, 16, 22];
+  const x = (t) => label + ((t - t0) / (t1 - t0)) * (width - label - 10);
+  const height = top + rows.length * rowHeight + 4;
+  const chart = svg("svg", {
+    id: "timeline-chart", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img",
+    "aria-label": `Timeline of ${rows.length} tasks`,
+  });
+  for (const fraction of [0, 0.25, 0.5, 0.75, 1]) {
+    const at = x(t0 + fraction * (t1 - t0));
+    chart.append(svg("line", { class: "tl-grid", x1: at, x2: at, y1: top - 6, y2: height }),
+      svg("text", { class: "tl-axis", x: at, y: 12, "text-anchor": fraction === 1 ? "end" : "middle" },
+        duration((fraction * (t1 - t0)) / 1000) || "0 s"));
+  }
+  rows.forEach((row, index) => {
+    const y = top + index * rowHeight;
+    const name = row.task.name || row.task.id;
+    const group = svg("g", { class: "tl-row", "data-id": row.task.id });
+    group.append(svg("text", { class: "tl-label", x: label - 6, y: y + 11, "text-anchor": "end" },
+      name.length > 34 ? `${name.slice(0, 33)}…` : name));
+    const waitEnd = Number.isFinite(row.started) ? row.started : (Number.isFinite(row.ended) ? row.ended : now);
+    group.append(svg("rect", { class: "tl-queued", x: x(row.created), y: y + 2, height: rowHeight - 5,
+      width: Math.max(1, x(waitEnd) - x(row.created)) },
+    svg("title", {}, `${name}: waiting ${duration((waitEnd - row.created) / 1000)}`)));
+    if (Number.isFinite(row.started)) {
+      const end = Number.isFinite(row.ended) ? row.ended : row.started;
+      group.append(svg("rect", { class: `tl-run tl-${row.task.state}`, x: x(row.started), y: y + 2,
+        height: rowHeight - 5, width: Math.max(1, x(end) - x(row.started)) },
+      svg("title", {}, `${name}: running ${duration((end - row.started) / 1000)} (${row.task.state})`)));
+    }
+    chart.append(group);
+  });
+  return chart;
+}
+
+// Requested against used per task: CPU (cores × elapsed against CPU time) and memory
+// (requested against peak), each bar scaled to the largest request of its column.
+function resourcePicturePart(rows) {
+  const [label, width, rowHeight, top] = [240, 1000, 16, 22];
+  const column = (width - label - 20) / 2;
+  const cpuMax = Math.max(1e-9, ...rows.map((r) => (r.used.elapsed || 0) * r.used.cores), ...rows.map((r) => r.used.cpu || 0));
+  const memMax = Math.max(1, ...rows.map((r) => r.used.requested || 0), ...rows.map((r) => r.used.peak || 0));
+  const height = top + rows.length * rowHeight + 4;
+  const chart = svg("svg", {
+    id: "resource-chart", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img",
+    "aria-label": "Requested against used CPU time and memory per task",
+  });
+  chart.append(svg("text", { class: "tl-axis", x: label, y: 12 }, "CPU: cores × elapsed (outline) and CPU time used (filled)"),
+    svg("text", { class: "tl-axis", x: label + column + 20, y: 12 }, "Memory: requested (outline) and peak (filled)"));
+  const bar = (group, left, y, value, max, kind, text) => {
+    if (!value) return;
+    group.append(svg("rect", { class: kind, x: left, y: y + 2, height: rowHeight - 5,
+      width: Math.max(1, (value / max) * column) }, svg("title", {}, text)));
+  };
+  rows.forEach((row, index) => {
+    const y = top + index * rowHeight;
+    const name = row.task.name || row.task.id;
+    const group = svg("g", { class: "res-row", "data-id": row.task.id });
+    group.append(svg("text", { class: "tl-label", x: label - 6, y: y + 11, "text-anchor": "end" },
+      name.length > 34 ? `${name.slice(0, 33)}…` : name));
+    const u = row.used;
+    bar(group, label, y, (u.elapsed || 0) * u.cores, cpuMax, "res-asked", `${name}: ${u.cores} cores × ${duration(u.elapsed)}`);
+    bar(group, label, y, u.cpu, cpuMax, "res-used", `${name}: CPU time ${duration(u.cpu)} (${percent(u.cpuEfficiency)})`);
+    bar(group, label + column + 20, y, u.requested, memMax, "res-asked", `${name}: ${bytes(u.requested)} requested`);
+    bar(group, label + column + 20, y, u.peak, memMax, "res-used", `${name}: peak ${bytes(u.peak)} (${percent(u.memoryEfficiency)})`);
+    chart.append(group);
+  });
+  return chart;
+}
+
+function efficiencyCell(ratio) {
+  if (ratio === null || !Number.isFinite(ratio)) return el("td", { class: "efficiency" }, "");
+  return el("td", { class: "efficiency" },
+    el("meter", { min: "0", max: "1", low: "0.3", optimum: "1", value: String(Math.min(ratio, 1)) }),
+    ` ${percent(ratio)}`);
+}
+
+function resourceRow(row) {
+  const u = row.used;
+  return el("tr", { "data-id": row.task.id },
+    el("td", { class: "name" }, el("a", { href: `#/task/${encodeURIComponent(row.task.id)}` },
+      row.task.name || "(no name)")),
+    el("td", { class: `state state-${row.task.state}` }, row.task.state),
+    el("td", {}, String(u.cores)),
+    el("td", {}, duration(u.elapsed)),
+    el("td", { class: "cpu-time" }, u.cpu === null ? "" : duration(u.cpu)),
+    efficiencyCell(u.cpuEfficiency),
+    el("td", {}, u.requested ? bytes(u.requested) : "not asked"),
+    el("td", { class: "peak", title: u.peakSource }, u.peak ? bytes(u.peak) : ""),
+    efficiencyCell(u.memoryEfficiency));
+}
+
+function workflowSummary(rows, filters) {
+  const byState = {};
+  for (const row of rows) byState[row.task.state] = (byState[row.task.state] || 0) + 1;
+  const sum = (f) => rows.reduce((total, row) => total + (f(row.used) || 0), 0);
+  const measured = rows.filter((row) => row.used.cpuEfficiency !== null);
+  const cpuUsed = measured.reduce((t, r) => t + r.used.cpu, 0);
+  const cpuAsked = measured.reduce((t, r) => t + r.used.cores * r.used.elapsed, 0);
+  const memRows = rows.filter((row) => row.used.memoryEfficiency !== null);
+  const memUsed = memRows.reduce((t, r) => t + r.used.peak, 0);
+  const memAsked = memRows.reduce((t, r) => t + r.used.requested, 0);
+  const spansAll = rows.map((row) => spans(row.task, Date.now()));
+  const first = Math.min(...spansAll.map((s) => s.created));
+  const last = Math.max(...spansAll.flatMap((s) => [s.started, s.ended]).filter(Number.isFinite), first);
+  const what = [filters.tag ? `tag ${filters.tag}` : "", filters.name ? `names starting ${filters.name}` : ""]
+    .filter(Boolean).join(", ");
+  $("workflow-title").textContent = `Workflow: ${what}`;
+  return [
+    `${rows.length} tasks (${Object.entries(byState).map(([k, v]) => `${v} ${k}`).join(", ")})`,
+    `from first creation to last end ${duration((last - first) / 1000)}`,
+    `CPU time ${duration(sum((u) => u.cpu))}`,
+    cpuAsked ? `CPU efficiency ${percent(cpuUsed / cpuAsked)}` : "",
+    memAsked ? `memory efficiency ${percent(memUsed / memAsked)}` : "",
+  ].filter(Boolean).join(" · ");
+}
+
+let workflowLoads = 0;
+
+async function loadWorkflow(filters) {
+  const tasks = await workflowTasks(filters);
+  const rows = tasks.map((task) => ({ task, used: usage(task, lastAttempt(task)) }));
+  $("workflow-summary").textContent = workflowSummary(rows, filters);
+  clear($("timeline")).append(timelinePart(tasks));
+  clear($("resource-picture")).append(resourcePicturePart(rows));
+  clear($("resources").tBodies[0]).append(...rows.map(resourceRow));
+  workflowLoads += 1;
+  $("workflow-view").dataset.loaded = String(workflowLoads);
+  return tasks;
+}
+
+function showWorkflow(filters) {
+  showOnly("workflow-view");
+  $("workflow-back").setAttribute("href", hashFor("", filters));
+  if (!filters.name && !filters.tag) {
+    showError("A workflow is the tasks of a tag or a name prefix: set one in the list's filters.");
+    return Promise.resolve();
+  }
+  const again = async () => {
+    let unfinished = true;
+    await guarded(async () => {
+      const tasks = await loadWorkflow(filters);
+      unfinished = tasks.some((task) => !FINAL.has(task.state));
+    });
+    if (unfinished && $("auto-refresh").checked && location.hash.startsWith("#/workflow")) {
+      refreshTimer = setTimeout(again, REFRESH_MS);
+    }
+  };
+  return again();
 }
 
 // ------------------------------------------------------------------------------ one task
@@ -263,8 +638,9 @@ function filesPart(files, kind) {
     el("tbody", {}, ...rows))];
 }
 
-function attemptPart(log, index) {
+function attemptPart(task, log, index) {
   const meta = log.metadata || {};
+  const used = usage(task, log);
   const card = el("div", { class: "card attempt", "data-attempt": String(index + 1) },
     el("h4", {}, `Attempt ${index + 1}`),
     definitions([
@@ -272,7 +648,13 @@ function attemptPart(log, index) {
       ["Partition", meta.slurm_partition], ["Slurm state", meta.slurm_state],
       ["Started", when(log.start_time)], ["Ended", when(log.end_time)],
       ["Elapsed", meta.slurm_elapsed_seconds ? `${meta.slurm_elapsed_seconds} s` : ""],
-      ["Max RSS", meta.slurm_max_rss_bytes ? bytes(meta.slurm_max_rss_bytes) : ""],
+      ["Max RSS", used.peak ? el("span", { class: "max-rss", title: used.peakSource },
+        `${bytes(used.peak)}${used.peakSource === "sacct MaxRSS" ? "" : ` (${used.peakSource})`}`) : ""],
+      ["CPU time", used.cpu === null ? "" : `${duration(used.cpu)}`],
+      ["CPU efficiency", used.cpuEfficiency === null ? "" : el("span", { class: "cpu-efficiency" },
+        `${percent(used.cpuEfficiency)} (CPU time of ${used.cores} × ${duration(used.elapsed)})`)],
+      ["Memory efficiency", used.memoryEfficiency === null ? "" : el("span", { class: "memory-efficiency" },
+        `${percent(used.memoryEfficiency)} (peak of ${bytes(used.requested)} requested)`)],
     ]));
   for (const [number, executor] of (log.logs || []).entries()) {
     card.append(el("h5", {}, `Executor ${number}: exit code ${executor.exit_code}`),
@@ -292,16 +674,21 @@ function attemptPart(log, index) {
 
 let current = null;  // the task shown: { id, task }
 
-function renderTask(task) {
+function renderTask(task, owner) {
   $("task-name").textContent = task.name || "(no name)";
   const tags = Object.entries(task.tags || {}).map(([k, v]) => (v ? `${k}=${v}` : k));
   const resources = task.resources || {};
   clear($("task-summary")).append(...definitions([
     ["Id", task.id],
     ["State", el("span", { id: "task-state", class: `state state-${task.state}` }, task.state)],
+    ["Owner", owner ? el("span", { id: "task-owner" }, owner) : ""],
     ["Created", when(task.creation_time)],
     ["Description", task.description],
-    ["Tags", tags.join(", ")],
+    // Each tag leads to the workflow of the tasks that share it.
+    ["Tags", tags.length ? el("span", { id: "task-tags" }, ...tags.flatMap((tag, index) => [
+      index ? ", " : "",
+      el("a", { href: hashFor("workflow", { tag }), title: "timeline and resources of the tasks with this tag" }, tag),
+    ])) : ""],
     ["Resources", [
       resources.cpu_cores ? `${resources.cpu_cores} CPU` : "",
       resources.ram_gb ? `${resources.ram_gb} GB RAM` : "",
@@ -314,7 +701,7 @@ function renderTask(task) {
   clear($("executors")).append(...executorsPart(task));
   clear($("inputs")).append(...filesPart(task.inputs, "inputs"));
   clear($("outputs")).append(...filesPart(task.outputs, "outputs"));
-  const attempts = (task.logs || []).map(attemptPart);
+  const attempts = (task.logs || []).map((log, index) => attemptPart(task, log, index));
   clear($("attempts")).append(...(attempts.length ? attempts
     : [el("p", { class: "note" }, "Not started yet.")]));
 }
@@ -322,8 +709,29 @@ function renderTask(task) {
 async function loadTask(id) {
   const task = await api(`tasks/${encodeURIComponent(id)}`, { params: [["view", "FULL"]] });
   if (!current || current.id !== id) return;
+  if (current.owner === undefined) {
+    const owners = await ownersOf([id]);
+    current.owner = owners ? owners[id] || "" : "";
+  }
   current.task = task;
-  renderTask(task);
+  renderTask(task, current.owner);
+}
+
+// A stream's label and text, kept between refreshes so that the reader's scroll position stays:
+// the text follows its end unless the reader scrolled up (back at the end, it follows again).
+function liveStream(stream) {
+  let text = $("live-streams").querySelector(`pre.live-${stream}`);
+  if (!text) {
+    const label = el("p", { class: "stream-label" });
+    text = pre("", `live-${stream}`);
+    text.dataset.follow = "yes";
+    text.addEventListener("scroll", () => {
+      const atEnd = text.scrollTop + text.clientHeight >= text.scrollHeight - 4;
+      text.dataset.follow = atEnd ? "yes" : "no";
+    });
+    $("live-streams").append(label, text);
+  }
+  return { label: text.previousElementSibling, text };
 }
 
 // Live output: the tail of each stream of the executor that runs now, from the output
@@ -333,15 +741,17 @@ async function loadLive(id) {
   if (!task) return;
   const done = (task.logs && task.logs.length) ? (task.logs[task.logs.length - 1].logs || []).length : 0;
   const executor = Math.min(done, Math.max((task.executors || []).length - 1, 0));
-  const box = clear($("live-streams"));
   for (const stream of ["stdout", "stderr"]) {
     const answer = await api(`tasks/${encodeURIComponent(id)}/output`, {
       params: [["executor", executor], ["stream", stream], ["offset", -LIVE_TAIL_BYTES]],
     });
     if (!current || current.id !== id) return;
-    box.append(el("p", { class: "stream-label" },
-      `Executor ${executor} ${stream} (${bytes(answer.size)}${answer.done ? ", finished" : ""})`),
-    pre(answer.text, `live-${stream}`));
+    const { label, text } = liveStream(stream);
+    label.textContent = `Executor ${executor} ${stream} (${bytes(answer.size)}${answer.done ? ", finished" : ""})`;
+    if (text.textContent !== (answer.text || "")) {
+      text.textContent = answer.text || "";
+      if (text.dataset.follow !== "no") text.scrollTop = text.scrollHeight;
+    }
   }
   $("live").hidden = false;
 }
@@ -376,11 +786,11 @@ function scheduleTask(id) {
 }
 
 function showTask(id) {
-  $("list-view").hidden = true;
-  $("task-view").hidden = false;
+  showOnly("task-view");
   $("live").hidden = true;
+  clear($("live-streams"));
   $("cancel-confirm").hidden = true;
-  current = { id, task: null };
+  current = { id, task: null, owner: undefined };
   return guarded(() => loadTask(id)).then(() => scheduleTask(id));
 }
 
@@ -402,10 +812,14 @@ function confirmCancel() {
 function route() {
   stopTimers();
   showWho();
+  showError("");
   const match = /^#\/task\/(.+)$/.exec(location.hash);
   if (match) return showTask(decodeURIComponent(match[1]));
   current = null;
-  return showList();
+  const workflow = /^#\/workflow(?:\?(.*))?$/.exec(location.hash);
+  if (workflow) return showWorkflow(filtersFrom(workflow[1]));
+  const list = /^#\/?\?(.*)$/.exec(location.hash);
+  return showList(filtersFrom(list ? list[1] : ""));
 }
 
 function start() {
@@ -414,14 +828,11 @@ function start() {
   $("sign-out").addEventListener("click", signOut);
   $("filters").addEventListener("submit", (event) => {
     event.preventDefault();
-    listState.tokens = [""];
-    listState.page = 0;
-    stopTimers();
-    showList();
+    go(hashFor("", formFilters()));
   });
   $("filter-state").addEventListener("change", () => $("filter-apply").click());
   $("auto-refresh").addEventListener("change", () => (location.hash.startsWith("#/task/")
-    ? null : scheduleList()));
+    || location.hash.startsWith("#/workflow") ? null : scheduleList()));
   $("page-next").addEventListener("click", () => {
     listState.page += 1;
     stopTimers();
