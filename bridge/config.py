@@ -149,7 +149,8 @@ class SlurmConfig(_Section):
     sacct: str = "sacct"
     scancel: str = "scancel"
     sinfo: str = "sinfo"
-    #: Reads slurmctld's own RPC rate limit (`scontrol show config`), which lowers the budget.
+    #: Reads slurmctld's own RPC rate limit (which lowers the budget) and MaxArraySize
+    #: (`scontrol show config`).
     scontrol: str = "scontrol"
     #: The budget of Slurm calls (slurmctld RPCs: squeue and sinfo are two each): at most
     #: calls_burst at once, then calls_per_second; lowered to slurmctld's rl_* limit where it
@@ -186,6 +187,12 @@ class SlurmConfig(_Section):
     #: saying why. 0: no limit.
     max_jobs_in_flight: int = Field(default=0, ge=0)
     max_jobs_per_owner: int = Field(default=0, ge=0)
+    #: Job arrays. auto: QUEUED tasks ready in the same submission round that ask Slurm for
+    #: the same (their job scripts' directives alike but for name, output and directory, and
+    #: the same owner) go as one `sbatch --array`, once at least `array_min_tasks` of them
+    #: are ready; never: one sbatch per task. Site mode always submits one job per task.
+    arrays: Literal["auto", "never"] = "auto"
+    array_min_tasks: int = Field(default=4, ge=2)
     #: What a task's `resources.disk_gb` becomes. auto: `--tmp` (MB, rounded up) only where
     #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
     #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.

@@ -36,6 +36,13 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
   refuses ``--tmp`` more than every node declares: "Temporary disk specification can not be
   satisfied", and ``--mem`` more than the largest node's memory: "Memory specification can not
   be satisfied".
+- An array (``sbatch --array=0-N``) gets one id; its elements are ``ID_I``. squeue without
+  ``-r`` prints the pending ones as one range line (``123_[4-9]``); with ``-r`` (always used
+  here) one line each. ``squeue --jobs=123_4`` and ``sacct --jobs=123_4`` name one element;
+  sacct says nothing of an element that has not started, and ``sacct --name`` prints them as
+  one range line (``123_[4-9]``, expanded by :func:`parse_sacct`). ``scancel 123_4`` cancels
+  one element. The array may have at most ``MaxArraySize - 1`` as its highest index
+  (``scontrol show config``).
 - With slurmctld down, sbatch, squeue and scancel each retry for about 9 s before failing with
   "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
 - A job whose memory use passes ``--mem`` under ``JobAcctGatherParams=OverMemoryKill`` ends FAILED
@@ -507,7 +514,8 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
         if step:
             steps.setdefault(job_id, []).append(fields)
         elif (info := _sacct_job(job_id, fields)) is not None:
-            jobs[job_id] = info
+            for element in expand_array_range(job_id):
+                jobs[element] = replace(info, job_id=element)
     return {job_id: _with_steps(info, steps.get(job_id, [])) for job_id, info in jobs.items()}
 
 
@@ -550,6 +558,37 @@ def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
         max_rss_bytes=parse_size(rss),
         comment=_opt(comment),
     )
+
+
+_ARRAY_RANGE = re.compile(r"([0-9]+)_\[([0-9,\-]+)(?:%[0-9]+)?\]")
+#: A range line of more elements than this is kept as it is (MaxArraySize is at most 4000001).
+_MAX_RANGE = 4_000_001
+
+
+def expand_array_range(job_id: str) -> list[str]:
+    """`123_[4-6,9]` (or `123_[4-6%2]`) -> the element ids `123_4 ... 123_9`; any other id
+    unchanged."""
+    match = _ARRAY_RANGE.fullmatch(job_id)
+    if match is None:
+        return [job_id]
+    elements: list[str] = []
+    for part in match.group(2).split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return [job_id]
+        last = int(high or low)
+        if last - int(low) > _MAX_RANGE:
+            return [job_id]
+        elements += [f"{match.group(1)}_{i}" for i in range(int(low), last + 1)]
+    return elements
+
+
+def parse_max_array_size(text: str) -> int:
+    """`scontrol show config`'s `MaxArraySize = 1001`; ValueError when it is missing."""
+    match = re.search(r"^MaxArraySize\s*=\s*([0-9]+)\s*$", text, re.MULTILINE)
+    if match is None:
+        raise ValueError("scontrol show config printed no MaxArraySize")
+    return int(match.group(1))
 
 
 _SACCT_MAX_RSS = SACCT_FIELDS.split(",").index("MaxRSS")
@@ -795,7 +834,10 @@ class SlurmBackend(Protocol):
         comment: str | None = None,
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
+        array_size: int | None = None,
     ) -> str: ...
+
+    def max_array_size(self) -> int: ...
 
     def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]: ...
 
@@ -947,6 +989,7 @@ class SlurmClient:
         self.sacct = sacct
         self.scancel = scancel
         self.sinfo = sinfo
+        self.scontrol = scontrol
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
@@ -995,8 +1038,10 @@ class SlurmClient:
         comment: str | None = None,
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
+        array_size: int | None = None,
     ) -> str:
-        """Submit a batch script; returns the job id.
+        """Submit a batch script; returns the job id. `array_size`: an array of that many
+        elements (``--array=0-N``), whose element I is the job ``ID_I``.
 
         On :class:`SlurmUnavailable` after a time-out the job may have been queued all the same:
         look for it with :meth:`find_by_names` before submitting again.
@@ -1006,6 +1051,10 @@ class SlurmClient:
         if comment is not None:
             _check_text("comment", comment)
             argv.append(f"--comment={comment}")
+        if array_size is not None:
+            if array_size < 1:
+                raise ValueError(f"an array needs at least one element: {array_size}")
+            argv.append(f"--array=0-{array_size - 1}")
         argv += [*extra_args, str(script)]
         proc = self._run(self._as(as_user, argv))
         if proc.returncode != 0:
@@ -1159,6 +1208,16 @@ class SlurmClient:
                 result.setdefault(info.name, []).append(info)
         return result
 
+    def max_array_size(self) -> int:
+        """The cluster's MaxArraySize: an array's indexes must stay below it."""
+        proc = self._run([self.scontrol, "show", "config"])
+        if proc.returncode != 0:
+            raise command_error(proc, "reading the configuration")
+        try:
+            return parse_max_array_size(proc.stdout)
+        except ValueError as exc:
+            raise SlurmError(str(exc), argv=[self.scontrol, "show", "config"]) from exc
+
     def node_sizes(self) -> NodeSizes:
         """Each partition's node TmpDisk and memory, in one call (`-a`: hidden partitions too)."""
         proc = self._run([self.sinfo, "-h", "-a", "-o", SINFO_NODE_SIZES_FORMAT])
@@ -1260,7 +1319,8 @@ def squeue_argv(squeue: str, selector: Sequence[str], *, states_only: bool = Fal
     if states_only:
         return [squeue, "-h", "--only-job-state", "--states=all", *selector,
                 "-o", JOB_STATES_FORMAT]  # fmt: skip
-    return [squeue, "-h", "--states=all", *selector, "-o", SQUEUE_FORMAT]
+    # -r: an array's pending elements one line each (123_4), not one range (123_[4-9]).
+    return [squeue, "-h", "-r", "--states=all", *selector, "-o", SQUEUE_FORMAT]
 
 
 def parse_job_states(text: str) -> dict[str, str]:

@@ -627,12 +627,23 @@ class _Transitions(_Part):
             changed: int = TaskRow.update(**changes).where(condition).execute()
         return changed > 0
 
-    def mark_submitting(self, task_id: str, *, attempt: int, now: float) -> bool:
-        """QUEUED, no job, no submission in flight -> submission in flight (`attempt`).
+    def mark_submitting(
+        self,
+        task_id: str,
+        *,
+        attempt: int,
+        now: float,
+        logs: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """QUEUED, no job, no submission in flight -> submission in flight (`attempt`), with
+        `logs` when given (an array's name and the task's element in it).
 
         Recorded just before sbatch runs: after a crash the job is looked for by name, never
         submitted twice. False when the task was canceled meanwhile."""
-        return self._transition(task_id, _READY_TO_SUBMIT, submit_started_at=now, attempt=attempt)
+        changes: dict[str, Any] = {"submit_started_at": now, "attempt": attempt}
+        if logs is not None:
+            changes["logs"] = logs
+        return self._transition(task_id, _READY_TO_SUBMIT, **changes)
 
     def record_job(
         self, task_id: str, job_id: str, *, logs: list[dict[str, Any]] | None = None

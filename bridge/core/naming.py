@@ -29,6 +29,12 @@ def job_name(task_id: str) -> str:
     return f"{JOB_NAME_PREFIX}{task_id}"
 
 
+def array_job_name(token: str) -> str:
+    """The Slurm job name of a job array: `tes-array-<token>`, never a task's (task ids are
+    UUIDs); each task stores the name and its element before sbatch runs."""
+    return f"{JOB_NAME_PREFIX}array-{token}"
+
+
 def format_time(moment: datetime) -> str:
     """RFC 3339 in UTC with a `Z`, e.g. ``2026-11-22T02:24:15.123456Z`` (TES times)."""
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

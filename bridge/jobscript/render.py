@@ -168,6 +168,11 @@ def _template_dirs(config: Config) -> list[str]:
     return dirs
 
 
+def environment(config: Config) -> jinja2.Environment:
+    """The templates' Jinja environment (job.template_dir first, then the packaged ones)."""
+    return _environment(tuple(_template_dirs(config)))
+
+
 @lru_cache(maxsize=8)
 def _environment(dirs: tuple[str, ...]) -> jinja2.Environment:
     env = jinja2.Environment(
@@ -237,8 +242,7 @@ def render_script(
         "executor_umask": config.container.umask,
         "executors": executors,
     }
-    template = _environment(tuple(_template_dirs(config))).get_template(TEMPLATE)
-    return template.render(context)
+    return environment(config).get_template(TEMPLATE).render(context)
 
 
 def job_settings(

@@ -1,5 +1,6 @@
 """Finding again the jobs of interrupted submissions (a crash between sbatch and the database
-write, or an sbatch that failed without an answer), by job name: a task is never submitted
+write, or an sbatch that failed without an answer), by job name (an array's element by the
+array's name and the element stored with the task before sbatch): a task is never submitted
 twice."""
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from bridge.core.naming import job_name
-from bridge.poller.attempt import AttemptLog
+from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index
+from bridge.poller.attempt import AttemptLog, TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import TaskRecord
@@ -32,12 +34,16 @@ class Recovery:
         self.hold_until = self.ctx.clock() + slurm_cfg.command_timeout + slurm_cfg.submit_settle
 
     def recover(self, stats: CycleStats) -> None:
-        """Tasks whose `sbatch` started but whose job id was never stored: look for the job."""
-        store = self.ctx.store
-        pending = store.interrupted_submissions()
+        """Tasks whose `sbatch` started but whose job id was never stored: look for the job
+        (an array's element: by the array's name and the task's element in it)."""
+        pending = self.ctx.store.interrupted_submissions()
         if not pending:
             return
-        names = {job_name(t.id): t for t in pending}
+        names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
+        for task in pending:
+            mark = array_mark(task)
+            name, index = mark if mark else (job_name(task.id), None)
+            names.setdefault(name, []).append((task, index))
         try:
             stats.slurm_calls += 2
             found = self.ctx.slurm.find_by_names(list(names))
@@ -48,17 +54,42 @@ class Recovery:
         # act on a request it received: "no job" is believed only once that time has passed.
         slurm_cfg = self.ctx.config.slurm
         settled_before = self.ctx.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
-        for name, task in names.items():
-            job = _newest_job_of_this_attempt(task, found.get(name, []))
-            if job is not None:
-                log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
-                # Canceled while its sbatch ran: record_job marks the job for scancel.
-                store.record_job(task.id, job.job_id)
-            elif (task.submit_started_at or 0.0) > settled_before or self._holding():
-                log.info("interrupted submission of task %s: no job yet, looking again", task.id)
-            else:
-                # sbatch never created a job: the task may be submitted again.
-                store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+        for name, members in names.items():
+            jobs = found.get(name, [])
+            for task, index in members:
+                if index is None:
+                    self._settle(task, _newest_job_of_this_attempt(task, jobs), settled_before)
+                elif jobs:
+                    self._adopt_element(task, index, jobs)
+                else:
+                    self._settle(task, None, settled_before)
+
+    def _settle(self, task: TaskRecord, job: JobInfo | None, settled_before: float) -> None:
+        store = self.ctx.store
+        if job is not None:
+            log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
+            # Canceled while its sbatch ran: record_job marks the job for scancel.
+            store.record_job(task.id, job.job_id)
+        elif (task.submit_started_at or 0.0) > settled_before or self._holding():
+            log.info("interrupted submission of task %s: no job yet, looking again", task.id)
+        else:
+            # sbatch never created a job: the task may be submitted again.
+            store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+
+    def _adopt_element(self, task: TaskRecord, index: str, jobs: list[JobInfo]) -> None:
+        """The array exists: the task's job is its element `index`, never submitted again."""
+        element = next((j for j in jobs if element_index(j.job_id) == index), None)
+        if element is None:
+            # The array was created with this element (the manifest was fixed before sbatch);
+            # Slurm shows it once squeue or sacct lists it.
+            log.info("array of task %s found, element %s not listed yet", task.id, index)
+            return
+        array_id = element.job_id.partition("_")[0]
+        logs = TaskLogs(task.logs)
+        metadata = logs.attempt(max(task.attempt, 1)).ensure_metadata()
+        metadata.update({"slurm_job_id": element.job_id, ARRAY_JOB_KEY: array_id})
+        log.info("found job %s of interrupted submission of task %s", element.job_id, task.id)
+        self.ctx.store.record_job(task.id, element.job_id, logs=logs.to_json())
 
     def _holding(self) -> bool:
         return self.ctx.clock() < self.hold_until

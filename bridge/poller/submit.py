@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import dataclass
+import secrets
 from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
 from bridge.core import backend_params
-from bridge.core.naming import job_name
+from bridge.core.naming import array_job_name, job_name
 from bridge.images.ref import ImagePullError
 from bridge.jobscript.render import prepare_task_dir
 from bridge.jobscript.task import RenderError
+from bridge.poller.arrays import ARRAY_JOB_KEY, ArrayPlanner, PreparedJob, Ready, marked_logs
 from bridge.poller.attempt import Condition, ConditionKind, TaskLogs, failure_logs
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, format_time_now, short
@@ -73,17 +74,6 @@ def _gigabytes(document: dict[str, Any], key: str) -> float:
 
 def disk_gb(document: dict[str, Any]) -> float:
     return _gigabytes(document, "disk_gb")
-
-
-@dataclass(frozen=True)
-class PreparedJob:
-    """A task's job script, with what it asks Slurm for that explains a refusal or a TIMEOUT."""
-
-    script: Path
-    #: The job's --time and where it came from; None: the partition's own limit.
-    time_limit: backend_params.TimeLimit | None
-    #: resources.disk_gb (0: none), which sbatch --tmp asks for per slurm.disk_request.
-    disk_gb: float
 
 
 def _time_limit_hint(limit: backend_params.TimeLimit | None) -> str:
@@ -321,8 +311,9 @@ def tell_waiting(ctx: PollerContext, tasks: list[TaskRecord], reason: Condition 
 
 
 class Submitter:
-    """Submits the QUEUED tasks that admission lets go, one sbatch each, and decides what a
-    failed sbatch means: the task failed, or it waits with back-off."""
+    """Submits the QUEUED tasks that admission lets go, one sbatch each or several of one
+    shape as an array (poller.arrays), and decides what a failed sbatch means: the task
+    failed, or it waits with back-off."""
 
     def __init__(
         self,
@@ -338,6 +329,7 @@ class Submitter:
         self.canceller = canceller
         self.backoff = Backoff(ctx)
         self.prepare = Preparer(ctx, owners)
+        self.arrays = ArrayPlanner(ctx)
         #: Tasks of this submission round waiting for an image pull (a gauge).
         self.waiting_for_images = 0
 
@@ -359,15 +351,20 @@ class Submitter:
             tasks = store.tasks_to_submit(
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
-        held = self._round(tasks, admission, stats)
+        ready, held = self._prepare_round(tasks, admission, stats)
+        if ready:
+            # The tasks prepared before one had to wait go on, as they would one by one.
+            self._submit_round(self.arrays.plan(ready, stats), stats)
         metrics.observe_submission_round(held, self.waiting_for_images)
 
-    def _round(self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats) -> int:
-        """Submit what admission lets go; returns how many tasks it held back."""
+    def _prepare_round(
+        self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats
+    ) -> tuple[list[Ready], int]:
+        """The round's tasks that admission lets go, their directories and job scripts written
+        (counted in `admission` as they come), and how many tasks admission held back; the
+        others wait or failed."""
+        ready: list[Ready] = []
         held = 0
-        # While the budget sets the pace, a round lasts one poll interval at most: the follow
-        # and the cancels of this cycle come in between.
-        until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
         for index, task in enumerate(tasks):
             try:
                 waiting = admission.refusal(task.owner)
@@ -380,24 +377,18 @@ class Submitter:
                     tell_waiting(self.ctx, [task], waiting)
                     held += 1
                     continue
-                if self._budget_spent(until):
-                    break  # the Slurm call budget is spent for now: the rest go next cycle
-                if self._submit(task, stats):
-                    stats.submitted += 1
+                item = self._ready(task, stats)
+                if item is not None:
+                    ready.append(item)
                     admission.add(task.owner)
             except Exception as exc:  # one broken task must not stop the others
-                reason = unavailable_reason(exc)
-                if reason:
-                    # Passing (a full or locked database): the task stays QUEUED for later.
-                    log.error("submitting task %s postponed: %s", task.id, reason)
+                if self._unexpected(exc, [task]):
                     break
-                log.exception("submitting task %s failed unexpectedly", task.id)
-                self._fail(task, "internal error while submitting the task; see the poller log")
             if self.backoff.paused:
                 # The tasks that wait behind it wait for the same reason: say so.
                 tell_waiting(self.ctx, tasks[index + 1 :], self.backoff.reason)
                 break
-        return held
+        return ready, held
 
     def _budget_spent(self, until: float) -> bool:
         """Whether this round stops for the call budget: it would leave fewer than
@@ -410,11 +401,48 @@ class Submitter:
             return True
         return False
 
-    def _submit(self, task: TaskRecord, stats: CycleStats) -> bool:
+    def _submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
+        """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
+        stops the round (the back-off it starts)."""
+        paused_until = self.backoff.paused_until
+        # While the budget sets the pace, a round lasts one poll interval at most: the follow
+        # and the cancels of this cycle come in between.
+        until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
+        for index, unit in enumerate(units):
+            if self.backoff.paused_until > paused_until and self.backoff.paused:
+                waiting = [r.task for later in units[index:] for r in later]
+                tell_waiting(self.ctx, waiting, self.backoff.reason)
+                break
+            if self._budget_spent(until):
+                break  # the Slurm call budget is spent for now: the rest go next cycle
+            try:
+                if len(unit) == 1:
+                    stats.submitted += self._submit(unit[0], stats)
+                else:
+                    stats.submitted += self._submit_array(unit, stats)
+            except Exception as exc:  # one broken submission must not stop the others
+                if self._unexpected(exc, [r.task for r in unit]):
+                    break
+
+    def _unexpected(self, exc: Exception, tasks: list[TaskRecord]) -> bool:
+        """An error no step expected: True when the round stops (the database is away, the
+        tasks stay QUEUED), else the tasks failed."""
+        reason = unavailable_reason(exc)
+        if reason:
+            # Passing (a full or locked database): the tasks stay QUEUED for later.
+            log.error("submitting task %s postponed: %s", tasks[0].id, reason)
+            return True
+        for task in tasks:
+            log.exception("submitting task %s failed unexpectedly", task.id)
+            self._fail(task, "internal error while submitting the task; see the poller log")
+        return False
+
+    def _ready(self, task: TaskRecord, stats: CycleStats) -> Ready | None:
+        """The task's directory and job script written, or None (it waits, or failed)."""
         assert task.document is not None
         image_paths = self._images(task)
         if image_paths is None:
-            return False  # pulling in the background (or failed); tried again next cycle
+            return None  # pulling in the background (or failed); tried again next cycle
         document = {**task.document, "id": task.id}
         owner = task.owner if self.owners is not None else None
         try:
@@ -423,33 +451,123 @@ class Submitter:
             prepared = self.prepare(document, owner, image_paths, stats, task_owner=task.owner)
         except _Fail as exc:
             self._fail(task, str(exc))
-            return False
+            return None
         except _Wait as exc:
             self._wait(task, task.attempt + 1, exc.reason)
-            return False
+            return None
+        return Ready(task, prepared, document, owner)
+
+    def _submit(self, ready: Ready, stats: CycleStats) -> int:
+        """One sbatch for one task; 1 when it was submitted."""
+        task = ready.task
         attempt = task.attempt + 1
         # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
-        if not self.ctx.store.mark_submitting(task.id, attempt=attempt, now=self.ctx.clock()):
-            return False  # canceled meanwhile
-        job_id = self._sbatch(task, attempt, prepared, document, owner, stats)
+        logs = marked_logs(task, attempt, None)  # an earlier try's array marks go
+        if not self.ctx.store.mark_submitting(
+            task.id, attempt=attempt, now=self.ctx.clock(), logs=logs
+        ):
+            return 0  # canceled meanwhile
+        if logs is not None:
+            task.logs = logs
+        job_id = self._sbatch(task, attempt, ready, stats)
         if job_id is None:
-            return False
+            return 0
         self.backoff.failures = 0
+        self._record(task, attempt, job_id, ready.prepared, stats)
+        log.info("submitted task %s as Slurm job %s", task.id, job_id)
+        return 1
+
+    def _submit_array(self, unit: list[Ready], stats: CycleStats) -> int:
+        """One `sbatch --array` for tasks of one shape; how many were submitted."""
+        name = array_job_name(secrets.token_hex(6))
+        members = self._mark_array(unit, name)
+        if not members:
+            return 0
+        try:
+            script = self.arrays.write_script(members, name)
+        except OSError as exc:
+            self._unmark(members, exc)
+            return 0
+        try:
+            self.ctx.check_lease()  # a poller that lost its lease submits nothing
+            stats.slurm_calls += 1
+            array_id = self.ctx.slurm.submit(
+                script, job_name=name, extra_args=self._account(members[0]),
+                array_size=len(members),
+            )  # fmt: skip
+        except SlurmRejected as exc:
+            message = self._refusal(exc, members[0].prepared, stats)
+            for ready in members:
+                self._fail(ready.task, message, attempt=ready.task.attempt + 1)
+            return 0
+        except SlurmError as exc:
+            if isinstance(exc, SlurmUnavailable) and exc.outage is Outage.LIMIT:
+                self.arrays.refused_for_a_limit(len(members))
+            delay = None
+            for ready in members:
+                delay = self._wait_for_slurm(ready.task, ready.task.attempt + 1, exc, delay)
+            return 0
+        self.backoff.failures = 0
+        self.arrays.accepted(len(members))
+        for index, ready in enumerate(members):
+            task = ready.task
+            job_id = f"{array_id}_{index}"
+            self._record(task, task.attempt + 1, job_id, ready.prepared, stats, array_id)
+        log.info("submitted %d tasks as Slurm job array %s (%s)", len(members), array_id, name)
+        return len(members)
+
+    def _mark_array(self, unit: list[Ready], name: str) -> list[Ready]:
+        """Each task marked as submitting with its element (its index among the marked ones),
+        before sbatch runs; the tasks canceled meanwhile are left out."""
+        members: list[Ready] = []
+        now = self.ctx.clock()
+        for ready in unit:
+            task = ready.task
+            attempt = task.attempt + 1
+            logs = marked_logs(task, attempt, (name, len(members)))
+            if self.ctx.store.mark_submitting(task.id, attempt=attempt, now=now, logs=logs):
+                if logs is not None:
+                    task.logs = logs
+                members.append(ready)
+        return members
+
+    def _unmark(self, members: list[Ready], exc: OSError) -> None:
+        """The array's script could not be written: no sbatch ran, the tasks wait."""
+        log.warning("cannot write the script of a job array: %s", exc)
+        reason = Condition(
+            ConditionKind.TASK_DIR_UNWRITABLE,
+            f"waiting: cannot prepare the task directory ({exc})",
+        )
+        delay = None
+        for ready in members:
+            self.ctx.store.forget_submission(ready.task.id, attempt=ready.task.attempt)
+            delay = self._wait(ready.task, ready.task.attempt + 1, reason, delay=delay)
+
+    def _record(
+        self,
+        task: TaskRecord,
+        attempt: int,
+        job_id: str,
+        prepared: PreparedJob,
+        stats: CycleStats,
+        array_id: str | None = None,
+    ) -> None:
+        """Store the task's job id; scancel it at once when the task was canceled meanwhile."""
         logs = TaskLogs(task.logs)
         entry = logs.attempt(attempt)
         entry.set_condition(None)
         metadata = entry.ensure_metadata()
         metadata["slurm_job_id"] = job_id
+        if array_id is not None:
+            metadata[ARRAY_JOB_KEY] = array_id
         if prepared.time_limit:
             metadata[TIME_LIMIT_KEY] = prepared.time_limit.describe()
         canceled = self.ctx.store.record_job(task.id, job_id, logs=logs.to_json())
-        log.info("submitted task %s as Slurm job %s", task.id, job_id)
         if canceled:
             # Canceled while sbatch ran (the API saw no job yet): scancel before it can start.
             now = self.ctx.store.get_task(task.id)
             if now is not None:
                 self.canceller.carry_out([now], stats)
-        return True
 
     def _images(self, task: TaskRecord) -> dict[str, str] | None:
         """The task's images in the cache, or None while they are pulled (all of the task's
@@ -469,26 +587,22 @@ class Submitter:
         self._note_images(task, notes, write=image_paths is None)
         return image_paths
 
+    def _account(self, ready: Ready) -> list[str]:
+        return self.owners.account_args(ready.owner, ready.document) if self.owners else []
+
     def _sbatch(
-        self,
-        task: TaskRecord,
-        attempt: int,
-        prepared: PreparedJob,
-        document: dict[str, Any],
-        owner: str | None,
-        stats: CycleStats,
+        self, task: TaskRecord, attempt: int, ready: Ready, stats: CycleStats
     ) -> str | None:
         """The job id, or None when sbatch failed (the task then failed or waits)."""
-        account = self.owners.account_args(owner, document) if self.owners else []
         try:
             self.ctx.check_lease()  # a poller that lost its lease submits nothing
             stats.slurm_calls += 1
             return self.ctx.slurm.submit(
-                prepared.script, job_name=job_name(task.id), comment=task.id,
-                extra_args=account, as_user=owner,
+                ready.prepared.script, job_name=job_name(task.id), comment=task.id,
+                extra_args=self._account(ready), as_user=ready.owner,
             )  # fmt: skip
         except SlurmRejected as exc:
-            self._fail(task, self._refusal(exc, prepared, stats), attempt=attempt)
+            self._fail(task, self._refusal(exc, ready.prepared, stats), attempt=attempt)
         except SlurmError as exc:
             self._wait_for_slurm(task, attempt, exc)
         return None
@@ -503,9 +617,12 @@ class Submitter:
             return message + _time_limit_hint(prepared.time_limit)
         return message
 
-    def _wait_for_slurm(self, task: TaskRecord, attempt: int, exc: SlurmError) -> None:
-        """sbatch could not be done now: the task waits for the back-off. When the job may exist
-        all the same (no answer), recovery looks for it by name before it is submitted again."""
+    def _wait_for_slurm(
+        self, task: TaskRecord, attempt: int, exc: SlurmError, delay: float | None = None
+    ) -> float:
+        """sbatch could not be done now: the task waits for the back-off (`delay`: the one an
+        array's first task started). When the job may exist all the same (no answer), recovery
+        looks for it by name before it is submitted again. Returns the delay."""
         # This sbatch has ended (its process group was killed on a time-out), so only the settle
         # time is left to wait: the submission's start is moved back accordingly.
         maybe_started_at = self._maybe_started() if exc.may_have_acted else None
@@ -522,7 +639,8 @@ class Submitter:
                 f"cannot reach Slurm to submit the job ({short(exc)}); retrying with back-off",
             )
             log.warning("sbatch for task %s failed: %s", task.id, exc)
-        self._wait(task, attempt, waiting, SubmissionFailure(task.attempt, maybe_started_at))
+        submission = SubmissionFailure(task.attempt, maybe_started_at)
+        return self._wait(task, attempt, waiting, submission, delay=delay)
 
     def _maybe_started(self) -> float:
         """When an sbatch that ended without an answer may have started: its own time-out ago
@@ -535,10 +653,13 @@ class Submitter:
         log_attempt: int,
         reason: Condition,
         submission: SubmissionFailure | None = None,
-    ) -> None:
-        """Keep the task QUEUED, saying why (in the log of `log_attempt`), pause submissions,
-        and try it again after the back-off."""
-        delay = self.backoff.pause(reason)
+        *,
+        delay: float | None = None,
+    ) -> float:
+        """Keep the task QUEUED, saying why (in the log of `log_attempt`), pause submissions
+        (unless `delay` says how long they already are), and try it again after the back-off."""
+        if delay is None:
+            delay = self.backoff.pause(reason)
         logs = TaskLogs(task.logs)
         logs.attempt(max(log_attempt, 1)).set_condition(reason)
         until = self.ctx.clock() + delay
@@ -546,6 +667,7 @@ class Submitter:
             task.id, until=until, logs=logs.to_json(), submission=submission
         )
         log.info("task %s waits %.0fs: %s", task.id, delay, reason.text)
+        return delay
 
     def _note_images(self, task: TaskRecord, notes: list[str], *, write: bool) -> None:
         """Replace the task's "pulling image" lines by `notes` (stored only when they change)."""

@@ -93,6 +93,7 @@ def test_calls_stay_within_the_budget_while_2000_tasks_flow(
             "slurm.poll_interval": 0.5,
             "slurm.calls_per_second": RATE,
             "slurm.calls_burst": BURST,
+            "slurm.arrays": "never",  # one sbatch per task: the stand-in's sbatch makes no arrays
         },
     )
     store = sqlite_store

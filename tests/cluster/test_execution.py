@@ -15,6 +15,7 @@ import requests
 import tes
 
 from bridge.slurm import SlurmClient
+from tests.fixtures.service import slurm_jobs_by_task
 
 pytestmark = pytest.mark.cluster
 
@@ -321,10 +322,9 @@ def test_poller_killed_while_tasks_run_loses_nothing_and_submits_nothing_twice(b
         task = bridge_service.wait(task_id, timeout=300)
         assert task["state"] == "COMPLETE", task
         assert only_log(task)["logs"][0]["stdout"] == f"{i}\n"
-    jobs = SlurmClient().find_by_names([f"tes-{task_id}" for task_id in ids])
-    assert {name: len(found) for name, found in jobs.items()} == {
-        f"tes-{task_id}": 1 for task_id in ids
-    }
+    # One job each, its own or an element of an array (slurm.arrays).
+    jobs = slurm_jobs_by_task(bridge_service.work_dir, ids)
+    assert {task_id: len(found) for task_id, found in jobs.items()} == dict.fromkeys(ids, 1)
 
 
 def test_py_tes_wait_returns_complete(bridge_service):

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from bridge.slurm import SlurmClient
-from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.fixtures.service import BridgeService, slurm_jobs_by_task, start_bridge_service
 from tests.procs import children, cmdline
 
 pytestmark = pytest.mark.cluster
@@ -78,12 +78,12 @@ def wait_for_sbatch(root: Path, task_id: str, timeout: float = 60) -> float:
     raise AssertionError(f"sbatch never started for {task_id}")
 
 
-def assert_one_job_per_attempt(tasks: dict[str, dict[str, Any]]) -> None:
-    names = {f"tes-{task_id}": task for task_id, task in tasks.items()}
-    found = SlurmClient().find_by_names(list(names))
-    counts = {name: len(found.get(name, [])) for name in names}
-    attempts = {name: len(task["logs"]) for name, task in names.items()}
-    assert counts == attempts, {n: (counts[n], attempts[n]) for n in names}
+def assert_one_job_per_attempt(tasks: dict[str, dict[str, Any]], work_dir: Path) -> None:
+    """Each task's jobs (its own, and its elements of job arrays) are its attempts."""
+    found = slurm_jobs_by_task(work_dir, list(tasks))
+    counts = {task_id: len(found[task_id]) for task_id in tasks}
+    attempts = {task_id: len(task["logs"]) for task_id, task in tasks.items()}
+    assert counts == attempts, {t: (found[t], attempts[t]) for t in tasks}
 
 
 def executors_ran(service: BridgeService, task_id: str) -> list[Path]:
@@ -120,7 +120,7 @@ def test_poller_killed_anywhere_in_a_slow_sbatch_submits_each_attempt_once(slow_
     for task in tasks.values():
         assert task["state"] == "COMPLETE", task
         assert len(task["logs"]) == 1, task["logs"]
-    assert_one_job_per_attempt(tasks)
+    assert_one_job_per_attempt(tasks, service.work_dir)
 
 
 # ------------------------------------------------------------- transient conditions (defect 8)
@@ -188,7 +188,7 @@ def test_full_work_filesystem_keeps_tasks_queued_then_they_complete(
             assert task["state"] == "COMPLETE", task
             assert task["logs"][0]["logs"][0]["stdout"] == f"{i}\n"
             assert not condition_lines(task, "waiting"), task
-        assert_one_job_per_attempt(tasks)
+        assert_one_job_per_attempt(tasks, service.work_dir)
 
 
 def job_id_of(service: BridgeService, task_id: str, timeout: float = 120) -> str:
@@ -277,7 +277,7 @@ def test_slurmctld_away_keeps_tasks_queued_with_one_line_then_they_complete(
         assert task["state"] == "COMPLETE", task
         assert not condition_lines(task, "cannot reach Slurm"), task
         assert not condition_lines(task, "is pending"), task
-    assert_one_job_per_attempt(tasks)
+    assert_one_job_per_attempt(tasks, bridge_service.work_dir)
 
 
 # --------------------------------------------------------------------- cancels (defect 2)
@@ -378,7 +378,9 @@ def test_concurrent_creates_cancels_and_lists_never_5xx_and_cancels_hold(local_c
                 assert not executors_ran(service, task_id), task_id
             else:
                 assert task["state"] == "COMPLETE", task
-        assert_one_job_per_attempt({t: tasks[t] for t, canceled in created if not canceled})
+        assert_one_job_per_attempt(
+            {t: tasks[t] for t, canceled in created if not canceled}, service.work_dir
+        )
     finally:
         service.stop()
 
@@ -477,7 +479,7 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
         for i, task in enumerate(tasks.values()):
             assert task["state"] == "COMPLETE", (seed, kills, task)
             assert task["logs"][-1]["logs"][0]["stdout"] == f"{i}\n", (seed, task)
-        assert_one_job_per_attempt(tasks)
+        assert_one_job_per_attempt(tasks, service.work_dir)
     finally:
         service.stop()
     # Nothing of this service survives its stop (an orphaned supervisor or poller would); a

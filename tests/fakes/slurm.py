@@ -93,6 +93,9 @@ class FakeSlurm:
         #: What sacct alone says of a job, ahead of `jobs` (e.g. the PREEMPTED record of a job
         #: Slurm requeued, while squeue shows it pending again).
         self.accounting_only: dict[str, JobInfo] = {}
+        #: MaxArraySize, and the size of each array submitted.
+        self.array_limit = 1001
+        self.arrays: list[int] = []
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -109,21 +112,31 @@ class FakeSlurm:
         comment: str | None = None,
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
+        array_size: int | None = None,
     ) -> str:
         if self.create_then_fail:
-            self._queue(job_name)
+            self._queue(job_name, array_size)
             self.calls.append("sbatch")
             raise failure(["sbatch", str(script)], NO_ANSWER)
         self._check("sbatch")
         if self.sbatch_error is not None:
             raise failure(["sbatch", str(script)], self.sbatch_error)
         self.scripts.append(script.read_text())
-        return self._queue(job_name)
+        if array_size is not None:
+            self.arrays.append(array_size)
+        return self._queue(job_name, array_size)
 
-    def _queue(self, job_name: str) -> str:
+    def _queue(self, job_name: str, array_size: int | None = None) -> str:
+        """A pending job, or (`array_size`) the elements `ID_I` of a pending array."""
         job_id = str(next(self.ids))
-        self.jobs[job_id] = job(job_id, "PENDING", name=job_name, reason="Priority")
+        elements = [job_id] if array_size is None else [f"{job_id}_{i}" for i in range(array_size)]
+        for element in elements:
+            self.jobs[element] = job(element, "PENDING", name=job_name, reason="Priority")
         return job_id
+
+    def max_array_size(self) -> int:
+        self._check("scontrol")
+        return self.array_limit
 
     def node_sizes(self) -> NodeSizes:
         self._check("sinfo")

@@ -1,0 +1,171 @@
+"""Job arrays: QUEUED tasks ready in one submission round whose job scripts ask Slurm for the
+same (`slurm.arrays = "auto"`) go as one `sbatch --array=0-N`, in chunks of the cluster's
+MaxArraySize.
+
+Each task keeps its directory and job script; the array's script (bridge.jobscript.array) holds
+the manifest, the task directories in element order. Before sbatch runs, each task stores the
+array's name and its element (`ARRAY_NAME_KEY`, `ARRAY_INDEX_KEY` in its attempt's metadata,
+written with `store.mark_submitting`): after a crash, recovery finds the array by its name and
+gives each task its own element `ID_I`, exactly once. From then on an element is a job like any
+other: followed, canceled (`scancel ID_I`) and submitted again (alone or in a later array) one
+task at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bridge.core import backend_params
+from bridge.job.layout import write_atomically
+from bridge.jobscript.array import read_directives, render_array_script, shape
+from bridge.poller.attempt import TaskLogs
+from bridge.poller.context import CycleStats, PollerContext
+from bridge.slurm import SlurmError
+from bridge.store import TaskRecord
+
+log = logging.getLogger("bridge.poller")
+
+#: The attempt's metadata while its sbatch runs, and after: the array's job name and the task's
+#: element in it (a decimal string, as TES metadata values are strings).
+ARRAY_NAME_KEY = "slurm_array_name"
+ARRAY_INDEX_KEY = "slurm_array_index"
+#: The array's own job id (the task's job is `ID_I`).
+ARRAY_JOB_KEY = "slurm_array_job_id"
+_MARKS = (ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY)
+#: Slurm's own ceiling of MaxArraySize.
+MAX_ANY = 4_000_001
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A task's job script, with what it asks Slurm for that explains a refusal or a TIMEOUT."""
+
+    script: Path
+    #: The job's --time and where it came from; None: the partition's own limit.
+    time_limit: backend_params.TimeLimit | None
+    #: resources.disk_gb (0: none), which sbatch --tmp asks for per slurm.disk_request.
+    disk_gb: float
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A task whose directory and job script are written, waiting for its sbatch."""
+
+    task: TaskRecord
+    prepared: PreparedJob
+    document: dict[str, Any]
+    #: Who runs sbatch (site mode: the task's owner).
+    owner: str | None
+
+
+def array_mark(task: TaskRecord) -> tuple[str, str] | None:
+    """The array name and element index its current attempt's sbatch was given, if any."""
+    if not task.logs:
+        return None
+    metadata = TaskLogs(task.logs).attempt(max(task.attempt, 1)).metadata or {}
+    name, index = metadata.get(ARRAY_NAME_KEY), metadata.get(ARRAY_INDEX_KEY)
+    return (name, index) if name and index is not None else None
+
+
+def marked_logs(task: TaskRecord, attempt: int, mark: tuple[str, int] | None) -> Any:
+    """The task's logs with attempt `attempt` marked as element `mark` of an array (None: as a
+    job of its own, the marks of an earlier submission removed); None when nothing changes."""
+    logs = TaskLogs(task.logs)
+    metadata = logs.attempt(attempt).ensure_metadata()
+    before = {key: metadata.get(key) for key in _MARKS}
+    for key in _MARKS:
+        metadata.pop(key, None)
+    if mark is not None:
+        metadata[ARRAY_NAME_KEY] = mark[0]
+        metadata[ARRAY_INDEX_KEY] = str(mark[1])
+    if {key: metadata.get(key) for key in _MARKS} == before:
+        return None
+    return logs.to_json()
+
+
+def element_index(job_id: str) -> str | None:
+    """`123_4` -> "4"; None for a job that is no array element."""
+    _, sep, index = job_id.partition("_")
+    return index if sep and index.isdigit() else None
+
+
+class ArrayPlanner:
+    """Which ready tasks go together, and the cluster's MaxArraySize (read once)."""
+
+    def __init__(self, ctx: PollerContext) -> None:
+        self.ctx = ctx
+        self._max_size: int | None = None
+        #: The largest array a submit limit let through lately (None: no limit met).
+        self._cap: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        cfg = self.ctx.config.slurm
+        # Site mode: each task's files are written, and its sbatch run, as its owner.
+        return cfg.arrays == "auto" and not self.ctx.site
+
+    def plan(self, ready: Sequence[Ready], stats: CycleStats) -> list[list[Ready]]:
+        """The round's submissions in order: arrays (several tasks) and single tasks."""
+        if not self.enabled or len(ready) < self.ctx.config.slurm.array_min_tasks:
+            return [[r] for r in ready]
+        groups: dict[tuple[Any, ...], list[Ready]] = {}
+        for item in ready:
+            groups.setdefault(self._key(item), []).append(item)
+        size = min(self._array_size(stats), self._cap or MAX_ANY)
+        units: list[list[Ready]] = []
+        for group in groups.values():
+            for chunk in _chunks(group, size):
+                if len(chunk) >= self.ctx.config.slurm.array_min_tasks:
+                    units.append(chunk)
+                else:
+                    units += [[r] for r in chunk]
+        return units
+
+    def refused_for_a_limit(self, size: int) -> None:
+        """Slurm refused an array of `size` for a limit (a QOS's MaxSubmitJobs counts each
+        element): the next ones are at most half as large, down to one job per task."""
+        self._cap = max(1, size // 2)
+
+    def accepted(self, size: int) -> None:
+        """An array of `size` went through: the cap grows back."""
+        if self._cap is not None and size >= self._cap:
+            self._cap *= 2
+
+    def _key(self, item: Ready) -> tuple[Any, ...]:
+        try:
+            return (item.task.owner, item.owner, shape(read_directives(item.prepared.script)))
+        except (OSError, UnicodeDecodeError):
+            return ("alone", item.task.id)  # unreadable here: submitted as a job of its own
+
+    def _array_size(self, stats: CycleStats) -> int:
+        """MaxArraySize (1: arrays are off until scontrol answers)."""
+        if self._max_size is None:
+            try:
+                stats.slurm_calls += 1
+                self._max_size = self.ctx.slurm.max_array_size()
+                log.info("Slurm's MaxArraySize: %d", self._max_size)
+            except SlurmError as exc:
+                log.warning("cannot read MaxArraySize; one job per task for now: %s", exc)
+                return 1
+        return self._max_size
+
+    def write_script(self, members: Sequence[Ready], name: str) -> Path:
+        """The array's script, in its first task's directory (sbatch reads it once)."""
+        shared = [*shape(read_directives(members[0].prepared.script)), f"--job-name={name}"]
+        text = render_array_script(
+            config=self.ctx.config,
+            shared=shared,
+            task_dirs=[self.ctx.task_dir(m.task.id) for m in members],
+        )
+        path = self.ctx.task_dir(members[0].task.id) / f"{name}.sh"
+        write_atomically(path, text, 0o700)
+        return path
+
+
+def _chunks(items: list[Ready], size: int) -> Iterator[list[Ready]]:
+    for start in range(0, len(items), max(size, 1)):
+        yield items[start : start + size]
