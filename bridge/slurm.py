@@ -1317,7 +1317,7 @@ def squeue_argv(squeue: str, selector: Sequence[str], *, states_only: bool = Fal
     """squeue's argv: every field the parsers read, or (`states_only`, 23.11.5+) the states
     alone through the lighter RPC. --states=all: jobs that ended < MinJobAge ago too."""
     if states_only:
-        return [squeue, "-h", "--only-job-state", "--states=all", *selector,
+        return [squeue, "-h", "-r", "--only-job-state", "--states=all", *selector,
                 "-o", JOB_STATES_FORMAT]  # fmt: skip
     # -r: an array's pending elements one line each (123_4), not one range (123_[4-9]).
     return [squeue, "-h", "-r", "--states=all", *selector, "-o", SQUEUE_FORMAT]

@@ -250,10 +250,10 @@ def test_version_and_what_it_offers(
 
 def test_the_argv_of_each_form() -> None:
     assert squeue_argv("squeue", ["--jobs=1,2"]) == [
-        "squeue", "-h", "--states=all", "--jobs=1,2", "-o", "%i|%j|%T|%r|%N|%P|%S|%e|%M|%k",
+        "squeue", "-h", "-r", "--states=all", "--jobs=1,2", "-o", "%i|%j|%T|%r|%N|%P|%S|%e|%M|%k",
     ]  # fmt: skip
     assert squeue_argv("squeue", ["--jobs=1,2"], states_only=True) == [
-        "squeue", "-h", "--only-job-state", "--states=all", "--jobs=1,2", "-o", "%i|%T",
+        "squeue", "-h", "-r", "--only-job-state", "--states=all", "--jobs=1,2", "-o", "%i|%T",
     ]  # fmt: skip
     assert parse_job_states("1|RUNNING\n2|CANCELLED by 0\n\nbad\n") == {
         "1": "RUNNING",
@@ -295,7 +295,10 @@ esac""",
 def budget_env(tmp_path: Path, sqlite_store: Store) -> tuple[Poller, Store, FakeSlurm, Clock]:
     from tests.unit.test_poller import FakeImages
 
-    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.arrays": "never"},  # one sbatch per task: each spends a call
+    )
     slurm = FakeSlurm()
     clock = Clock()
     slurm.budget = CallBudget(2.0, 12, clock=clock, sleep=clock.sleep)
