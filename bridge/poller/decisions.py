@@ -70,10 +70,14 @@ def decide(
     if job is None:
         # The grace rule: slurmdbd can lag behind slurmctld for a moment after a job ends.
         if missing_for is not None and missing_for > MISSING_JOB_GRACE:
-            return Decision(
-                State.SYSTEM_ERROR,
-                [f"Slurm no longer knows job {records.job_id} and it recorded no outcome"],
-            )
+            lost = f"Slurm no longer knows job {records.job_id}"
+            if records.phase is None and attempt <= retries:
+                # Nothing of it ever ran (a pending job that a slurmctld killed before it
+                # saved its state forgot): lost through no fault of the task.
+                return Decision(
+                    State.QUEUED, [f"{lost}, which never started; submitting it again"], retry=True
+                )
+            return Decision(State.SYSTEM_ERROR, [f"{lost} and it recorded no outcome"])
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
@@ -119,6 +123,20 @@ def _decide_ended(
         if attempt <= retries:
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
+    if job.state == "CANCELLED" and job.node and records.phase is None:
+        # Slurm itself killed the job as it launched it, before its script started (a node
+        # that reports the id as a duplicate, after a slurmctld killed before it saved its
+        # state reused it): lost through no fault of the task, nor canceled by anyone.
+        if attempt <= retries:
+            return Decision(
+                State.QUEUED,
+                [f"{ended} on {job.node} before its script started; submitting it again"],
+                retry=True,
+            )
+        return Decision(
+            State.SYSTEM_ERROR,
+            [f"{ended} on {job.node} before its script started; no retries left ({retries})"],
+        )
     if job.state == "CANCELLED":
         return Decision(State.CANCELED, [f"{ended}: canceled outside tes-bridge"])
     if job.state in ("TIMEOUT", "OUT_OF_MEMORY"):
