@@ -487,9 +487,16 @@ class Nemesis:
         self.ending = threading.Event()
         self.threads: list[threading.Thread] = []
         self.node_readonly = "/usr /opt /work/main /work/wt"
+        #: Drained nodes put back (time, which and why).
+        self.resumed: list[list[Any]] = []
 
     def elapsed(self) -> float:
         return now() - self.t0
+
+    def kinds_away(self) -> set[str]:
+        """The faults at work now that keep a daemon away."""
+        with self.lock:
+            return self.active & {"slurmctld", "node"}
 
     def kinds(self) -> list[str]:
         """The faults that can strike now (a daemon already away cannot be killed again)."""
@@ -501,6 +508,10 @@ class Nemesis:
         return kinds
 
     def strike(self) -> None:
+        if self.kinds_away() == set():
+            resumed = resume_nodes(self.nodes)
+            if resumed:
+                self.resumed.append([round(self.elapsed(), 1), ", ".join(resumed)])
         kind = self.rng.choice(self.kinds())
         # Durations are drawn here, in order, so that a seed replays the same choices.
         duration = {
@@ -636,8 +647,25 @@ class Nemesis:
                 window[1] = self.elapsed()
 
 
+def resume_nodes(nodes: list[str]) -> list[str]:
+    """Put drained nodes back, as an operator would (slurmctld drains a node that reports a
+    job id it reused after a kill -9 lost its last state: "Duplicate jobid")."""
+    resumed = []
+    for node in nodes:
+        state = node_state(node)
+        if "drain" in state or "drng" in state:
+            reason = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%E"],
+                                    env=slurm_env(), capture_output=True, text=True,
+                                    check=False).stdout.strip()  # fmt: skip
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                           env=slurm_env(), capture_output=True, check=False)  # fmt: skip
+            resumed.append(f"{node} ({reason})")
+    return resumed
+
+
 def restore_cluster(nodes: list[str], readonly: str) -> None:
-    """slurmctld, every node's slurmd and the registry running (and not stopped)."""
+    """slurmctld, every node's slurmd and the registry running (and not stopped), no node
+    drained."""
     registry = daemon_pid("registry")
     if registry:
         kill(registry, signal.SIGCONT)
@@ -646,6 +674,7 @@ def restore_cluster(nodes: list[str], readonly: str) -> None:
     for node in nodes:
         if daemon_pid(f"slurmd-{node}") is None:
             start_node(node, readonly)
+    resume_nodes(nodes)
 
 
 # ------------------------------------------------------------------------------ the load
@@ -880,45 +909,27 @@ def list_all(api: str, view: str = "FULL") -> list[dict[str, Any]]:
 
 
 def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
-    """The Slurm jobs named `names`, every run of each (-D), once none is active any more."""
+    """The Slurm jobs named `names`, every run of each (-D), once none is in the queue any
+    more (sacct keeps a job that slurmctld forgot, killed -9, as RUNNING for ever)."""
+
+    def queued() -> bool:
+        out = subprocess.run(["squeue", "-h", "-o", "%j"], env=slurm_env(), capture_output=True,
+                             text=True, check=False).stdout  # fmt: skip
+        return bool(set(out.split()) & names)
+
+    wait_until(lambda: not queued(), 180, 2)
+    time.sleep(5)  # slurmdbd records a job's end a moment after it leaves the queue
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-D", "-P", "--allusers", "-S", since, "-o",
+         "JobID,JobName,State,ExitCode,NodeList,Start,End"],
+        env=slurm_env(), capture_output=True, text=True, check=False, timeout=120,
+    ).stdout  # fmt: skip
     jobs: dict[str, list[dict[str, str]]] = {}
-    for _ in range(90):
-        out = subprocess.run(
-            [
-                "sacct",
-                "-n",
-                "-X",
-                "-D",
-                "-P",
-                "--allusers",
-                "-S",
-                since,
-                "-o",
-                "JobID,JobName,State,ExitCode,NodeList,Start,End",
-            ],
-            env=slurm_env(),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        ).stdout
-        jobs = {}
-        for line in out.splitlines():
-            job_id, name, state, code, node, start, end = line.split("|")
-            if name in names:
-                jobs.setdefault(name, []).append(
-                    {
-                        "id": job_id,
-                        "state": state.split()[0],
-                        "exit": code,
-                        "node": node,
-                        "start": start,
-                        "end": end,
-                    }
-                )
-        if not any(j["state"] in ACTIVE_JOB_STATES for js in jobs.values() for j in js):
-            break
-        time.sleep(2)
+    for line in out.splitlines():
+        job_id, name, state, code, node, start, end = line.split("|")
+        if name in names:
+            jobs.setdefault(name, []).append({"id": job_id, "state": state.split()[0],
+                "exit": code, "node": node, "start": start, "end": end})  # fmt: skip
     return jobs
 
 
@@ -999,7 +1010,7 @@ def check(
     for task in tasks:
         mine = jobs.get(f"tes-{task['id']}", [])
         plan = planned.get(task.get("name", ""))
-        kind = plan.kind if plan else "workflow"
+        kind = plan.kind if plan else ("warm-up" if task.get("name") == "warm-up" else "workflow")
         by_kind[kind] = by_kind.get(kind, 0) + 1
         expected = plan.expected if plan else "COMPLETE"
         summary = {"id": task["id"], "name": task.get("name"), "state": task["state"]}
@@ -1245,6 +1256,7 @@ def run_nemesis(
         "api": api,
         "faults_by_kind": counts,
         "faults": [f.__dict__ for f in nemesis.faults],
+        "nodes_resumed": nemesis.resumed,
         "down_windows_s": [[round(a, 1), round(b, 1)] for a, b in nemesis.down],
         "poller": trend(samples),
         "workflow": {"engine": "snakemake 7.32.4", "runs": engine.runs}
