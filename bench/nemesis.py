@@ -1282,15 +1282,18 @@ def passed(result: dict[str, Any]) -> bool:
 
 
 def main() -> dict[str, Any]:
+    # "sqlite,postgres"; a store may name its own length: "sqlite,postgres:10".
     stores = os.environ.get("BENCH_NEMESIS_STORES", "sqlite,postgres").split(",")
-    count = int(os.environ.get("BENCH_NEMESIS_TASKS", str(round(100 * MINUTES))))
     seed = int(os.environ.get("BENCH_NEMESIS_SEED", str(time.time_ns() % 1_000_000)))
     print(f"nemesis seed: {seed}")
     runs = []
-    for store in stores:
-        result = run_nemesis(store.strip(), MINUTES, count, seed)
+    for item in stores:
+        store, _, length = item.strip().partition(":")
+        minutes = float(length or MINUTES)
+        count = int(os.environ.get("BENCH_NEMESIS_TASKS", str(round(100 * minutes))))
+        result = run_nemesis(store, minutes, count, seed)
         runs.append(result)
-        write_result("nemesis", {"seed": seed, "minutes": MINUTES, "runs": runs})
+        write_result("nemesis", {"seed": seed, "runs": runs})
     table(
         [
             "store",
