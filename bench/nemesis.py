@@ -950,7 +950,13 @@ def ran_twice(task: dict[str, Any], jobs: list[dict[str, str]]) -> str | None:
     completed = [j for j in jobs if j["state"] == "COMPLETED"]
     if len(completed) > 1:
         return f"{len(completed)} COMPLETED runs: {jobs}"
-    unnamed = [j["id"] for j in jobs if j["id"] not in named_jobs(task)]
+    # A duplicate of an interrupted submission, canceled before it ran, may go unnamed.
+    unnamed = [
+        j["id"]
+        for j in jobs
+        if j["id"] not in named_jobs(task)
+        and not (j["state"] == "CANCELLED" and j["node"] in ("", "None assigned"))
+    ]
     if unnamed:
         return f"jobs {unnamed} not in its logs: {jobs}"
     ordered = sorted(
