@@ -216,12 +216,29 @@ def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
     assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
 
 
+@pytest.mark.parametrize("phase", ["staging", "running 0", "uploading"])
+def test_a_job_whose_records_became_unwritable_later_is_lost_not_failed(phase):
+    """The work filesystem fills up while the job runs: the record it cannot write ends it with
+    the no-records code (templates/job.sh.j2, record). It did not finish, through no fault of
+    the task: submitted again (it used to end SYSTEM_ERROR, "exit code 1")."""
+    decision = decide(
+        job=job(state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0),
+        records=records(phase=phase),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+    )
+    assert decision.retry and decision.state is State.QUEUED
+    assert "could not write its records" in decision.messages[0]
+    assert "it did not finish; submitting it again" in decision.messages[0]
+
+
 @pytest.mark.parametrize(
     ("exit_code", "phase"),
     [
         (1, None),  # any other early failure stays the system's error it always was
-        (NO_RECORDS_EXIT_CODE, "staging"),  # the records were written: the code is not ours
-        (NO_RECORDS_EXIT_CODE, "running 0"),
+        (1, "uploading"),
+        (2, "running 0"),
     ],
 )
 def test_only_the_scripts_own_no_records_exit_is_taken_for_a_lost_job(exit_code, phase):
