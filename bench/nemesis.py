@@ -794,6 +794,8 @@ class Workflow:
                     "--latency-wait",
                     "5",
                     "--printshellcmds",
+                    # Started again after it stopped: the jobs it left unfinished run again.
+                    "--rerun-incomplete",
                 ],
                 cwd=workdir,
                 env={
@@ -947,6 +949,8 @@ def named_jobs(task: dict[str, Any]) -> set[str]:
 def ran_twice(task: dict[str, Any], jobs: list[dict[str, str]]) -> str | None:
     """Why the task ran more than once, or None: more than one COMPLETED run, a job its logs
     do not name, a run that completed before another one started, or two runs at once."""
+    # A job slurmctld forgot before it started stays PENDING in sacct for ever: not a run.
+    jobs = [j for j in jobs if j["start"] not in ("", "None", "Unknown")]
     completed = [j for j in jobs if j["state"] == "COMPLETED"]
     if len(completed) > 1:
         return f"{len(completed)} COMPLETED runs: {jobs}"
