@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -120,16 +121,26 @@ def _as_postgres(*argv: str) -> None:
     subprocess.run([*prefix, *argv], check=True, capture_output=True, text=True, timeout=120)
 
 
+@dataclass(frozen=True)
+class PostgresServer:
+    """A private PostgreSQL server (see :func:`postgres_server`)."""
+
+    url: str
+    bindir: str
+    datadir: str
+
+    def restart(self) -> None:
+        """Stop it (fast: connections are cut) and start it again; returns once it answers."""
+        _as_postgres(f"{self.bindir}/pg_ctl", "-D", self.datadir, "-w", "-m", "fast",
+                     "-l", f"{self.datadir}/server.log", "restart")  # fmt: skip
+
+
 @contextmanager
-def postgres() -> Iterator[str]:
+def postgres_server() -> Iterator[PostgresServer]:
     """A private PostgreSQL server on a free loopback port (Debian's binaries), as in the tests.
 
     synchronous_commit=off: a commit is not flushed to disk before it is acknowledged, the same
     durability as the SQLite default (WAL with synchronous=NORMAL)."""
-    existing = os.environ.get("TES_BRIDGE_BENCH_POSTGRES_URL")
-    if existing:
-        yield existing
-        return
     bindirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
     if not bindirs:
         raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
@@ -149,10 +160,22 @@ def postgres() -> Iterator[str]:
     try:
         _as_postgres(f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U",
                      "postgres", "tes")  # fmt: skip
-        yield f"postgresql://postgres@127.0.0.1:{port}/tes"
+        yield PostgresServer(f"postgresql://postgres@127.0.0.1:{port}/tes", bindir, datadir)
     finally:
         _as_postgres(f"{bindir}/pg_ctl", "-D", datadir, "-m", "fast", "stop")
         shutil.rmtree(datadir, ignore_errors=True)
+
+
+@contextmanager
+def postgres() -> Iterator[str]:
+    """The URL of a private PostgreSQL server (:func:`postgres_server`), or of the one
+    TES_BRIDGE_BENCH_POSTGRES_URL names."""
+    existing = os.environ.get("TES_BRIDGE_BENCH_POSTGRES_URL")
+    if existing:
+        yield existing
+        return
+    with postgres_server() as server:
+        yield server.url
 
 
 @contextmanager

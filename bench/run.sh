@@ -1,7 +1,8 @@
 #!/bin/sh
 # Run the benchmarks: bench/run.sh [NAME...] (create listing poll memory staging e2e validation
-# slowloris engines containers arrays).
-# Needs the local cluster (deploy/local-cluster.sh up) for poll, e2e and arrays, and PostgreSQL's
+# slowloris engines containers arrays nemesis).
+# Needs the local cluster (deploy/local-cluster.sh up) for poll, e2e, arrays and nemesis (alone on
+# it: it kills its daemons), and PostgreSQL's
 # binaries (apt-get install postgresql) for create and listing. Results: bench/results/*.json.
 set -eu
 cd "$(dirname "$0")/.."

@@ -70,10 +70,14 @@ def decide(
     if job is None:
         # The grace rule: slurmdbd can lag behind slurmctld for a moment after a job ends.
         if missing_for is not None and missing_for > MISSING_JOB_GRACE:
-            return Decision(
-                State.SYSTEM_ERROR,
-                [f"Slurm no longer knows job {records.job_id} and it recorded no outcome"],
-            )
+            lost = f"Slurm no longer knows job {records.job_id}"
+            if records.phase is None and attempt <= retries:
+                # Nothing of it ever ran (a pending job that a slurmctld killed before it
+                # saved its state forgot): lost through no fault of the task.
+                return Decision(
+                    State.QUEUED, [f"{lost}, which never started; submitting it again"], retry=True
+                )
+            return Decision(State.SYSTEM_ERROR, [f"{lost} and it recorded no outcome"])
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
@@ -109,13 +113,9 @@ def _decide_ended(
     """The job ended without recording an outcome: the script itself was stopped."""
     ended = _ended(job)
     in_executor = bool(records.phase and records.phase.startswith("running"))
-    unwritable = _records_unwritable(job, records)
-    if job.state in slurm.RETRYABLE_STATES or unwritable:
-        if unwritable:
-            ended += (
-                ": the job could not write its records in the work directory (a full or "
-                "read-only work filesystem?), so nothing of the task ran"
-            )
+    why_lost = _lost_because(job, records)
+    if why_lost is not None:
+        ended += why_lost
         if attempt <= retries:
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
@@ -132,16 +132,35 @@ def _decide_ended(
     return Decision(State.SYSTEM_ERROR, [f"{ended} without recording an outcome"])
 
 
+def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
+    """Why the ended job was lost through no fault of the task (to be submitted again), as
+    words for its line; None when it was not lost."""
+    if job.state in slurm.RETRYABLE_STATES:
+        return ""
+    if _records_unwritable(job, records):
+        ran = "nothing of the task ran" if records.phase is None else "it did not finish"
+        return (
+            ": the job could not write its records in the work directory (a full or "
+            f"read-only work filesystem?), so {ran}"
+        )
+    if job.state == "CANCELLED" and job.node and records.phase is None:
+        # Slurm itself killed the job as it launched it, before its script started (a node
+        # that reports the id as a duplicate, after a slurmctld killed before it saved its
+        # state reused it): lost through no fault of the task, nor canceled by anyone.
+        return f" on {job.node} before its script started"
+    return None
+
+
 def _records_unwritable(job: JobInfo, records: JobRecords) -> bool:
-    """The script exited at its first step because it could not start its records (see
-    templates/job.sh.j2, start_records): the system's failure, never the task's. Only that
-    exit code with no phase recorded: the script writes a phase before any step of the task,
-    and no later step exits with that code."""
+    """The script exited because it could not start or write its records (see
+    templates/job.sh.j2, start_records and record): the system's failure, never the task's.
+    Only the script itself exits with that code (an executor's or a staging command's code is
+    recorded, never passed on), and never once its outcome is written."""
     return (
         job.state == "FAILED"
         and job.exit_code == NO_RECORDS_EXIT_CODE
         and not job.signal
-        and records.phase is None
+        and records.outcome is None
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from bridge.core.naming import job_name
 from bridge.core.tes import State
 from bridge.job.records import JobRecords, read_records
 from bridge.poller.context import CycleStats, PollerContext, short
@@ -56,13 +57,14 @@ class JobWatch:
             self.unavailable = short(exc)
             return
         self.unavailable = None
-        self._queue = queue
+        names = {t.job_id: job_name(t.id) for t in tasks if t.job_id}
+        self._queue = _theirs(queue, names)
         if self.owners is not None:
             self._records = self._read_records_as_owners(self.owners, tasks)
         left = [j for j in job_ids if j not in queue or queue[j].ended]
         asked = set(left)
         left += [job_id for job_id in awaited if job_id not in asked]
-        self._accounting = self._sacct(left, stats)
+        self._accounting = _theirs(self._sacct(left, stats), names)
         now = self.ctx.clock()
         self._missing_since = {
             j: self._missing_since.get(j, now) for j in job_ids if self.job(j) is None
@@ -102,8 +104,14 @@ class JobWatch:
             return {}
 
     def job(self, job_id: str) -> JobInfo | None:
-        """What Slurm says of the job: sacct's record once it left the queue, else squeue's."""
-        return self._accounting.get(job_id) or self._queue.get(job_id)
+        """What Slurm says of the job: sacct's record once it left the queue, else squeue's.
+        A job out of the queue that sacct still holds as pending or running is unknown: sacct
+        lags behind for a moment, or keeps for ever a job slurmctld forgot (killed before it
+        saved its state); past the grace time, it is lost (decisions.decide)."""
+        accounted = self._accounting.get(job_id)
+        if accounted is not None and not accounted.ended and job_id not in self._queue:
+            return None
+        return accounted or self._queue.get(job_id)
 
     def final_record(self, job_id: str) -> JobInfo | None:
         """sacct's record of a finished job, when it has one."""
@@ -124,3 +132,14 @@ class JobWatch:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         tail = self.ctx.config.job.log_tail_bytes
         return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
+
+
+def _theirs(found: dict[str, JobInfo], names: dict[str, str]) -> dict[str, JobInfo]:
+    """Leave out a record of another job under a followed job's id. Slurm reuses the ids of
+    jobs it forgot (a slurmctld killed before it saved its state): the followed job is then
+    unknown to it, and the id names someone else's job, whose state is not this task's."""
+    return {
+        job_id: info
+        for job_id, info in found.items()
+        if not info.name or job_id not in names or info.name == names[job_id]
+    }

@@ -823,6 +823,34 @@ def test_job_script_that_cannot_start_its_records_exits_with_its_own_code(
     assert not read_records(script.parent, "9", tail_bytes=1024).started
 
 
+def test_job_script_that_cannot_write_its_outcome_exits_with_the_no_records_code(
+    tmp_path: Path,
+) -> None:
+    """The work filesystem fills up after the executors ran: the outcome cannot be written.
+    The job ends with the no-records code (a job lost through no fault of the task), not 1."""
+    outcome_tmp = tmp_path / "state" / "work" / "job-1" / "records" / "9" / "outcome.tmp"
+    code, records = run_job(tmp_path, {"executors": [sh(f"mkdir -p {outcome_tmp}")]})
+    assert code == NO_RECORDS_EXIT_CODE
+    assert records.outcome is None and records.phase == "uploading"
+    assert [e.exit_code for e in records.executors] == [0]
+
+
+def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
+    tmp_path: Path,
+) -> None:
+    """A slurmctld killed -9 restores a state saved before the job ended and starts the job
+    again under the same id: the executors must not run a second time."""
+    marker = tmp_path / "runs"
+    code, records = run_job(tmp_path, {"executors": [sh(f"echo ran >> {marker}")]})
+    assert (code, records.outcome) == (0, "complete")
+    script = tmp_path / "state" / "work" / "job-1" / "job.sh"
+    env = dict(os.environ, SLURM_JOB_ID="9", PYTHONPATH=str(REPO))
+    again = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
+    assert again.returncode == 0 and b"does not run again" in again.stderr
+    assert marker.read_text() == "ran\n"
+    assert read_records(script.parent, "9", tail_bytes=1024).outcome == "complete"
+
+
 def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) -> None:
     code, records = run_job(tmp_path, {"executors": [sh("exit 3"), sh("echo never")]})
     assert (code, records.outcome) == (0, "executor_error")

@@ -216,12 +216,29 @@ def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
     assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
 
 
+@pytest.mark.parametrize("phase", ["staging", "running 0", "uploading"])
+def test_a_job_whose_records_became_unwritable_later_is_lost_not_failed(phase):
+    """The work filesystem fills up while the job runs: the record it cannot write ends it with
+    the no-records code (templates/job.sh.j2, record). It did not finish, through no fault of
+    the task: submitted again (it used to end SYSTEM_ERROR, "exit code 1")."""
+    decision = decide(
+        job=job(state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0),
+        records=records(phase=phase),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+    )
+    assert decision.retry and decision.state is State.QUEUED
+    assert "could not write its records" in decision.messages[0]
+    assert "it did not finish; submitting it again" in decision.messages[0]
+
+
 @pytest.mark.parametrize(
     ("exit_code", "phase"),
     [
         (1, None),  # any other early failure stays the system's error it always was
-        (NO_RECORDS_EXIT_CODE, "staging"),  # the records were written: the code is not ours
-        (NO_RECORDS_EXIT_CODE, "running 0"),
+        (1, "uploading"),
+        (2, "running 0"),
     ],
 )
 def test_only_the_scripts_own_no_records_exit_is_taken_for_a_lost_job(exit_code, phase):
@@ -252,7 +269,7 @@ def test_suspended_job_is_paused_and_unknown_states_keep_the_last_one():
 
 
 def test_a_job_unknown_to_slurm_fails_its_task_after_the_grace_time_only():
-    unknown = {"job": None, "records": records(), "attempt": 1, "retries": 2}
+    unknown = {"job": None, "records": records(phase="running 0"), "attempt": 1, "retries": 2}
     waiting = decide(**unknown, current=State.RUNNING, missing_for=MISSING_JOB_GRACE)
     assert waiting.state is State.RUNNING and not waiting.messages
     lost = decide(**unknown, current=State.RUNNING, missing_for=MISSING_JOB_GRACE + 1)
@@ -293,8 +310,77 @@ def test_the_grace_time_counts_from_the_first_cycle_without_the_job(env):
     slurm.unavailable = False
     poller.cycle()
     record = store.get_task(task.id)
-    assert record.state == "SYSTEM_ERROR"
-    assert "Slurm no longer knows job" in record.logs[0]["system_logs"][-1]
+    # It recorded nothing (it never started): lost, submitted again (see the test below).
+    assert record.logs[0]["metadata"][LOST_JOBS_KEY] == job_id
+    assert any("Slurm no longer knows job" in x for x in record.logs[0]["system_logs"])
+
+
+def test_a_job_slurm_forgot_before_it_started_is_submitted_again_within_the_retries():
+    """A slurmctld killed -9 before it saved its state forgets the jobs submitted since:
+    nothing of them ever ran, so the task is not failed for it."""
+    unknown = {"job": None, "records": records(), "current": State.QUEUED}
+    lost = decide(**unknown, attempt=1, retries=2, missing_for=MISSING_JOB_GRACE + 1)
+    assert lost.state is State.QUEUED and lost.retry
+    assert lost.messages == [
+        "Slurm no longer knows job 1, which never started; submitting it again"
+    ]
+    spent = decide(**unknown, attempt=3, retries=2, missing_for=MISSING_JOB_GRACE + 1)
+    assert spent.state is State.SYSTEM_ERROR and not spent.retry
+
+
+def test_a_job_slurm_killed_as_it_launched_it_is_submitted_again_not_canceled():
+    """A node that reports a job id Slurm reused (after a slurmctld killed -9 lost its state)
+    as a duplicate: Slurm cancels the new job at launch, before its script starts."""
+    killed = job(state="CANCELLED", node="node1", exit_code=0, signal=0)
+    lost = decide(job=killed, records=records(), attempt=1, retries=2, current=State.INITIALIZING)
+    assert lost.state is State.QUEUED and lost.retry
+    assert "before its script started; submitting it again" in lost.messages[0]
+    spent = decide(job=killed, records=records(), attempt=3, retries=2, current=State.QUEUED)
+    assert spent.state is State.SYSTEM_ERROR
+    # Canceled while pending (no node), or once its script ran: a cancel, final.
+    pending = replace(killed, node=None)
+    assert decide(job=pending, records=records(), attempt=1, retries=2,
+                  current=State.QUEUED).state is State.CANCELED  # fmt: skip
+    ran = decide(job=killed, records=records(phase="running 0"), attempt=1, retries=2,
+                 current=State.RUNNING)  # fmt: skip
+    assert ran.state is State.CANCELED
+
+
+def test_a_job_id_slurm_reused_for_another_job_is_not_taken_for_the_tasks_job(env):
+    """slurmctld killed -9 forgets the task's job and gives its id to another job: what squeue
+    and sacct say of that id is not the task's (its name is another's)."""
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    poller.cycle()
+    slurm.jobs[job_id] = job(job_id, "CANCELLED", name="tes-someone-else", exit_code=0, signal=0)
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "INITIALIZING", record.logs
+    assert not any("CANCELLED" in x for x in record.logs[0].get("system_logs", []))
+
+
+def test_a_job_out_of_the_queue_that_sacct_holds_as_running_for_ever_is_lost(env):
+    """sacct keeps a job slurmctld forgot as PENDING or RUNNING for ever: once the job is out
+    of the queue for the grace time with nothing recorded, it is submitted again."""
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    stale = replace(slurm.jobs[job_id], state="PENDING")
+    del slurm.jobs[job_id]
+    slurm.accounting_only[job_id] = stale
+    poller.cycle()
+    now[0] += MISSING_JOB_GRACE + 1
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.logs[0]["metadata"][LOST_JOBS_KEY] == job_id, record.logs
+    poller.cycle()
+    assert store.get_task(task.id).job_id not in (None, job_id)
 
 
 def test_job_that_can_never_start_fails_and_is_canceled(env):
