@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from bridge.core.naming import job_name
 from bridge.core.tes import State
 from bridge.job.records import JobRecords, read_records
+from bridge.poller.arrays import array_mark
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import in_queue
 from bridge.poller.owners import OwnerRunner
@@ -57,7 +58,7 @@ class JobWatch:
             self.unavailable = short(exc)
             return
         self.unavailable = None
-        names = {t.job_id: job_name(t.id) for t in tasks if t.job_id}
+        names = {t.job_id: _job_name_of(t) for t in tasks if t.job_id}
         self._queue = _theirs(queue, names)
         if self.owners is not None:
             self._records = self._read_records_as_owners(self.owners, tasks)
@@ -132,6 +133,12 @@ class JobWatch:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         tail = self.ctx.config.job.log_tail_bytes
         return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
+
+
+def _job_name_of(task: TaskRecord) -> str:
+    """The name its job was given: an array's element carries the array's name."""
+    mark = array_mark(task)
+    return mark[0] if mark else job_name(task.id)
 
 
 def _theirs(found: dict[str, JobInfo], names: dict[str, str]) -> dict[str, JobInfo]:
