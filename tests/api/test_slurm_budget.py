@@ -1,4 +1,5 @@
-"""The budget of Slurm calls, end to end: 2,000 tasks flow through the real poller (its cycle
+"""The budget of Slurm calls, end to end: tasks flow (`BUDGET_TEST_TASKS`, 800 in the suite;
+2,000 passed in a run of their own) through the real poller (its cycle
 and quick checks, `bridge.poller.loop`) and the real Slurm client, whose commands are a
 counting stand-in (tests/fakes/slurmbin: each call logs its time). However many tasks wait, the
 calls in any window never pass what the budget allows, and every task still ends (some of them
@@ -23,7 +24,8 @@ from bridge.store import Store, TaskRow
 from bridge.system.budget import CallBudget
 
 FAKE = Path(__file__).parents[1] / "fakes" / "slurmbin"
-TASKS = 2000
+#: 2,000 in a run of its own (about 4.5 minutes here); fewer in the whole suite.
+TASKS = int(os.environ.get("BUDGET_TEST_TASKS", "800"))
 RATE = 20.0
 BURST = 10
 #: A command's time is logged by the command itself, a few ms after the poller took its
@@ -78,7 +80,7 @@ def run_loop(poller: Poller, config: Config, done: threading.Event) -> None:
         _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
 
 
-def test_calls_stay_within_the_budget_while_2000_tasks_flow(
+def test_calls_stay_within_the_budget_while_tasks_flow(
     tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = tmp_path / "fake-slurm"
