@@ -120,7 +120,7 @@ class Follower:
 
     def _decide(self, task: TaskRecord) -> _Decided:
         assert task.job_id is not None
-        job = self.watch.job(task.job_id)
+        job = self.watch.job_of(task)
         records = self.watch.records(task)
         current = State(task.state)
         logs = TaskLogs(task.logs)
@@ -133,7 +133,7 @@ class Follower:
             retries=self.ctx.config.slurm.retries,
             current=current,
             time_limit=(entry.metadata or {}).get(TIME_LIMIT_KEY),
-            missing_for=self.watch.missing_for(task.job_id),
+            missing_for=self.watch.missing_for(task),
             on_preemption=self.ctx.config.slurm.on_preemption,
         )
         log_decision(entry, decision, records, job)

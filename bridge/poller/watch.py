@@ -35,7 +35,8 @@ class JobWatch:
         #: Site mode: the records read as each owner, by task id.
         self._records: dict[str, JobRecords] = {}
         #: Followed jobs that neither squeue nor sacct knows: since when.
-        self._missing_since: dict[str, float] = {}
+        #: (job id, job name) -> when neither squeue nor sacct knew that job.
+        self._missing_since: dict[tuple[str, str], float] = {}
         #: The last update left Slurm unread to spare the call budget (see _due).
         self.paced = False
         #: When the last update read Slurm, and the budget's calls it spent.
@@ -58,7 +59,11 @@ class JobWatch:
             self.unavailable = short(exc)
             return
         self.unavailable = None
-        names = {t.job_id: _job_name_of(t) for t in tasks if t.job_id}
+        # Two tasks may follow one id: Slurm gave a forgotten job's id to another task's job.
+        names: dict[str, set[str]] = {}
+        for task in tasks:
+            if task.job_id:
+                names.setdefault(task.job_id, set()).add(_job_name_of(task))
         self._queue = _theirs(queue, names)
         if self.owners is not None:
             self._records = self._read_records_as_owners(self.owners, tasks)
@@ -67,8 +72,9 @@ class JobWatch:
         left += [job_id for job_id in awaited if job_id not in asked]
         self._accounting = _theirs(self._sacct(left, stats), names)
         now = self.ctx.clock()
+        keys = [(t.job_id, _job_name_of(t)) for t in tasks if t.job_id]
         self._missing_since = {
-            j: self._missing_since.get(j, now) for j in job_ids if self.job(j) is None
+            key: self._missing_since.get(key, now) for key in keys if self.job(*key) is None
         }
         self._read_cost = self.ctx.slurm.budget.spent - spent
 
@@ -104,30 +110,38 @@ class JobWatch:
             log.warning("sacct failed; finished jobs wait for the next cycle: %s", short(exc))
             return {}
 
-    def job(self, job_id: str) -> JobInfo | None:
-        """What Slurm says of the job: sacct's record once it left the queue, else squeue's.
+    def job(self, job_id: str, name: str | None = None) -> JobInfo | None:
+        """What Slurm says of the job: sacct's record once it left the queue, else squeue's;
+        with `name`, only a record of a job of that name (another job may have the id).
         A job out of the queue that sacct still holds as pending or running is unknown: sacct
         lags behind for a moment, or keeps for ever a job slurmctld forgot (killed before it
         saved its state); past the grace time, it is lost (decisions.decide)."""
-        accounted = self._accounting.get(job_id)
-        if accounted is not None and not accounted.ended and job_id not in self._queue:
+        accounted = _named(self._accounting.get(job_id), name)
+        queued = _named(self._queue.get(job_id), name)
+        if accounted is not None and not accounted.ended and queued is None:
             return None
-        return accounted or self._queue.get(job_id)
+        return accounted or queued
+
+    def job_of(self, task: TaskRecord) -> JobInfo | None:
+        """What Slurm says of the task's job (by its id and its name)."""
+        assert task.job_id is not None
+        return self.job(task.job_id, _job_name_of(task))
 
     def final_record(self, job_id: str) -> JobInfo | None:
         """sacct's record of a finished job, when it has one."""
         job = self._accounting.get(job_id)
         return job if job is not None and job.ended else None
 
-    def missing_for(self, job_id: str) -> float | None:
-        """How long neither squeue nor sacct has known the job; None while one does."""
-        since = self._missing_since.get(job_id)
+    def missing_for(self, task: TaskRecord) -> float | None:
+        """How long neither squeue nor sacct has known the task's job; None while one does."""
+        assert task.job_id is not None
+        since = self._missing_since.get((task.job_id, _job_name_of(task)))
         return None if since is None else self.ctx.clock() - since
 
     def records(self, task: TaskRecord) -> JobRecords:
         """What the task's job recorded (nothing while it waits in the queue)."""
         assert task.job_id is not None
-        if in_queue(self.job(task.job_id)):
+        if in_queue(self.job_of(task)):
             return JobRecords(job_id=task.job_id)
         if self.owners is not None:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
@@ -141,12 +155,19 @@ def _job_name_of(task: TaskRecord) -> str:
     return mark[0] if mark else job_name(task.id)
 
 
-def _theirs(found: dict[str, JobInfo], names: dict[str, str]) -> dict[str, JobInfo]:
+def _named(info: JobInfo | None, name: str | None) -> JobInfo | None:
+    """The record, unless it names another job than `name`."""
+    if info is None or name is None or not info.name or info.name == name:
+        return info
+    return None
+
+
+def _theirs(found: dict[str, JobInfo], names: dict[str, set[str]]) -> dict[str, JobInfo]:
     """Leave out a record of another job under a followed job's id. Slurm reuses the ids of
     jobs it forgot (a slurmctld killed before it saved its state): the followed job is then
     unknown to it, and the id names someone else's job, whose state is not this task's."""
     return {
         job_id: info
         for job_id, info in found.items()
-        if not info.name or job_id not in names or info.name == names[job_id]
+        if not info.name or job_id not in names or info.name in names[job_id]
     }

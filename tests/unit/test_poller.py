@@ -362,6 +362,33 @@ def test_a_job_id_slurm_reused_for_another_job_is_not_taken_for_the_tasks_job(en
     assert not any("CANCELLED" in x for x in record.logs[0].get("system_logs", []))
 
 
+def test_two_tasks_following_one_reused_job_id_each_see_only_their_own_job(env):
+    """slurmctld killed -9 forgets task A's job and gives its id to task B's new job: both
+    tasks then follow one id. B's job ending is not A's: A's job is lost (never started), not
+    a job that "ended COMPLETED without recording an outcome"."""
+    poller, store, slurm, _ = env
+    now = [1000.0]
+    poller.clock = lambda: now[0]
+    first = store.create_task(ECHO)
+    second = store.create_task(ECHO)
+    poller.cycle()
+    reused = store.get_task(first.id).job_id
+    theirs = store.get_task(second.id).job_id
+    assert reused and theirs and reused != theirs
+    # Slurm forgot the first task's job; the second task's job got its id.
+    del slurm.jobs[theirs]
+    slurm.jobs[reused] = job(reused, "COMPLETED", name=job_name(second.id), exit_code=0, signal=0)
+    store.update_task(second.id, job_id=reused)
+    poller.cycle()
+    assert store.get_task(first.id).state != "SYSTEM_ERROR", store.get_task(first.id).logs
+    now[0] += MISSING_JOB_GRACE + 1
+    poller.cycle()
+    record = store.get_task(first.id)
+    assert record.state != "SYSTEM_ERROR", record.logs
+    assert record.logs[0]["metadata"][LOST_JOBS_KEY] == reused, record.logs
+    assert not any("without recording" in x for x in record.logs[0].get("system_logs", []))
+
+
 def test_a_job_out_of_the_queue_that_sacct_holds_as_running_for_ever_is_lost(env):
     """sacct keeps a job slurmctld forgot as PENDING or RUNNING for ever: once the job is out
     of the queue for the grace time with nothing recorded, it is submitted again."""
