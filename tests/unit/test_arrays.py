@@ -1,7 +1,7 @@
 """Job arrays (slurm.arrays), with the fake Slurm of tests/fakes/slurm.py: which tasks go
 together, the array's script and manifest, each element followed, canceled and submitted again
 as its own task's job, the crash window recovered by the array's name, and Slurm's array
-output parsed (tests/cluster/test_arrays.py runs them on the real cluster)."""
+output parsed (tests/cluster/test_arrays_cluster.py runs them on the real cluster)."""
 
 from __future__ import annotations
 
