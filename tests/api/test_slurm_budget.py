@@ -76,7 +76,7 @@ def run_loop(poller: Poller, config: Config, done: threading.Event) -> None:
     """The poller process's loop (run_poller without its lock, signals and wake socket)."""
     stop, wake, nudge = threading.Event(), threading.Event(), threading.Event()
     while not done.is_set():
-        _run_cycle(poller)
+        _run_cycle(poller, config.work_dir)
         _between_cycles(poller, config.slurm.poll_interval, stop, wake, nudge)
 
 
@@ -114,6 +114,7 @@ def test_calls_stay_within_the_budget_while_tasks_flow(
     try:
         deadline = started + 480
         while time.monotonic() < deadline:
+            assert loop.is_alive(), "the poller's loop died (see the thread's exception above)"
             with store.db.connection_context():
                 rows = list(TaskRow.select(TaskRow.id, TaskRow.state, TaskRow.job_id,
                                            TaskRow.cancel_pending).tuples())  # fmt: skip
