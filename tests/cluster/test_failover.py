@@ -175,6 +175,7 @@ def _config(
             wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_CLI} {tool} "$@"\n')
             wrapper.chmod(0o755)
             slurm += f'{tool} = "{wrapper}"\n'
+        slurm += 'arrays = "never"\n'  # the fake's sbatch makes no arrays
     container = {
         "runtime": local_cluster.apptainer,
         "default_registry": local_cluster.registry,
@@ -198,6 +199,9 @@ command_timeout = 10.0
 submit_settle = 3.0
 submit_backoff_initial = 1.0
 submit_backoff_max = 4.0
+# The local cluster has no rate limit; as tests/fixtures/service.py, a larger budget.
+calls_per_second = 20.0
+calls_burst = 100
 [poller]
 lease_seconds = {LEASE}
 node_name = "{name}"
@@ -518,4 +522,4 @@ def test_tasks_created_while_the_leader_is_killed_each_run_once(make_site):
         i: t["state"] for i, t in tasks.items() if t["state"] != "COMPLETE"
     }
     assert all(len(t["logs"]) == 1 for t in tasks.values())
-    assert_one_job_per_attempt(tasks)
+    assert_one_job_per_attempt(tasks, site.shared / "work")
