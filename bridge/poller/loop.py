@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge.config import Config
 from bridge.core.tes import TERMINAL_STATES
@@ -24,7 +25,6 @@ from bridge.poller.capabilities import CapabilitiesReader
 from bridge.poller.cleanup import Cleaner
 from bridge.poller.context import CycleStats, ImageSource, PollerContext
 from bridge.poller.follow import Follower
-from bridge.poller.lease import Lease, LeaseKeeper, holder_name, lease_url
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.recover import Recovery
 from bridge.poller.submit import Submitter
@@ -34,6 +34,9 @@ from bridge.system import metrics
 from bridge.system.budget import CallBudget
 from bridge.system.relay import RelayServer
 from bridge.system.wake import WakeReceiver
+
+if TYPE_CHECKING:
+    from bridge.poller.lease import Lease
 
 log = logging.getLogger("bridge.poller")
 
@@ -263,6 +266,9 @@ def _elected(
 ) -> None:
     """PostgreSQL: wait as a standby until this poller takes the lease, lead while it holds
     it (writes fenced by its epoch), and wait again once it lost it (bridge.poller.lease)."""
+    # Imported here: psycopg2 is the PostgreSQL extra's, absent from an SQLite-only install.
+    from bridge.poller.lease import Lease, LeaseKeeper, holder_name, lease_url
+
     seconds = config.poller.lease_seconds
     lease = Lease(lease_url(config), holder=holder_name(config), seconds=seconds)
     # A fenced transaction idle this long (its poller stopped) is ended by the server, so it
