@@ -439,10 +439,13 @@ def test_fault_random_kill_9_of_master_workers_and_poller(local_cluster, tmp_pat
     print(f"fault test seed: {seed} (rerun with FAULT_SEED={seed})")
     rng = random.Random(seed)
     wrapper = slow_sbatch(tmp_path, before=0.2, after=0.2)
+    # One sbatch per task, so that kills land inside many of them (an array's sbatch window:
+    # tests/cluster/test_arrays_cluster.py).
     service = start_bridge_service(
         local_cluster,
         tmp_path,
-        slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0',
+        slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0\n'
+        'arrays = "never"',
         serve_alone=True,
     )
     ids: list[str] = []
