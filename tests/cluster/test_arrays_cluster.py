@@ -106,8 +106,13 @@ def test_fifty_tasks_of_one_shape_are_one_array_each_with_its_own_outputs(servic
         assert (task_dir / f"slurm-{meta['slurm_job_id']}.out").is_file()
     assert len(array_ids) == 1
     (array_id,) = array_ids
-    elements = sacct_elements(array_id)
-    assert sorted(elements) == sorted(f"{array_id}_{i}" for i in range(50))
+    expected = sorted(f"{array_id}_{i}" for i in range(50))
+    # slurmdbd records an element a moment after slurmctld ended it (the tasks end by squeue
+    # and their records): wait for accounting to list them all.
+    deadline = time.monotonic() + 60
+    while sorted(elements := sacct_elements(array_id)) != expected and time.monotonic() < deadline:
+        time.sleep(2)
+    assert sorted(elements) == expected
     assert {state for state, _ in elements.values()} == {"COMPLETED"}
 
 
