@@ -59,11 +59,7 @@ class JobWatch:
             self.unavailable = short(exc)
             return
         self.unavailable = None
-        # Two tasks may follow one id: Slurm gave a forgotten job's id to another task's job.
-        names: dict[str, set[str]] = {}
-        for task in tasks:
-            if task.job_id:
-                names.setdefault(task.job_id, set()).add(_job_name_of(task))
+        names = _names_by_job_id(tasks)
         self._queue = _theirs(queue, names)
         if self.owners is not None:
             self._records = self._read_records_as_owners(self.owners, tasks)
@@ -72,9 +68,10 @@ class JobWatch:
         left += [job_id for job_id in awaited if job_id not in asked]
         self._accounting = _theirs(self._sacct(left, stats), names)
         now = self.ctx.clock()
-        keys = [(t.job_id, _job_name_of(t)) for t in tasks if t.job_id]
         self._missing_since = {
-            key: self._missing_since.get(key, now) for key in keys if self.job(*key) is None
+            key: self._missing_since.get(key, now)
+            for key in _job_keys(tasks)
+            if self.job(*key) is None
         }
         self._read_cost = self.ctx.slurm.budget.spent - spent
 
@@ -147,6 +144,19 @@ class JobWatch:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         tail = self.ctx.config.job.log_tail_bytes
         return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
+
+
+def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
+    """The job names followed under each id: two tasks may follow one id (Slurm gave a
+    forgotten job's id to another task's job)."""
+    names: dict[str, set[str]] = {}
+    for job_id, name in _job_keys(tasks):
+        names.setdefault(job_id, set()).add(name)
+    return names
+
+
+def _job_keys(tasks: list[TaskRecord]) -> list[tuple[str, str]]:
+    return [(t.job_id, _job_name_of(t)) for t in tasks if t.job_id]
 
 
 def _job_name_of(task: TaskRecord) -> str:
