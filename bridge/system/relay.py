@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bridge.system.wake import bind_private
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +81,7 @@ class RelayServer:
         """Listen; False (logged) when the socket cannot be made."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # The poller holds the poller lock: a socket left here is a dead poller's.
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            old = os.umask(0o177)
-            try:
-                sock.bind(str(self.path))
-            finally:
-                os.umask(old)
+            bind_private(sock, self.path)
             sock.listen(32)
         except OSError as exc:
             sock.close()

@@ -39,6 +39,18 @@ class WakeSender:
         self._socket.close()
 
 
+def bind_private(sock: socket.socket, path: Path) -> None:
+    """Bind a Unix socket of the poller at `path`, mode 0600. There is one poller per state
+    directory: a socket left there is a dead poller's."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+
+
 class WakeReceiver:
     """The poller's side: a thread that sets `event` for each nudge (bursts coalesce)."""
 
@@ -52,14 +64,7 @@ class WakeReceiver:
         e.g. a state directory whose path is longer than a socket address allows."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            # The poller holds the poller lock: a socket left here is a dead poller's.
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            old = os.umask(0o177)
-            try:
-                sock.bind(str(self.path))
-            finally:
-                os.umask(old)
+            bind_private(sock, self.path)
         except OSError as exc:
             sock.close()
             log.warning("no wake-up socket (%s): new tasks are looked for every 0.2 s", exc)
