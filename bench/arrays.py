@@ -1,11 +1,22 @@
-"""Job arrays on the local cluster: a burst of BENCH_ARRAYS_TASKS (1000) same-shape one-second
-tasks (`alpine sleep 1`) through the bridge (slurm.arrays = "auto", the tasks posted while the
-poller runs, as a client's burst comes) against the same jobs as one raw `sbatch --array` and as
-a raw sbatch loop, each running the same Apptainer command on the same SIF with the same Slurm
-resources. For each side: the makespan (first submission or POST to the last job's end), how
-many sbatch ran, and slurmctld's RPCs per task from `sdiag` before and after (submissions,
-REQUEST_SUBMIT_BATCH_JOB, and every RPC of the user, squeue's and scancel's included). The
-cluster is shared by everyone on it as root: run it alone (`flock -x /tmp/cluster.lock`).
+"""Job arrays and the budget of Slurm calls on the local cluster, side by side in one run.
+
+A burst of BENCH_ARRAYS_TASKS (1000) same-shape one-second tasks (`alpine sleep 1`), posted while
+the poller runs as a client's burst comes, through:
+- the bridge with `slurm.arrays = "auto"` and no call budget (`calls_per_second = 0`);
+- the same bridge under a budget of 2 calls a second after a burst of 30 (Slurm's rl_enable
+  defaults);
+and the same jobs as one raw `sbatch --array` and as a raw `sbatch` loop, each running the same
+Apptainer command on the same SIF with the same Slurm resources. Then the same number of tasks
+in BENCH_ARRAYS_SHAPES (20) shapes (`resources.ram_gb` apart), interleaved, with arrays and with
+`arrays = "never"` (one job per task); and BENCH_ARRAYS_LONE (5) lone tasks, POST to COMPLETE,
+against a raw sbatch of the same job.
+
+For each side: the makespan (first POST or submission to the last job's end), how many sbatch
+ran, the time from the last POST until every task had its Slurm job, slurmctld's RPCs per task
+from `sdiag` before and after (REQUEST_SUBMIT_BATCH_JOB, and every RPC of the user: the
+bridge's squeue, sacct and scancel too), and the bridge's own Slurm calls per poll cycle
+(`tes_bridge_slurm_calls_total` over `tes_bridge_poll_cycle_seconds_count`). The cluster is
+shared by everyone on it as root: run it alone (`flock -x /tmp/cluster.lock`).
 
     python -m bench arrays
 """
@@ -16,12 +27,20 @@ import json
 import os
 import re
 import shutil
+import sqlite3
+import statistics
 import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import (
     PYTHON,
@@ -34,9 +53,11 @@ from bench.common import (
     write_config,
     write_result,
 )
-from bench.e2e import cluster, slurm, wait_queue_empty
+from bench.e2e import cluster, container_toml, slurm, wait_queue_empty
 
 TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
+SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
+LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
 
@@ -73,27 +94,126 @@ def raw_loop(count: int, script: Path, directives: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def raw_array(count: int, script: Path, directives: list[str]) -> float:
+def raw_array(count: int, script: Path, directives: list[str], array: bool = True) -> float:
+    """One `sbatch --array` of `count` jobs (or, with array=False, one plain job): sbatch to the
+    last element leaving squeue."""
     started = time.perf_counter()
     job_id = slurm(
         "sbatch", "--parsable", "--job-name=bench-array", "-o", "/dev/null",
-        f"--array=0-{count - 1}", *directives, str(script),
+        *([f"--array=0-{count - 1}"] if array else []), *directives, str(script),
     ).strip().split(";")[0]  # fmt: skip
     wait_jobs_gone([job_id])
     return time.perf_counter() - started
 
 
-def bridge_burst(api: str, count: int) -> tuple[float, int]:
-    """Makespan of `count` tasks posted at once, and how many jobs (arrays or single) carried
-    them."""
+@dataclass
+class Bridge:
+    """One `tes-bridge serve` of the run, with its own state and the shared image cache."""
+
+    root: Path
+    base: str
+
+    @property
+    def api(self) -> str:
+        return f"{self.base}/ga4gh/tes/v1"
+
+    def unsubmitted(self) -> int:
+        """Tasks without their Slurm job (read from the store, which the API does not show)."""
+        with sqlite3.connect(f"file:{self.root / 'tasks.db'}?mode=ro", uri=True) as db:
+            return int(db.execute("SELECT COUNT(*) FROM tasks WHERE job_id IS NULL").fetchone()[0])
+
+    def counters(self) -> dict[str, float]:
+        """Slurm calls (all, and sbatch's) and poll cycles so far, from /metrics."""
+        text = requests.get(f"{self.base}/metrics", timeout=10).text
+        out = {"calls": 0.0, "sbatch": 0.0, "cycles": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "tes_bridge_slurm_calls_total":
+                    out["calls"] += sample.value
+                    if sample.labels.get("command") == "sbatch":
+                        out["sbatch"] += sample.value
+                elif sample.name == "tes_bridge_poll_cycle_seconds_count":
+                    out["cycles"] += sample.value
+        return out
+
+
+@contextmanager
+def bridge(info: dict[str, str], root: Path, name: str, slurm: str) -> Iterator[Bridge]:
+    home = root / name
+    home.mkdir()
+    extra = f"{container_toml(info, root / 'images')}[slurm]\n{slurm}\n"
+    config = write_config(home, f"sqlite:///{home}/tasks.db", extra=extra)
+    bind = config.read_text().split('bind = "')[1].split('"')[0]
+    server = subprocess.Popen(
+        [PYTHON, "-m", "bridge", "--config", str(config), "--log-level", "WARNING", "serve"],
+        env=bridge_env(), stderr=log_file(home / "serve.log"),
+    )  # fmt: skip
+    try:
+        running = Bridge(home, f"http://{bind}")
+        wait_http(f"{running.api}/service-info")
+        yield running
+    finally:
+        stop(server)
+
+
+def shape_of(index: int, shapes: int) -> dict[str, Any]:
+    """Task `index`'s resources: one of `shapes` memory sizes, 10 MiB apart."""
+    if shapes <= 1:
+        return {}
+    return {"resources": {"ram_gb": round(0.25 + 0.01 * (index % shapes), 2)}}
+
+
+def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, float]:
+    """`count` tasks posted at once: the makespan, the seconds from the last POST until every
+    task had its job, how many jobs (arrays or single) carried them, and the bridge's Slurm
+    calls per poll cycle meanwhile."""
     run = uuid.uuid4().hex
     session = requests.Session()
-    body = json.dumps({"executors": SLEEP, "tags": {"bench": run}})
+    bodies = [
+        json.dumps({"executors": SLEEP, "tags": {"bench": run}, **shape_of(i, shapes)})
+        for i in range(count)
+    ]
+    before = service.counters()
     started = time.perf_counter()
-    for _ in range(count):
-        session.post(f"{api}/tasks", data=body).raise_for_status()
+    for body in bodies:
+        session.post(f"{service.api}/tasks", data=body).raise_for_status()
+    last_post = time.perf_counter()
+    all_submitted = threading.Event()
+    submitted_at = [0.0]
+
+    def watch_submissions() -> None:
+        while service.unsubmitted():
+            time.sleep(0.05)
+        submitted_at[0] = time.perf_counter()
+        all_submitted.set()
+
+    threading.Thread(target=watch_submissions, daemon=True).start()
+    tasks = wait_final(session, service.api, run, count)
+    elapsed = time.perf_counter() - started
+    all_submitted.wait(60)
+    after = service.counters()
+    assert all(t["state"] == "COMPLETE" for t in tasks), [t["state"] for t in tasks][:5]
+    jobs = {t["logs"][0]["metadata"]["slurm_job_id"].split("_")[0] for t in tasks}
+    cycles = max(after["cycles"] - before["cycles"], 1.0)
+    return {
+        "makespan_s": elapsed,
+        "jobs": len(jobs),
+        "submitted_after_last_post_s": submitted_at[0] - last_post,
+        "poll_cycles": cycles,
+        "calls_per_cycle": (after["calls"] - before["calls"]) / cycles,
+        "calls_per_cycle_without_sbatch": (
+            after["calls"] - before["calls"] - (after["sbatch"] - before["sbatch"])
+        )
+        / cycles,
+    }
+
+
+def wait_final(
+    session: requests.Session, api: str, run: str, count: int, poll: float = 0.2
+) -> list[dict[str, Any]]:
     while True:
-        tasks, token = [], None
+        tasks: list[dict[str, Any]] = []
+        token = None
         while True:
             params = {"tag_key": "bench", "tag_value": run, "page_size": "2047", "view": "FULL"}
             if token:
@@ -104,45 +224,56 @@ def bridge_burst(api: str, count: int) -> tuple[float, int]:
             if not token:
                 break
         if len(tasks) == count and all(t["state"] in TERMINAL for t in tasks):
-            break
-        time.sleep(0.2)
-    elapsed = time.perf_counter() - started
-    assert all(t["state"] == "COMPLETE" for t in tasks), [t["state"] for t in tasks][:5]
-    jobs = {t["logs"][0]["metadata"]["slurm_job_id"].split("_")[0] for t in tasks}
-    return elapsed, len(jobs)
+            return tasks
+        time.sleep(poll)
+
+
+def measured(side: str, results: dict[str, dict[str, float]], run: Any, count: int) -> None:
+    """One side of the table: `run()` between two `sdiag` readings, with an empty queue."""
+    wait_queue_empty(timeout=1800)
+    before = rpc_counts()
+    figures = run()
+    results[side] = {**figures, **per_task(before, rpc_counts(), count)}
+    print(f"  {side}: {results[side]}", flush=True)
+
+
+def raw_side(seconds: float, jobs: int) -> dict[str, float]:
+    return {"makespan_s": seconds, "jobs": jobs}
+
+
+def lone_latencies(service: Bridge, raw_script: Path, directives: list[str]) -> dict[str, Any]:
+    """POST to COMPLETE of a lone task (polled every 20 ms), against sbatch to the same job
+    leaving squeue, alternately."""
+    session = requests.Session()
+    body = json.dumps({"executors": SLEEP})
+    bridge_s, raw_s = [], []
+    for _ in range(LONE):
+        wait_queue_empty()
+        raw_s.append(raw_array(1, raw_script, directives, array=False))
+        wait_queue_empty()
+        started = time.perf_counter()
+        task_id = session.post(f"{service.api}/tasks", data=body).json()["id"]
+        while session.get(f"{service.api}/tasks/{task_id}").json()["state"] not in TERMINAL:
+            time.sleep(0.02)
+        bridge_s.append(time.perf_counter() - started)
+    return {
+        "bridge_s": bridge_s,
+        "raw_s": raw_s,
+        "added_s": statistics.median(bridge_s) - statistics.median(raw_s),
+    }
 
 
 def main() -> dict[str, object]:
     info = cluster()
     root = scratch("arrays", info["LOCAL_CLUSTER_SHARED_DIR"])
     os.chmod(root, 0o755)
-    registry = info["LOCAL_CLUSTER_REGISTRY"]
-    flags = json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())
-    extra = f"""
-[container]
-runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
-default_registry = "{registry}"
-insecure_registries = ["{registry}"]
-extra_flags = {flags}
-cache_dir = "{root / "images"}"
-allow_root = true
-[slurm]
-arrays = "auto"
-"""
-    config = write_config(root, f"sqlite:///{root}/tasks.db", extra=extra)
-    bind = config.read_text().split('bind = "')[1].split('"')[0]
-    api = f"http://{bind}/ga4gh/tes/v1"
-    server = subprocess.Popen(
-        [PYTHON, "-m", "bridge", "--config", str(config), "--log-level", "WARNING", "serve"],
-        env=bridge_env(), stderr=log_file(root / "serve.log"),
-    )  # fmt: skip
     results: dict[str, dict[str, float]] = {}
-    try:
-        wait_http(f"{api}/service-info")
+    unlimited = 'arrays = "auto"\ncalls_per_second = 0'
+    with bridge(info, root, "auto", unlimited) as service:
         wait_queue_empty()
-        bridge_burst(api, 1)  # warm-up: the image pulled once; the raw sides use the same SIF
+        bridge_burst(service, 1)  # warm-up: the image pulled once; the raw sides use the same SIF
         sif = next((root / "images").rglob("*.sif"))
-        script = next((root / "state" / "work").glob("*/job.sh")).read_text()
+        script = next((service.root / "state" / "work").glob("*/job.sh")).read_text()
         directives = [
             line.split(None, 1)[1]
             for line in script.splitlines()
@@ -155,26 +286,68 @@ arrays = "auto"
             f"#!/bin/sh\nexec {info['LOCAL_CLUSTER_APPTAINER']} exec "
             f"{info['LOCAL_CLUSTER_APPTAINER_FLAGS']} {sif} sleep 1\n"
         )
-        for side in ("bridge", "raw array", "raw loop"):
-            wait_queue_empty(timeout=1800)
-            before = rpc_counts()
-            if side == "bridge":
-                seconds, jobs = bridge_burst(api, TASKS)
-            elif side == "raw array":
-                seconds, jobs = raw_array(TASKS, raw_script, directives), 1
-            else:
-                seconds, jobs = raw_loop(TASKS, raw_script, directives), TASKS
-            rpcs = per_task(before, rpc_counts(), TASKS)
-            results[side] = {"makespan_s": seconds, "jobs": jobs, **rpcs}
-    finally:
-        stop(server)
+        measured("bridge", results, lambda: bridge_burst(service, TASKS), TASKS)
+        measured(
+            f"bridge, {SHAPES} shapes",
+            results,
+            lambda: bridge_burst(service, TASKS, SHAPES),
+            TASKS,
+        )
+        lone = {"no budget": lone_latencies(service, raw_script, directives)}
+    measured(
+        "raw array", results, lambda: raw_side(raw_array(TASKS, raw_script, directives), 1), TASKS
+    )
+    measured(
+        "raw loop", results, lambda: raw_side(raw_loop(TASKS, raw_script, directives), TASKS), TASKS
+    )
+    with bridge(info, root, "never", 'arrays = "never"\ncalls_per_second = 0') as service:
+        measured(
+            f"one job per task, {SHAPES} shapes",
+            results,
+            lambda: bridge_burst(service, TASKS, SHAPES),
+            TASKS,
+        )
+    budget = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
+    with bridge(info, root, "budget", budget) as service:
+        measured(
+            "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
+        )
+        lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
+    ratios = {
+        "makespan_vs_raw_array": results["bridge"]["makespan_s"]
+        / results["raw array"]["makespan_s"],
+        "makespan_vs_raw_loop": results["bridge"]["makespan_s"] / results["raw loop"]["makespan_s"],
+        "budget_vs_unlimited": results["bridge, budget 2/s burst 30"]["makespan_s"]
+        / results["bridge"]["makespan_s"],
+        "shapes_arrays_vs_one_job_per_task": results[f"bridge, {SHAPES} shapes"]["makespan_s"]
+        / results[f"one job per task, {SHAPES} shapes"]["makespan_s"],
+    }
     rows = [
-        [side, r["makespan_s"], int(r["jobs"]), r["submit"], r["user"]]
+        [side, r["makespan_s"], int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
+         r["submit"], r["user"], r.get("calls_per_cycle_without_sbatch", "-")]
         for side, r in results.items()
-    ]
+    ]  # fmt: skip
     print(f"{TASKS} one-second tasks (alpine sleep 1; sbatch {' '.join(directives)})")
-    table(["side", "makespan s", "sbatch", "submit RPCs/task", "all RPCs/task"], rows)
-    data = {"tasks": TASKS, "directives": directives, "sides": results}
+    table(
+        ["side", "makespan s", "jobs", "last POST to all submitted s", "submit RPCs/task",
+         "all RPCs/task", "Slurm calls/cycle (no sbatch)"],
+        rows,
+    )  # fmt: skip
+    table(["ratio", "value"], [[k, v] for k, v in ratios.items()])
+    for name, figures in lone.items():
+        print(
+            f"lone task ({name}), POST to COMPLETE: bridge median "
+            f"{statistics.median(figures['bridge_s']):.2f} s, raw sbatch "
+            f"{statistics.median(figures['raw_s']):.2f} s, added {figures['added_s']:+.2f} s"
+        )
+    data = {
+        "tasks": TASKS,
+        "shapes": SHAPES,
+        "directives": directives,
+        "sides": results,
+        "ratios": ratios,
+        "lone": lone,
+    }
     write_result("arrays", data)
     shutil.rmtree(root, ignore_errors=True)
     return data

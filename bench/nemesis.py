@@ -62,6 +62,7 @@ from bench.common import (
     wait_http,
     write_result,
 )
+from bench.e2e import container_toml
 
 MINUTES = float(os.environ.get("BENCH_NEMESIS_MINUTES", "20"))
 INTERVAL = float(os.environ.get("BENCH_NEMESIS_INTERVAL", "30"))
@@ -212,7 +213,6 @@ def write_config(
     root: Path, shared: Path, database: str, s3_port: int, info: dict[str, str]
 ) -> Path:
     port = free_port()
-    registry = info["LOCAL_CLUSTER_REGISTRY"]
     path = root / "tes-bridge.toml"
     path.write_text(
         f"""database = "{database}"
@@ -224,13 +224,7 @@ workers = 2
 poll_interval = 0.5
 submit_backoff_initial = 1.0
 submit_backoff_max = 8.0
-[container]
-runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
-default_registry = "{registry}"
-insecure_registries = ["{registry}"]
-extra_flags = {json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())}
-cache_dir = "{shared / "images"}"
-allow_root = true
+{container_toml(info, shared / "images").strip()}
 # Tags are checked against the registry often, so that a stalled registry is met.
 refresh_seconds = 20
 [storage]

@@ -3,6 +3,9 @@
 #
 #   deploy/test.sh [PYTEST ARGS...]     (as root)
 #
+# Without arguments it runs the whole suite, tests/cluster and the rest side by side (below);
+# with arguments, one pytest with them (e.g. `deploy/test.sh tests/cluster/test_hpc.py -x`).
+#
 # It installs the system packages (PostgreSQL for the store tests; curl; nginx, logrotate and
 # systemd-analyze for the deploy/ files), brings up the local Slurm cluster with two compute
 # nodes, Apptainer and an image registry (deploy/local-cluster.sh up --nodes 2), creates a
@@ -61,4 +64,21 @@ step "mypy"
 .venv/bin/mypy
 
 step "pytest"
-exec .venv/bin/python -m pytest "$@"
+if (($#)); then
+  exec .venv/bin/python -m pytest "$@"
+fi
+# The whole suite as two runs side by side: the cluster tests in order (they share one Slurm
+# cluster, and some restart its daemons or take a node away), and beside them everything that
+# needs no cluster, whose report follows the cluster tests' report.
+others_log=$(mktemp)
+.venv/bin/python -m pytest tests/unit tests/api >"$others_log" 2>&1 &
+others=$!
+cluster_status=0
+.venv/bin/python -m pytest tests/cluster || cluster_status=$?
+others_status=0
+wait "$others" || others_status=$?
+step "pytest tests/unit tests/api (ran beside tests/cluster)"
+cat "$others_log"
+rm -f "$others_log"
+printf '\npytest: tests/cluster exit %d, tests/unit tests/api exit %d\n' "$cluster_status" "$others_status"
+((cluster_status == 0 && others_status == 0))

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from bridge import __version__
 from bridge.cli import check, database, images, serve
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
+from bridge.core.argparsing import no_abbreviations
 from bridge.system.logs import setup_logging
 
 #: What a subcommand's parser names with `set_defaults` (see the module's doc).
@@ -37,17 +38,6 @@ The poller (poller, or serve without --no-poller) refuses to run as root (its jo
 executors, would run as root) unless container.allow_root = true; run it as an unprivileged
 service account.
 """
-
-
-def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
-    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
-    parser.allow_abbrev = False
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                no_abbreviations(sub)
-    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bridge.core.argparsing import no_abbreviations
+
 
 def _stage_in(args: argparse.Namespace) -> int:
     from bridge.job.stage import stage_in
@@ -69,17 +71,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     from bridge.job import owner
 
     owner.add_subcommands(subparsers)
-
-
-def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Turn off argparse's prefix matching in `parser` and every subparser below it: an
-    abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
-    parser.allow_abbrev = False
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                no_abbreviations(sub)
-    return parser
 
 
 def build_parser(prog: str = "python -m bridge.job") -> argparse.ArgumentParser:
