@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import platform
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -108,6 +110,34 @@ def stop(process: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def kill_node(slurmd: int) -> int:
+    """A local-cluster node fails for real: SIGKILL to its slurmd and to every process of its
+    jobs (all that runs in the node's mount namespace, and what those started). Returns how
+    many processes were sent it."""
+    namespace = os.readlink(f"/proc/{slurmd}/ns/mnt")
+    parents: dict[int, int] = {}
+    victims = {slurmd}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(entry / "ns" / "mnt") == namespace:
+                victims.add(int(entry.name))
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    grown = True
+    while grown:  # containers run in namespaces of their own, below the job's processes
+        more = {pid for pid, parent in parents.items() if parent in victims} - victims
+        victims |= more
+        grown = bool(more)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(victims)
 
 
 def scratch(name: str, base: str = "/var/tmp") -> Path:

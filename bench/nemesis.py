@@ -55,6 +55,7 @@ from bench.common import (
     PostgresServer,
     bridge_env,
     free_port,
+    kill_node,
     percentile,
     postgres_server,
     stop,
@@ -78,26 +79,8 @@ WORKER_GRACE = 3.0
 KEY, SECRET = "nemesiskey", "nemesissecret"
 FAULT_KINDS = ["poller", "worker", "master", "slurmctld", "node", "registry", "workfs", "postgres"]
 
-SNAKEFILE = """
-localrules: all
-
-rule all:
-    input: "total.txt"
-
-rule seed:
-    output: "base.txt"
-    shell: "echo 10 > {output}"
-
-rule scale:
-    input: "base.txt"
-    output: "scaled/{n}.txt"
-    shell: "echo $(( $(cat {input}) * {wildcards.n} )) > {output}"
-
-rule total:
-    input: expand("scaled/{n}.txt", n=[1, 2, 3])
-    output: "total.txt"
-    shell: "t=0; for f in {input}; do t=$(( t + $(cat $f) )); done; echo $t > {output}"
-"""
+#: The Snakemake workflow of the engine tests (seed, scale by 1, 2 and 3, total).
+SNAKEFILE = (REPO / "tests" / "data" / "engines" / "Snakefile").read_text()
 
 
 def now() -> float:
@@ -329,32 +312,6 @@ def prepare_inputs(shared: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ the faults
-def kill_node(slurmd: int) -> int:
-    """The node fails for real: SIGKILL to its slurmd and to every process of its jobs (all
-    that runs in the node's mount namespace, and what those started). Returns how many."""
-    namespace = os.readlink(f"/proc/{slurmd}/ns/mnt")
-    parents: dict[int, int] = {}
-    victims = {slurmd}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.readlink(entry / "ns" / "mnt") == namespace:
-                victims.add(int(entry.name))
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    grown = True
-    while grown:  # containers run in namespaces of their own, below the job's processes
-        more = {pid for pid, parent in parents.items() if parent in victims} - victims
-        victims |= more
-        grown = bool(more)
-    for pid in victims:
-        kill(pid)
-    return len(victims)
-
-
 def node_state(node: str) -> str:
     out = subprocess.run(
         ["sinfo", "-h", "-N", "-n", node, "-o", "%T"],

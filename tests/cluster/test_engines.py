@@ -13,7 +13,6 @@ import json
 import os
 import pwd
 import subprocess
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -135,33 +134,16 @@ def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) ->
     return f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}\n{json.dumps(failed)[-5000:]}"
 
 
-SNAKEFILE = """
-localrules: all
-
-rule all:
-    input: "total.txt"
-
-rule seed:
-    output: "base.txt"
-    shell: "echo 10 > {output}"
-
-rule scale:
-    input: "base.txt"
-    output: "scaled/{n}.txt"
-    shell: "echo $(( $(cat {input}) * {wildcards.n} )) > {output}"
-
-rule total:
-    input: expand("scaled/{n}.txt", n=[1, 2, 3])
-    output: "total.txt"
-    shell: "t=0; for f in {input}; do t=$(( t + $(cat $f) )); done; echo $t > {output}"
-"""
+#: The workflow the Snakemake tests run (and bench/nemesis.py, again and again): seed, scale
+#: by 1, 2 and 3, total.
+SNAKEFILE = (Path(__file__).parents[1] / "data" / "engines" / "Snakefile").read_text()
 
 
 def test_snakemake7_with_its_tes_executor(
     quickstart: Quickstart, snakemake7: Engine, workdir: Path
 ) -> None:
     """seed, then scale fanned out to three jobs, then total: five TES tasks."""
-    (workdir / "Snakefile").write_text(textwrap.dedent(SNAKEFILE))
+    (workdir / "Snakefile").write_text(SNAKEFILE)
     result = run_as_account(
         [
             "snakemake", "--tes", quickstart.url, "--container-image", snakemake7.image,
@@ -254,7 +236,7 @@ def test_snakemake9_with_the_tes_executor_plugin_and_fs_storage(
 ) -> None:
     """The same workflow; files, and the workflow's sources, go through the fs storage in the
     shared data directory, which the jobs reach at its own path."""
-    (workdir / "Snakefile").write_text(textwrap.dedent(SNAKEFILE))
+    (workdir / "Snakefile").write_text(SNAKEFILE)
     storage = workdir / "storage"
     result = run_as_account(
         [

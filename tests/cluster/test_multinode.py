@@ -8,7 +8,6 @@ in the same attempt (one log entry, the lost job named in its metadata and syste
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bench.common import kill_node as kill_node_processes
 from tests.fixtures.cluster import LocalCluster
 from tests.fixtures.service import BridgeService, start_bridge_service
 
@@ -228,30 +228,9 @@ def restore_nodes(local_cluster: LocalCluster) -> Iterator[None]:
 
 
 def kill_node(local_cluster: LocalCluster, node: str) -> None:
-    """The node fails for real: SIGKILL to its slurmd and to every process of its jobs (all
-    that runs in the node's mount namespace, and what those started)."""
+    """The node fails for real: SIGKILL to its slurmd and to every process of its jobs."""
     slurmd = int((local_cluster.state_dir / "run" / f"slurmd-{node}.pid").read_text())
-    namespace = os.readlink(f"/proc/{slurmd}/ns/mnt")
-    parents: dict[int, int] = {}
-    victims = {slurmd}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.readlink(entry / "ns" / "mnt") == namespace:
-                victims.add(int(entry.name))
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    grown = True
-    while grown:  # containers run in namespaces of their own, below the job's processes
-        more = {pid for pid, parent in parents.items() if parent in victims} - victims
-        victims |= more
-        grown = bool(more)
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill_node_processes(slurmd)
 
 
 def running_node(service: BridgeService, task_id: str) -> tuple[str, str]:
