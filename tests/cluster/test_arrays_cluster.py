@@ -19,8 +19,11 @@ from typing import Any
 import pytest
 
 from bridge.slurm import SlurmClient
-from tests.cluster.test_multinode import kill_node
-from tests.cluster.test_reliability import set_delays, slow_sbatch
+from tests.cluster.test_multinode import kill_node, restore_nodes  # noqa: F401 (a fixture)
+from tests.cluster.test_reliability import (  # noqa: F401 (slow_service: a fixture)
+    set_delays,
+    slow_service,
+)
 from tests.fixtures.cluster import LocalCluster
 from tests.fixtures.service import BridgeService, start_bridge_service
 
@@ -156,16 +159,10 @@ def test_canceling_one_element_cancels_only_its_task(service):
     assert [e for e, (state, _) in states.items() if state != "COMPLETED"] == [element]
 
 
-@pytest.fixture
-def restore_nodes(local_cluster: LocalCluster) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        local_cluster.up()
-
-
 def test_a_node_lost_under_an_array_retries_only_its_elements_elsewhere(
-    service, local_cluster: LocalCluster, restore_nodes: None
+    service,
+    local_cluster: LocalCluster,
+    restore_nodes: None,  # noqa: F811 (the fixture)
 ):
     ids = burst(service, [task("sh", "-c", "sleep 15; echo done") for _ in range(4)])
     first = wait_running(service, ids[0])
@@ -195,15 +192,10 @@ def test_a_node_lost_under_an_array_retries_only_its_elements_elsewhere(
 
 
 @pytest.fixture
-def slow_service(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[BridgeService]:
-    wrapper = slow_sbatch(tmp_path, before=2, after=2)
-    with start_bridge_service(
-        local_cluster,
-        tmp_path,
-        slurm_toml=f'sbatch = "{wrapper}"\ncommand_timeout = 15.0\nsubmit_settle = 5.0',
-    ) as service:
-        warm_up(service)
-        yield service
+def warm_slow_service(slow_service: BridgeService) -> BridgeService:  # noqa: F811 (the fixture)
+    """test_reliability's service whose sbatch sleeps 2 s before and after, its image pulled."""
+    warm_up(slow_service)
+    return slow_service
 
 
 def wait_for_array_sbatch(root: Path, seen: int, timeout: float = 60) -> float:
@@ -216,8 +208,8 @@ def wait_for_array_sbatch(root: Path, seen: int, timeout: float = 60) -> float:
     raise AssertionError("no array sbatch started")
 
 
-def test_poller_killed_inside_the_arrays_sbatch_runs_every_task_once(slow_service):
-    service, root = slow_service, slow_service.root
+def test_poller_killed_inside_the_arrays_sbatch_runs_every_task_once(warm_slow_service):
+    service, root = warm_slow_service, warm_slow_service.root
     ids: list[str] = []
     # In the wrapper's first sleep (no array yet), around the real sbatch, in its second sleep
     # (the array exists, the elements' ids are not stored yet).

@@ -74,9 +74,9 @@ def _post(service: BridgeService, auth: tuple[str, str], task: dict[str, Any]) -
     return str(answer.json()["id"])
 
 
-def _get(service: BridgeService, task_id: str) -> dict[str, Any]:
+def _get(service: BridgeService, task_id: str, auth: tuple[str, str] = ALICE) -> dict[str, Any]:
     answer = requests.get(
-        f"{service.api}/tasks/{task_id}", params={"view": "FULL"}, auth=ALICE, timeout=10
+        f"{service.api}/tasks/{task_id}", params={"view": "FULL"}, auth=auth, timeout=10
     )
     assert answer.status_code == 200, answer.text
     return dict(answer.json())

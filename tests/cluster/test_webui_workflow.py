@@ -21,7 +21,14 @@ import requests
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from tests.cluster.test_webui import XSS_NAME, _rows, _until, browser  # noqa: F401 (fixture)
+from tests.cluster.test_webui import (  # noqa: F401 (browser: a fixture)
+    XSS_NAME,
+    _get,
+    _post,
+    _rows,
+    _until,
+    browser,
+)
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
 from tests.fixtures.service import TERMINAL, BridgeService, start_bridge_service
 
@@ -48,25 +55,11 @@ def service(
         yield service
 
 
-def _post(service: BridgeService, auth: tuple[str, str], task: dict[str, Any]) -> str:
-    answer = requests.post(f"{service.api}/tasks", json=task, auth=auth, timeout=10)
-    assert answer.status_code == 200, answer.text
-    return str(answer.json()["id"])
-
-
-def _get(service: BridgeService, task_id: str) -> dict[str, Any]:
-    answer = requests.get(
-        f"{service.api}/tasks/{task_id}", params={"view": "FULL"}, auth=ADMIN, timeout=10
-    )
-    assert answer.status_code == 200, answer.text
-    return dict(answer.json())
-
-
 def _wait_all(service: BridgeService, ids: list[str], timeout: float = 600) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     tasks: dict[str, Any] = {}
     for task_id in ids:
-        while (task := _get(service, task_id))["state"] not in TERMINAL:
+        while (task := _get(service, task_id, ADMIN))["state"] not in TERMINAL:
             assert time.monotonic() < deadline, f"{task_id} still {task['state']}"
             time.sleep(0.5)
         tasks[task_id] = task
