@@ -296,6 +296,19 @@ _OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
             "Resource temporarily unavailable",
         ),
     ),
+    # The request may have reached slurmctld and been done: slurmctld went away after the
+    # connection was made (killed, or restarted, in the middle of the RPC).
+    (
+        Outage.UNCERTAIN,
+        _any_of(
+            "Unable to contact slurm controller (send failure)",
+            "Unable to contact slurm controller (receive failure)",
+            "Unexpected missing socket error",
+            "Communication send failure",
+            "Communication receive failure",
+            "Communication shutdown failure",
+        ),
+    ),
     # The request never reached slurmctld.
     (
         Outage.UNREACHABLE,

@@ -81,6 +81,12 @@ def decide(
         return Decision(current)
     if not job.ended:
         return _decide_active(job, records, current)
+    if job.state == "FAILED" and job.exit_code is None:
+        # squeue's word alone: it has no exit code, and only sacct's (a moment behind
+        # slurmctld) tells a job that could not write its records (NO_RECORDS_EXIT_CODE: the
+        # system's failure, submitted again) from one that failed. The next cycles read sacct;
+        # once the job leaves squeue without it, the missing-job grace above decides.
+        return Decision(current)
     if job.state == "PREEMPTED" and on_preemption == "preempted":
         return _preempted(job)
     return _decide_ended(job, records, attempt, retries, time_limit)

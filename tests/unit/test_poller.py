@@ -233,6 +233,29 @@ def test_a_job_whose_records_became_unwritable_later_is_lost_not_failed(phase):
     assert "it did not finish; submitting it again" in decision.messages[0]
 
 
+def test_a_failed_job_waits_for_sacct_s_exit_code_before_it_is_decided():
+    """squeue lists an ended job as FAILED with no exit code; sacct's, a moment later, tells a
+    job that could not write its records (the system's failure: submitted again) from one that
+    failed (the nemesis soak: array elements on a full work filesystem ended SYSTEM_ERROR
+    "FAILED without recording an outcome", decided from squeue before sacct had them)."""
+    from_squeue = decide(
+        job=job(state="FAILED", exit_code=None),
+        records=records(phase="staging"),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+    )
+    assert from_squeue.state is State.RUNNING and not from_squeue.job_done
+    from_sacct = decide(
+        job=job(state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0),
+        records=records(phase="staging"),
+        attempt=1,
+        retries=2,
+        current=State.RUNNING,
+    )
+    assert from_sacct.retry and from_sacct.state is State.QUEUED
+
+
 @pytest.mark.parametrize(
     ("exit_code", "phase"),
     [

@@ -431,6 +431,26 @@ def test_sacct_answers_while_slurmctld_is_down() -> None:
     assert by_name(jobs, "tes-ok").state == "COMPLETED"
 
 
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        # slurmctld killed -9 while sbatch waited for its answer (the nemesis soak, 22.05):
+        # it used to be taken for a refusal, and the task ended SYSTEM_ERROR.
+        "sbatch: error: slurm_msg_sendto: address:port=127.0.0.1:6817 msg_type=4003: "
+        "Unexpected missing socket error\n"
+        "sbatch: error: Batch job submission failed: Unexpected missing socket error",
+        "sbatch: error: Batch job submission failed: "
+        "Unable to contact slurm controller (receive failure)",
+    ],
+)
+def test_slurmctld_gone_in_the_middle_of_a_request_may_have_acted(stderr: str) -> None:
+    error = slurm.command_error(
+        subprocess.CompletedProcess(["sbatch", "job.sh"], 1, "", stderr), "running sbatch"
+    )
+    assert isinstance(error, SlurmUnavailable) and not isinstance(error, SlurmRejected)
+    assert error.outage is Outage.UNCERTAIN and error.may_have_acted
+
+
 def test_command_time_out_is_unavailable(tmp_path: Path) -> None:
     client = SlurmClient(squeue=replay(tmp_path, "squeue", sleep=5), timeout=0.3)
     with pytest.raises(SlurmUnavailable, match=r"did not answer within 0\.3 s") as caught:
