@@ -34,7 +34,7 @@ from bench.common import (
     write_config,
     write_result,
 )
-from bench.e2e import cluster, slurm, wait_queue_empty
+from bench.e2e import cluster, container_toml, slurm, wait_queue_empty
 
 TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
@@ -116,19 +116,7 @@ def main() -> dict[str, object]:
     info = cluster()
     root = scratch("arrays", info["LOCAL_CLUSTER_SHARED_DIR"])
     os.chmod(root, 0o755)
-    registry = info["LOCAL_CLUSTER_REGISTRY"]
-    flags = json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())
-    extra = f"""
-[container]
-runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
-default_registry = "{registry}"
-insecure_registries = ["{registry}"]
-extra_flags = {flags}
-cache_dir = "{root / "images"}"
-allow_root = true
-[slurm]
-arrays = "auto"
-"""
+    extra = container_toml(info, root / "images") + '[slurm]\narrays = "auto"\n'
     config = write_config(root, f"sqlite:///{root}/tasks.db", extra=extra)
     bind = config.read_text().split('bind = "')[1].split('"')[0]
     api = f"http://{bind}/ga4gh/tes/v1"

@@ -56,6 +56,21 @@ def cluster() -> dict[str, str]:
     return values
 
 
+def container_toml(info: dict[str, str], cache_dir: Path) -> str:
+    """The [container] section for the local cluster (`info`: its cluster.env), run as root."""
+    registry = info["LOCAL_CLUSTER_REGISTRY"]
+    flags = json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())
+    return f"""
+[container]
+runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
+default_registry = "{registry}"
+insecure_registries = ["{registry}"]
+extra_flags = {flags}
+cache_dir = "{cache_dir}"
+allow_root = true
+"""
+
+
 def slurm(*argv: str) -> str:
     env = {**os.environ, **SLURM_ENV}
     return subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
@@ -205,18 +220,8 @@ def main() -> dict[str, object]:
     # The compute nodes see the shared filesystem, not the login node's /var/tmp.
     root = scratch("e2e", info["LOCAL_CLUSTER_SHARED_DIR"])
     os.chmod(root, 0o755)
-    registry = info["LOCAL_CLUSTER_REGISTRY"]
-    flags = json.dumps(info["LOCAL_CLUSTER_APPTAINER_FLAGS"].split())
-    extra = f"""
-[container]
-runtime = "{info["LOCAL_CLUSTER_APPTAINER"]}"
-default_registry = "{registry}"
-insecure_registries = ["{registry}"]
-extra_flags = {flags}
-cache_dir = "{root / "images"}"
-# The benchmark runs as root, as its raw sbatch jobs do: both sides run `echo` as root.
-allow_root = true
-"""
+    # The benchmark runs as root, as its raw sbatch jobs do: both sides run `echo` as root.
+    extra = container_toml(info, root / "images")
     if os.environ.get("BENCH_E2E_TEMPLATE_DIR"):  # A/B against another job script template
         extra += f'\n[job]\ntemplate_dir = "{os.environ["BENCH_E2E_TEMPLATE_DIR"]}"\n'
     config = write_config(root, f"sqlite:///{root}/tasks.db", extra=extra)
