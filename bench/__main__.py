@@ -8,7 +8,7 @@ import time
 
 NAMES = [
     "create", "listing", "poll", "memory", "staging", "e2e", "validation", "slowloris", "engines",
-    "containers", "arrays", "nemesis",
+    "containers", "arrays", "nemesis", "failover",
 ]  # fmt: skip
 
 

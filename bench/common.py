@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -327,3 +328,34 @@ def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> f
         store.db.execute_sql("ANALYZE")
     store.db.close()
     return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------ Slurm's record
+def slurm_jobs_by_task(work_dir: Path, task_ids: list[str]) -> dict[str, list[str]]:
+    """Every Slurm job that ran or may run each task, by what Slurm knows (squeue and sacct by
+    job name): the jobs named `tes-<id>`, and the elements of every job array whose script
+    (`<work_dir>/<first task>/tes-array-*.sh`, written before its sbatch) lists the task in its
+    manifest, at its index. Counts what was submitted, whatever the store says."""
+    from bridge.slurm import SlurmClient, expand_array_range
+
+    wanted = set(task_ids)
+    manifests: dict[str, list[str]] = {}
+    for script in work_dir.glob("*/tes-array-*.sh"):
+        lines = script.read_text().splitlines()
+        start = lines.index("TASK_DIRS=(") + 1
+        end = lines.index(")", start)
+        manifests[script.stem] = [Path(shlex.split(line)[0]).name for line in lines[start:end]]
+    names = [f"tes-{task_id}" for task_id in task_ids] + sorted(manifests)
+    found = SlurmClient().find_by_names(names)
+    jobs: dict[str, list[str]] = {task_id: [] for task_id in task_ids}
+    for name, infos in found.items():
+        for info in infos:
+            for job_id in expand_array_range(info.job_id):
+                if name in manifests:
+                    index = int(job_id.partition("_")[2])
+                    task_id = manifests[name][index]
+                else:
+                    task_id = name.removeprefix("tes-")
+                if task_id in wanted:
+                    jobs[task_id].append(job_id)
+    return jobs

@@ -1,9 +1,9 @@
 #!/bin/sh
 # Run the benchmarks: bench/run.sh [NAME...] (create listing poll memory staging e2e validation
-# slowloris engines containers arrays nemesis).
-# Needs the local cluster (deploy/local-cluster.sh up) for poll, e2e, arrays and nemesis (alone on
-# it: it kills its daemons), and PostgreSQL's
-# binaries (apt-get install postgresql) for create and listing. Results: bench/results/*.json.
+# slowloris engines containers arrays nemesis failover).
+# Needs the local cluster (deploy/local-cluster.sh up) for poll, e2e, arrays, failover and nemesis
+# (alone on it: it kills its daemons), and PostgreSQL's binaries (apt-get install postgresql) for
+# create, listing and failover. Results: bench/results/*.json.
 set -eu
 cd "$(dirname "$0")/.."
 if ! command -v wrk >/dev/null; then

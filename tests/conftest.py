@@ -19,6 +19,7 @@ pytest_plugins = [
     "tests.fixtures.auth",
     "tests.fixtures.storage",
     "tests.fixtures.quickstart",
+    "tests.fixtures.engines",
 ]
 
 

@@ -9,11 +9,8 @@ import datetime
 import ipaddress
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from bridge.config import LimitsConfig, ServerConfig
+from tests.fixtures.nginx import private_nginx
 from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.procs import free_port
 
@@ -184,42 +182,10 @@ def front(
     site = site.replace("/etc/ssl/certs/tes-bridge.crt", str(cert))
     site = site.replace("/etc/ssl/private/tes-bridge.key", str(key))
     (root / "site.conf").write_text(site)
-    (root / "nginx.conf").write_text(
-        f"""
-error_log {root}/error.log;
-pid {root}/nginx.pid;
-events {{}}
-http {{
-    access_log {root}/access.log;
-    client_body_temp_path {root}/body;
-    proxy_temp_path {root}/proxy;
-    include {root}/site.conf;
-}}
-"""
-    )
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    check = subprocess.run([nginx, "-t", "-c", str(root / "nginx.conf")], capture_output=True)
-    assert check.returncode == 0, check.stderr.decode()
-    process = subprocess.Popen(
-        [nginx, "-c", str(root / "nginx.conf"), "-g", "daemon off;"], stderr=subprocess.PIPE
-    )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", https_port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None, process.stderr.read() if process.stderr else ""
-                assert time.monotonic() < deadline, "nginx did not listen"
-                time.sleep(0.2)
-        yield f"https://127.0.0.1:{https_port}", f"http://127.0.0.1:{http_port}", service, cert
+        with private_nginx(root, f"    include {root}/site.conf;", https_port):
+            yield f"https://127.0.0.1:{https_port}", f"http://127.0.0.1:{http_port}", service, cert
     finally:
-        process.send_signal(signal.SIGQUIT)  # graceful stop
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
         service.stop()
 
 

@@ -21,21 +21,9 @@ import pytest
 
 from tests.fixtures.engines import Engine, build_engine
 from tests.fixtures.quickstart import ACCOUNT, Quickstart
+from tests.fixtures.service import TesClient
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="session")
-def snakemake7(local_cluster: Any) -> Engine:
-    # Client bugs, pinned here and named in docs/engines.md: Snakemake 7 calls pulp.list_solvers,
-    # which pulp 2.8 renamed (the image runs Snakemake too); py-tes 0.4.2 imports six without
-    # declaring it.
-    return build_engine(
-        local_cluster,
-        "snakemake7",
-        ["snakemake==7.32.4", "pulp<2.8"],
-        client_only=["py-tes==0.4.2", "six"],
-    )
 
 
 @pytest.fixture(scope="session")
@@ -91,10 +79,24 @@ def pulsar(local_cluster: Any) -> Engine:
 
 
 def run_as_account(
-    command: list[str], cwd: Path, engine: Engine, timeout: float, env: dict[str, str] | None = None
+    command: list[str],
+    cwd: Path,
+    engine: Engine,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    account: str | None = ACCOUNT,
 ) -> subprocess.CompletedProcess[str]:
-    """Run an engine's command as the service account, in `cwd` (its HOME is cwd/home)."""
-    account = pwd.getpwnam(ACCOUNT)
+    """Run an engine's command as the service account (or, with `account` None, as this
+    process's user), in `cwd` (its HOME is cwd/home)."""
+    name = account or pwd.getpwuid(os.getuid()).pw_name
+    as_user: dict[str, Any] = {}
+    if account is not None:
+        entry = pwd.getpwnam(account)
+        as_user = {
+            "user": entry.pw_uid,
+            "group": entry.pw_gid,
+            "extra_groups": os.getgrouplist(account, entry.pw_gid),
+        }
     started = time.monotonic()
     result = subprocess.run(
         command,
@@ -102,24 +104,22 @@ def run_as_account(
         env={
             "PATH": f"{engine.bin}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(cwd / "home"),
-            "USER": ACCOUNT,
-            "LOGNAME": ACCOUNT,
+            "USER": name,
+            "LOGNAME": name,
             "LANG": "C.UTF-8",
             **(env or {}),
         },
-        user=account.pw_uid,
-        group=account.pw_gid,
-        extra_groups=os.getgrouplist(ACCOUNT, account.pw_gid),
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        **as_user,
     )
     print(f"{engine.name}: {command[0]} took {time.monotonic() - started:.0f} s")
     return result
 
 
-def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) -> str:
+def explain(result: subprocess.CompletedProcess[str], quickstart: TesClient) -> str:
     """The engine's output and the logs of the tasks that did not complete."""
     failed = [
         {
@@ -139,29 +139,51 @@ def explain(result: subprocess.CompletedProcess[str], quickstart: Quickstart) ->
 SNAKEFILE = (Path(__file__).parents[1] / "data" / "engines" / "Snakefile").read_text()
 
 
+def snakemake7_workflow(
+    client: TesClient,
+    engine: Engine,
+    workdir: Path,
+    account: str | None = ACCOUNT,
+    snakefile: str = SNAKEFILE,
+) -> subprocess.CompletedProcess[str]:
+    """`snakefile` (SNAKEFILE, or a variant with the same steps) run in `workdir` by
+    Snakemake 7's TES executor against `client`'s service: seed, then scale fanned out to
+    three jobs, then total (five TES tasks)."""
+    (workdir / "Snakefile").write_text(snakefile)
+    return run_as_account(
+        [
+            "snakemake", "--tes", client.url, "--container-image", str(engine.image),
+            "--jobs", "3", "--latency-wait", "5", "--printshellcmds",
+        ],
+        workdir,
+        engine,
+        timeout=600,
+        account=account,
+    )  # fmt: skip
+
+
+def check_snakemake7_workflow(
+    result: subprocess.CompletedProcess[str], workdir: Path, client: TesClient
+) -> list[str]:
+    """The workflow of `snakemake7_workflow` succeeded, its outputs right, each of its five
+    jobs a task of the service that completed; returns the tasks' ids."""
+    assert result.returncode == 0, explain(result, client)
+    assert (workdir / "total.txt").read_text() == "60\n"
+    scaled = [(workdir / f"scaled/{n}.txt").read_text() for n in (1, 2, 3)]
+    assert scaled == ["10\n", "20\n", "30\n"]
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
+    assert len(tasks) == 5, result.stderr[-4000:]
+    for task_id in tasks:
+        assert client.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+    return tasks
+
+
 def test_snakemake7_with_its_tes_executor(
     quickstart: Quickstart, snakemake7: Engine, workdir: Path
 ) -> None:
     """seed, then scale fanned out to three jobs, then total: five TES tasks."""
-    (workdir / "Snakefile").write_text(SNAKEFILE)
-    result = run_as_account(
-        [
-            "snakemake", "--tes", quickstart.url, "--container-image", snakemake7.image,
-            "--jobs", "3", "--latency-wait", "5", "--printshellcmds",
-        ],
-        workdir,
-        snakemake7,
-        timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, explain(result, quickstart)
-    assert (workdir / "total.txt").read_text() == "60\n"
-    scaled = [(workdir / f"scaled/{n}.txt").read_text() for n in (1, 2, 3)]
-    assert scaled == ["10\n", "20\n", "30\n"]
-    # Every job was a task of the service, and each one completed.
-    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "Task submitted:" in line]
-    assert len(tasks) == 5, result.stderr[-4000:]
-    for task_id in tasks:
-        assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+    result = snakemake7_workflow(quickstart, snakemake7, workdir)
+    check_snakemake7_workflow(result, workdir, quickstart)
 
 
 TOIL_WORKFLOW = """

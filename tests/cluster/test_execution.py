@@ -14,8 +14,8 @@ import pytest
 import requests
 import tes
 
+from bench.common import slurm_jobs_by_task
 from bridge.slurm import SlurmClient
-from tests.fixtures.service import slurm_jobs_by_task
 
 pytestmark = pytest.mark.cluster
 

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import requests
 
+from bench.common import slurm_jobs_by_task
 from bridge.slurm import SlurmClient
-from tests.fixtures.service import BridgeService, slurm_jobs_by_task, start_bridge_service
+from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.procs import children, cmdline
 
 pytestmark = pytest.mark.cluster
