@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bridge.config import Config
+from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.job.layout import SLURM_OUTPUT
 from bridge.jobscript.render import environment
 from bridge.jobscript.task import RenderError
@@ -53,4 +54,5 @@ def render_array_script(*, config: Config, shared: Sequence[str], task_dirs: Seq
         task_dirs=[str(d) for d in task_dirs],
         output_prefix=prefix,
         output_suffix=suffix,
+        no_records_exit_code=NO_RECORDS_EXIT_CODE,
     )

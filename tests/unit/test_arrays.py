@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bridge.config import load_config
+from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.core.tes import State
 from bridge.jobscript.array import read_directives, render_array_script, shape
 from bridge.poller import Poller
@@ -243,6 +244,25 @@ def test_array_script_runs_its_elements_job_script_with_its_id(tmp_path):
     assert not (dirs[0] / "ran").exists()
     env = {**os.environ, "SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_JOB_ID": "77"}
     assert subprocess.run(["bash", str(script)], env=env).returncode == 2
+
+
+def test_an_element_that_cannot_make_its_output_file_exits_as_one_that_cannot_record(tmp_path):
+    """On a full work filesystem the element's output file cannot be made: the element exits
+    with NO_RECORDS_EXIT_CODE (the poller submits the task again), never 1 (a failure; seen in
+    the nemesis run as "FAILED 1:0 without recording an outcome"). A directory in the output
+    file's place stands in for the full filesystem (root may write anywhere else)."""
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    task_dir = tmp_path / "a"
+    task_dir.mkdir()
+    job = task_dir / "job.sh"
+    job.write_text("#!/bin/bash\ntouch ran\n")
+    job.chmod(0o700)
+    (task_dir / "slurm-77_0.out").mkdir()
+    script = tmp_path / "array.sh"
+    script.write_text(render_array_script(config=config, shared=[], task_dirs=[task_dir]))
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "77"}
+    assert subprocess.run(["bash", str(script)], env=env).returncode == NO_RECORDS_EXIT_CODE
+    assert not (task_dir / "ran").exists()
 
 
 def test_shape_leaves_out_what_is_each_tasks_own():
