@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import (
     PYTHON,
     bridge_env,
+    list_tasks,
     log_file,
     scratch,
     stop,
@@ -211,18 +212,9 @@ def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, floa
 def wait_final(
     session: requests.Session, api: str, run: str, count: int, poll: float = 0.2
 ) -> list[dict[str, Any]]:
+    params = {"tag_key": "bench", "tag_value": run, "page_size": "2047", "view": "FULL"}
     while True:
-        tasks: list[dict[str, Any]] = []
-        token = None
-        while True:
-            params = {"tag_key": "bench", "tag_value": run, "page_size": "2047", "view": "FULL"}
-            if token:
-                params["page_token"] = token
-            page = session.get(f"{api}/tasks", params=params).json()
-            tasks += page.get("tasks", [])
-            token = page.get("next_page_token")
-            if not token:
-                break
+        tasks = list_tasks(api, params, session)
         if len(tasks) == count and all(t["state"] in TERMINAL for t in tasks):
             return tasks
         time.sleep(poll)

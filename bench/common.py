@@ -141,6 +141,21 @@ def kill_node(slurmd: int) -> int:
     return len(victims)
 
 
+def list_tasks(
+    api: str, params: dict[str, str], session: requests.Session | None = None
+) -> list[dict[str, Any]]:
+    """Every task `GET /tasks` lists with these parameters, page after page."""
+    get = (session or requests).get
+    params = dict(params)
+    tasks: list[dict[str, Any]] = []
+    while True:
+        page = get(f"{api}/tasks", params=params, timeout=60).json()
+        tasks += page.get("tasks", [])
+        if not page.get("next_page_token"):
+            return tasks
+        params["page_token"] = page["next_page_token"]
+
+
 def scratch(name: str, base: str = "/var/tmp") -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"tes-bench-{name}-", dir=base))
     return root

@@ -40,6 +40,7 @@ import requests
 from bench.common import (
     PYTHON,
     bridge_env,
+    list_tasks,
     log_file,
     postgres_server,
     scratch,
@@ -143,25 +144,14 @@ def sbatch_calls(shared: Path) -> list[tuple[float, str]]:
 
 def list_run(api: str, run: str) -> list[dict[str, Any]]:
     """The tasks tagged with this run (FULL view: their logs)."""
-    tasks: list[dict[str, Any]] = []
-    params = {"tag_key": "bench", "tag_value": run, "view": "FULL", "page_size": "500"}
-    while True:
-        page = requests.get(f"{api}/tasks", params=params, timeout=60).json()
-        tasks += page.get("tasks", [])
-        if not page.get("next_page_token"):
-            return tasks
-        params["page_token"] = page["next_page_token"]
+    return list_tasks(
+        api, {"tag_key": "bench", "tag_value": run, "view": "FULL", "page_size": "500"}
+    )
 
 
 def states(api: str, run: str) -> list[str]:
-    tasks: list[str] = []
-    params = {"tag_key": "bench", "tag_value": run, "page_size": "2047"}
-    while True:
-        page = requests.get(f"{api}/tasks", params=params, timeout=60).json()
-        tasks += [t["state"] for t in page.get("tasks", [])]
-        if not page.get("next_page_token"):
-            return tasks
-        params["page_token"] = page["next_page_token"]
+    listed = list_tasks(api, {"tag_key": "bench", "tag_value": run, "page_size": "2047"})
+    return [t["state"] for t in listed]
 
 
 def burst(

@@ -56,6 +56,7 @@ from bench.common import (
     bridge_env,
     free_port,
     kill_node,
+    list_tasks,
     percentile,
     postgres_server,
     stop,
@@ -851,14 +852,7 @@ ACTIVE_JOB_STATES = {
 
 
 def list_all(api: str, view: str = "FULL") -> list[dict[str, Any]]:
-    tasks: list[dict[str, Any]] = []
-    params: dict[str, str] = {"view": view, "page_size": "256"}
-    while True:
-        page = requests.get(f"{api}/tasks", params=params, timeout=60).json()
-        tasks += page.get("tasks", [])
-        if not page.get("next_page_token"):
-            return tasks
-        params["page_token"] = page["next_page_token"]
+    return list_tasks(api, {"view": view, "page_size": "256"})
 
 
 def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
