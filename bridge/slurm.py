@@ -848,6 +848,7 @@ class SlurmBackend(Protocol):
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
         array_size: int | None = None,
+        script_args: Sequence[str] = (),
     ) -> str: ...
 
     def max_array_size(self) -> int: ...
@@ -1052,9 +1053,11 @@ class SlurmClient:
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
         array_size: int | None = None,
+        script_args: Sequence[str] = (),
     ) -> str:
         """Submit a batch script; returns the job id. `array_size`: an array of that many
-        elements (``--array=0-N``), whose element I is the job ``ID_I``.
+        elements (``--array=0-N``), whose element I is the job ``ID_I``; `script_args`: the
+        script's own arguments (after it on sbatch's command line).
 
         On :class:`SlurmUnavailable` after a time-out the job may have been queued all the same:
         look for it with :meth:`find_by_names` before submitting again.
@@ -1068,7 +1071,9 @@ class SlurmClient:
             if array_size < 1:
                 raise ValueError(f"an array needs at least one element: {array_size}")
             argv.append(f"--array=0-{array_size - 1}")
-        argv += [*extra_args, str(script)]
+        for arg in script_args:
+            _check_text("script argument", arg)
+        argv += [*extra_args, str(script), *script_args]
         proc = self._run(self._as(as_user, argv))
         if proc.returncode != 0:
             raise command_error(proc, f"submitting {script}", sbatch=self.sbatch)

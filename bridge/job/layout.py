@@ -10,10 +10,13 @@
         root/                      container path /a/b lives at root/a/b
         records/<job id>/          what one run of the job did (see bridge.job.records)
         tmp/                       scratch space for the runtime and staging
+        lease-fence                the lowest lease epoch whose jobs may run this task (two
+                                   login nodes; see write_lease_fence)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from pathlib import Path
@@ -24,6 +27,7 @@ TASK_JSON = "task.json"
 JOB_CONFIG_JSON = "job-config.json"
 SCRIPT = "job.sh"
 SLURM_OUTPUT = "slurm-%j.out"
+LEASE_FENCE = "lease-fence"
 
 
 class LayoutError(ValueError):
@@ -67,6 +71,19 @@ def write_atomically(path: Path, text: str, mode: int) -> None:
         handle.write(text)
     os.chmod(tmp, mode)
     os.replace(tmp, path)
+
+
+def write_lease_fence(task_dir: Path, epoch: int) -> None:
+    """Fence the task's directory at `epoch`: a job of this task that a poller of an earlier
+    lease epoch submitted stands down when it starts (templates/job.sh.j2, exit code
+    SUPERSEDED_EXIT_CODE). A new leader writes it before it looks for the old leader's
+    interrupted submissions, so a job it does not find can never run the task beside the one it
+    submits again. Creates the task directory when it is missing (as the renderer would)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"a lease epoch is a whole number >= 0, not {epoch!r}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(task_dir, 0o700)
+    write_atomically(Path(task_dir) / LEASE_FENCE, f"{epoch}\n", 0o600)
 
 
 class TaskLayout:

@@ -9,6 +9,8 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
 - ``read-records --work-dir WORK --tail-bytes N DIR:JOBID...``: the records of those jobs, as
   JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks);
 - ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
+- ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at lease epoch N (two login
+  nodes: a job an earlier leader submitted stands down; bridge.job.layout.write_lease_fence);
 - ``read-output --work-dir WORK --task-dir DIR --job-id J --executor N --stream S --offset K
   --max-bytes M``: a range of an executor's live output (bridge.job.output), as JSON on stdout,
   for the API's output endpoint.
@@ -35,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from bridge.core.naming import is_task_id
-from bridge.job.layout import JOB_CONFIG_JSON, SCRIPT, TASK_JSON, TaskLayout, write_atomically
+from bridge.job.layout import (
+    JOB_CONFIG_JSON,
+    SCRIPT,
+    TASK_JSON,
+    TaskLayout,
+    write_atomically,
+    write_lease_fence,
+)
 from bridge.job.output import STREAMS, chunk_to_json, read_output
 from bridge.job.records import ExecutorRecord, JobRecords, read_records
 from bridge.job.safepath import UnsafePathError
@@ -165,6 +174,14 @@ def _remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fence(args: argparse.Namespace) -> int:
+    task_dir = _task_dir(args.task_dir, args.work_dir)
+    if os.path.lexists(task_dir):
+        _own_dir(task_dir)
+    write_lease_fence(task_dir, args.epoch)
+    return 0
+
+
 def _read_records(args: argparse.Namespace) -> int:
     json.dump(read_many(args.pairs, args.tail_bytes, args.work_dir), sys.stdout)
     return 0
@@ -230,6 +247,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     remove_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
     remove_cmd.add_argument("--task-dir", required=True, action=Once)
     remove_cmd.set_defaults(job_func=_guarded(_remove))
+
+    fence_cmd = subparsers.add_parser(
+        "fence",
+        help="(site mode, as the owner) fence a task directory at a lease epoch: a job that an "
+        "earlier epoch's poller submitted stands down",
+    )
+    fence_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
+    fence_cmd.add_argument("--task-dir", required=True, action=Once)
+    fence_cmd.add_argument("--epoch", type=int, required=True, action=Once)
+    fence_cmd.set_defaults(job_func=_guarded(_fence))
 
     read = subparsers.add_parser(
         "read-records", help="(site mode, as the owner) job records as JSON on stdout"

@@ -26,9 +26,9 @@ import jinja2
 import bridge
 from bridge.config import Config
 from bridge.core import backend_params
-from bridge.core.naming import NO_RECORDS_EXIT_CODE
+from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
 from bridge.core.tes import ExecutorModel
-from bridge.job.layout import TaskLayout, write_atomically
+from bridge.job.layout import LEASE_FENCE, TaskLayout, write_atomically
 from bridge.job.settings import JobSettings
 from bridge.jobscript.binds import SCRATCH_TARGETS, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import directives_and_rule
@@ -226,6 +226,9 @@ def render_script(
         "scratch_dir": str(config.job.scratch_dir or ""),
         "scratch_prefix": f"tes-tmp-{typed.id}",
         "no_records_exit_code": NO_RECORDS_EXIT_CODE,
+        "superseded_exit_code": SUPERSEDED_EXIT_CODE,
+        "lease_epoch_arg": LEASE_EPOCH_ARG,
+        "lease_fence": LEASE_FENCE,
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
         "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import slurm
-from bridge.core.naming import NO_RECORDS_EXIT_CODE, format_time
+from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE, format_time
 from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
 from bridge.poller.attempt import AttemptLog, Condition, ConditionKind
@@ -122,7 +122,8 @@ def _decide_ended(
     why_lost = _lost_because(job, records)
     if why_lost is not None:
         ended += why_lost
-        if attempt <= retries:
+        # A job that stood down for a newer lease ran nothing: it spends no retry.
+        if attempt <= retries or _superseded(job, records):
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
     if job.state == "CANCELLED":
@@ -143,6 +144,11 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
     words for its line; None when it was not lost."""
     if job.state in slurm.RETRYABLE_STATES:
         return ""
+    if _superseded(job, records):
+        return (
+            ": it was submitted by a poller whose lease had passed to another login node's, "
+            "and stood down before anything of the task ran"
+        )
     if _records_unwritable(job, records):
         ran = "nothing of the task ran" if records.phase is None else "it did not finish"
         return (
@@ -167,6 +173,18 @@ def _records_unwritable(job: JobInfo, records: JobRecords) -> bool:
         and job.exit_code == NO_RECORDS_EXIT_CODE
         and not job.signal
         and records.outcome is None
+    )
+
+
+def _superseded(job: JobInfo, records: JobRecords) -> bool:
+    """The script stood down at its start: the task's directory is fenced at a newer lease
+    epoch than the one its job was submitted under (templates/job.sh.j2)."""
+    return (
+        job.state == "FAILED"
+        and job.exit_code == SUPERSEDED_EXIT_CODE
+        and not job.signal
+        and records.outcome is None
+        and records.phase is None
     )
 
 

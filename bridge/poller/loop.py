@@ -66,7 +66,7 @@ class Poller:
         self.store = store
         #: Site mode: every task runs as its owner (sudo -n -u OWNER, deploy/sudoers.tes-bridge).
         self.owners = OwnerRunner(config) if config.site.run_as_owner else None
-        self.recovery = Recovery(self.ctx)
+        self.recovery = Recovery(self.ctx, self.owners)
         self.follower = Follower(self.ctx, self.owners)
         self.canceller = Canceller(self.ctx, self.follower.await_canceled)
         self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)

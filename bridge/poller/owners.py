@@ -149,6 +149,10 @@ class OwnerRunner:
     def remove(self, owner: str, task_dir: Path) -> None:
         self.run(owner, ["remove", "--task-dir", str(task_dir)])
 
+    def fence(self, owner: str, task_dir: Path, epoch: int) -> None:
+        """Fence the task directory at lease `epoch` as its owner (bridge.job.owner fence)."""
+        self.run(owner, ["fence", "--task-dir", str(task_dir), "--epoch", str(epoch)])
+
     def account_args(self, owner: str | None, document: dict[str, Any]) -> list[str]:
         """`--account=` from the mapping file, unless the task names its own account."""
         if owner is None:

@@ -1,16 +1,25 @@
 """Finding again the jobs of interrupted submissions (a crash between sbatch and the database
 write, or an sbatch that failed without an answer), by job name (an array's element by the
 array's name and the element stored with the task before sbatch): a task is never submitted
-twice."""
+twice.
+
+With two login nodes a leader may be frozen between its lease check and its sbatch for longer
+than the lease, and submit after the new leader looked for its job and found none. So an elected
+leader first fences each interrupted task's directory at its own epoch
+(`bridge.job.layout.write_lease_fence`), then looks: a job it does not find, submitted by the
+old leader later, stands down when it starts (templates/job.sh.j2); a task whose fence cannot
+be written is not submitted again until it can."""
 
 from __future__ import annotations
 
 import logging
 
 from bridge.core.naming import job_name
+from bridge.job.layout import write_lease_fence
 from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index
 from bridge.poller.attempt import AttemptLog, TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
+from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import JobInfo, SlurmError
 from bridge.store import TaskRecord
 
@@ -18,8 +27,12 @@ log = logging.getLogger("bridge.poller")
 
 
 class Recovery:
-    def __init__(self, ctx: PollerContext) -> None:
+    def __init__(self, ctx: PollerContext, owners: OwnerRunner | None = None) -> None:
         self.ctx = ctx
+        #: Site mode: the fence is written as the task's owner.
+        self.owners = owners
+        #: The epoch each interrupted task's directory is fenced at (by this poller).
+        self._fenced: dict[str, int] = {}
         #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
         #: takeover, when the old leader's sbatch may still be under way on another host
         #: (see `hold_after_takeover`).
@@ -39,6 +52,7 @@ class Recovery:
         pending = self.ctx.store.interrupted_submissions()
         if not pending:
             return
+        fenced = self._fence(pending)
         names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
         for task in pending:
             mark = array_mark(task)
@@ -57,14 +71,41 @@ class Recovery:
         for name, members in names.items():
             jobs = found.get(name, [])
             for task, index in members:
+                is_fenced = task.id in fenced
                 if index is None:
-                    self._settle(task, _newest_job_of_this_attempt(task, jobs), settled_before)
+                    job = _newest_job_of_this_attempt(task, jobs)
+                    self._settle(task, job, settled_before, fenced=is_fenced)
                 elif jobs:
                     self._adopt_element(task, index, jobs)
                 else:
-                    self._settle(task, None, settled_before)
+                    self._settle(task, None, settled_before, fenced=is_fenced)
 
-    def _settle(self, task: TaskRecord, job: JobInfo | None, settled_before: float) -> None:
+    def _fence(self, pending: list[TaskRecord]) -> set[str]:
+        """The ids of the tasks whose directories are fenced at this leader's epoch (all of
+        them where no poller is elected: one poller, no epoch)."""
+        epoch = self.ctx.store.fence_epoch
+        if epoch is None:
+            return {task.id for task in pending}
+        ids = {task.id for task in pending}
+        self._fenced = {tid: e for tid, e in self._fenced.items() if tid in ids}
+        for task in pending:
+            if self._fenced.get(task.id) == epoch:
+                continue
+            task_dir = self.ctx.task_dir(task.id)
+            try:
+                if self.owners is not None and task.owner:
+                    self.owners.fence(task.owner, task_dir, epoch)
+                else:
+                    write_lease_fence(task_dir, epoch)
+            except (OSError, OwnerCommandError) as exc:
+                log.warning("cannot fence the directory of task %s yet: %s", task.id, exc)
+                continue
+            self._fenced[task.id] = epoch
+        return {tid for tid, e in self._fenced.items() if e == epoch}
+
+    def _settle(
+        self, task: TaskRecord, job: JobInfo | None, settled_before: float, *, fenced: bool
+    ) -> None:
         store = self.ctx.store
         if job is not None:
             log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
@@ -72,6 +113,8 @@ class Recovery:
             store.record_job(task.id, job.job_id)
         elif (task.submit_started_at or 0.0) > settled_before or self._holding():
             log.info("interrupted submission of task %s: no job yet, looking again", task.id)
+        elif not fenced:
+            log.info("interrupted submission of task %s: not fenced yet, looking again", task.id)
         else:
             # sbatch never created a job: the task may be submitted again.
             store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))

@@ -11,7 +11,7 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.core import backend_params
-from bridge.core.naming import array_job_name, job_name
+from bridge.core.naming import LEASE_EPOCH_ARG, array_job_name, job_name
 from bridge.images.ref import ImagePullError
 from bridge.jobscript.render import prepare_task_dir
 from bridge.jobscript.task import RenderError
@@ -493,7 +493,7 @@ class Submitter:
             stats.slurm_calls += 1
             array_id = self.ctx.slurm.submit(
                 script, job_name=name, extra_args=self._account(members[0]),
-                array_size=len(members),
+                array_size=len(members), script_args=self._epoch_args(),
             )  # fmt: skip
         except SlurmRejected as exc:
             message = self._refusal(exc, members[0].prepared, stats)
@@ -587,6 +587,12 @@ class Submitter:
         self._note_images(task, notes, write=image_paths is None)
         return image_paths
 
+    def _epoch_args(self) -> list[str]:
+        """An elected poller gives each job its lease epoch: a job submitted by a leader that
+        had lost its lease stands down where the new leader fenced the task (recover.py)."""
+        epoch = self.ctx.store.fence_epoch
+        return [] if epoch is None else [f"{LEASE_EPOCH_ARG}{epoch}"]
+
     def _account(self, ready: Ready) -> list[str]:
         return self.owners.account_args(ready.owner, ready.document) if self.owners else []
 
@@ -600,6 +606,7 @@ class Submitter:
             return self.ctx.slurm.submit(
                 ready.prepared.script, job_name=job_name(task.id), comment=task.id,
                 extra_args=self._account(ready), as_user=ready.owner,
+                script_args=self._epoch_args(),
             )  # fmt: skip
         except SlurmRejected as exc:
             self._fail(task, self._refusal(exc, ready.prepared, stats), attempt=attempt)

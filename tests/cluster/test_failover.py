@@ -34,6 +34,8 @@ import psycopg2
 import pytest
 import requests
 
+from bench.common import slurm_jobs_by_task
+from bridge.core.naming import SUPERSEDED_EXIT_CODE
 from bridge.store import LEASE_TABLE
 from tests.cluster.test_engines import (
     SNAKEFILE,
@@ -519,6 +521,91 @@ def test_a_leader_frozen_past_its_lease_submits_and_writes_nothing_then_stands_b
     assert a.process is not None and a.process.poll() is None  # a standby now
     for task_id in rows:
         assert len(site.jobs_of(task_id)) == 1, site.jobs()
+
+
+#: Node A's sbatch in the next test: armed, it stops the poller that ran it (a VM frozen
+#: between the lease check and sbatch) and reaches Slurm only once released.
+FREEZING_SBATCH = """#!/bin/sh
+if [ -e {control}/armed ]; then
+  rm -f {control}/armed
+  kill -STOP "$PPID"
+  echo "$PPID" >{control}/frozen
+  while [ ! -e {control}/release ]; do sleep 0.1; done
+fi
+exec {sbatch} "$@"
+"""
+
+
+def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
+    make_site, tmp_path: Path
+):
+    """The window the store's fencing cannot close: the leader checked its lease, then froze
+    before its sbatch reached Slurm for longer than the lease and the settle time. The new
+    leader fences the task, finds no job, and submits it again; the old leader's sbatch then
+    creates a second job, which stands down at its start: the task runs once, COMPLETE."""
+    site = make_site(fake=False)
+    a, b = site.nodes["nodeA"], site.nodes["nodeB"]
+    control = tmp_path / "sbatch-control"
+    control.mkdir()
+    sbatch = shutil.which("sbatch")
+    assert sbatch is not None
+    wrapper = tmp_path / "sbatch-nodeA"
+    wrapper.write_text(FREEZING_SBATCH.format(control=control, sbatch=sbatch))
+    wrapper.chmod(0o755)
+    a.config.write_text(
+        a.config.read_text().replace("[slurm]\n", f'[slurm]\nsbatch = "{wrapper}"\n')
+    )
+    a.start()
+    site.wait_for_leader("nodeA")
+    b.start()
+    warm = site.create()  # the image is pulled before the clock matters
+    assert site.client.wait(warm, timeout=120)["state"] == "COMPLETE"
+    _, a_epoch = site.lease()
+    (control / "armed").touch()
+    task_id = site.create()
+    wait_until(lambda: (control / "frozen").exists(), 30, a.log()[-3000:])
+    stopped = time.monotonic()
+    took_over = site.wait_for_leader("nodeB", timeout=4 * LEASE)
+    _report("frozen before sbatch, lease taken", took_over - stopped)
+    _, b_epoch = site.lease()
+    assert b_epoch > a_epoch
+    # B fenced the task, looked for A's job after the settle time, found none, submitted again.
+    task = site.client.wait(task_id, timeout=120)
+    assert task["state"] == "COMPLETE", task
+    task_dir = site.shared / "work" / task_id
+    assert (task_dir / "lease-fence").read_text() == f"{b_epoch}\n"
+    (b_job,) = [log["metadata"]["slurm_job_id"] for log in task["logs"]]
+
+    (control / "release").touch()  # A's sbatch reaches Slurm now: a second job of the task
+    jobs: list[str] = []
+
+    def two_jobs() -> bool:
+        jobs[:] = slurm_jobs_by_task(site.shared / "work", [task_id])[task_id]
+        return len(jobs) == 2
+
+    wait_until(two_jobs, 60, f"the old leader's sbatch made no job: {jobs}", step=1.0)
+    (stale,) = set(jobs) - {b_job}
+    a.signal(signal.SIGCONT)
+    wait_until(lambda: "lost the lease" in a.log(), 3 * LEASE, a.log()[-3000:])
+    wait_until(
+        lambda: _sacct_state(stale) == f"FAILED {SUPERSEDED_EXIT_CODE}:0",
+        60,
+        f"job {stale}: {_sacct_state(stale)}",
+    )
+    output = (task_dir / f"slurm-{stale}.out").read_text()
+    assert f"submitted under lease epoch {a_epoch}" in output and "standing down" in output
+    # Only B's job ran the task: the stale job started no records, and A wrote nothing.
+    assert sorted(p.name for p in (task_dir / "records").iterdir()) == [b_job]
+    assert site.client.get(task_id) == task
+    assert "lease epoch" in a.log() and "refused" in a.log(), a.log()[-3000:]
+
+
+def _sacct_state(job_id: str) -> str:
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,ExitCode"],
+        capture_output=True, text=True, timeout=30,
+    ).stdout.strip()  # fmt: skip
+    return out.replace("|", " ")
 
 
 def _cut_off(url: str, role: str, *, keep_out: bool) -> None:

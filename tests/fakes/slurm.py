@@ -96,6 +96,8 @@ class FakeSlurm:
         #: MaxArraySize, and the size of each array submitted.
         self.array_limit = 1001
         self.arrays: list[int] = []
+        #: The script's own arguments of each sbatch (the lease epoch of an elected poller).
+        self.script_args: list[list[str]] = []
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -113,7 +115,9 @@ class FakeSlurm:
         extra_args: Sequence[str] = (),
         as_user: str | None = None,
         array_size: int | None = None,
+        script_args: Sequence[str] = (),
     ) -> str:
+        self.script_args.append(list(script_args))
         if self.create_then_fail:
             self._queue(job_name, array_size)
             self.calls.append("sbatch")

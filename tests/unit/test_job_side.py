@@ -8,17 +8,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bridge.config import Config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE
+from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
 from bridge.job import safepath
 from bridge.job.cli import main as job_main
 from bridge.job.execute import EXIT_CANNOT_START, run_executor
-from bridge.job.layout import LayoutError, TaskLayout
+from bridge.job.layout import LayoutError, TaskLayout, write_lease_fence
 from bridge.job.records import RecordsWriter, read_records
 from bridge.job.settings import JobSettings
 from bridge.job.stage import (
@@ -765,8 +766,16 @@ exec "$@"
 
 
 def run_job(
-    tmp_path: Path, task: dict[str, Any], container_umask: str = "022", **storage: Any
+    tmp_path: Path,
+    task: dict[str, Any],
+    container_umask: str = "022",
+    *,
+    args: Sequence[str] = (),
+    fence: int | None = None,
+    **storage: Any,
 ) -> tuple[int, Any]:
+    """Render the task and run its job script with `args` (the task directory fenced at lease
+    epoch `fence` first); its exit code and records."""
     tmp_path.mkdir(exist_ok=True)
     runtime = tmp_path / "apptainer"
     runtime.write_text(FAKE_RUNTIME)
@@ -782,9 +791,12 @@ def run_job(
     )
     task = {"id": "job-1", **task}
     script = prepare_task_dir(task, config=config, image_paths={"img": str(image)})
+    if fence is not None:
+        write_lease_fence(script.parent, fence)
     env = dict(os.environ, SLURM_JOB_ID="9", PYTHONPATH=str(REPO))
     started = time.monotonic()
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
+    argv = ["bash", str(script), *args]
+    result = subprocess.run(argv, env=env, capture_output=True, timeout=60)
     assert time.monotonic() - started < 30
     return result.returncode, read_records(script.parent, "9", tail_bytes=1024)
 
@@ -801,6 +813,27 @@ def test_job_script_records_a_complete_run(tmp_path: Path) -> None:
         (0, "hello\n", "oops\n")
     ]
     assert records.start_time <= records.executors[0].start_time <= records.end_time
+
+
+def test_a_job_of_an_earlier_lease_epoch_stands_down_where_the_task_is_fenced(
+    tmp_path: Path,
+) -> None:
+    """Two login nodes: a leader frozen between its lease check and sbatch submits after the new
+    leader fenced the task (at its own epoch) and submitted it again. The stale job runs nothing
+    and records nothing; a job of the fence's epoch, or of any epoch where there is no fence,
+    runs the task."""
+    marker = tmp_path / "ran"
+    task = {"executors": [sh(f"touch {marker}")]}
+    code, records = run_job(tmp_path / "stale", task, args=["lease-epoch=4"], fence=5)
+    assert code == SUPERSEDED_EXIT_CODE
+    assert not marker.exists() and not records.started
+    code, records = run_job(tmp_path / "current", task, args=["lease-epoch=5"], fence=5)
+    assert code == 0 and records.outcome == "complete" and marker.exists()
+    marker.unlink()
+    code, records = run_job(tmp_path / "unfenced", task, args=["lease-epoch=1"])
+    assert code == 0 and records.outcome == "complete" and marker.exists()
+    code, _ = run_job(tmp_path / "bad", task, args=["lease-epoch=1x"], fence=5)
+    assert code == 2
 
 
 def test_job_script_that_cannot_start_its_records_exits_with_its_own_code(

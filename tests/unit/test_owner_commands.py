@@ -1,6 +1,6 @@
-"""Site mode's job-side commands (`python -m bridge.job adopt|read-records|remove`), run through
-sudo as a task's owner: only task directories directly inside the work directory, each option
-once (a sudo wildcard matches spaces, and argparse keeps the last of repeated options)."""
+"""Site mode's job-side commands (`python -m bridge.job adopt|read-records|remove|fence`), run
+through sudo as a task's owner: only task directories directly inside the work directory, each
+option once (a sudo wildcard matches spaces, and argparse keeps the last of repeated options)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ FILES = json.dumps({"task.json": "{}", "job-config.json": "{}", "job.sh": "#!/bi
         ["adopt", "--work-dir", "{work}", "--task-dir", "{work}/t1", "--task-dir", "{victim}"],
         ["read-records", "--work-dir", "{work}", "--tail-bytes", "1", "--work-dir", "{home}"],
         ["read-records", "--work-dir", "{work}", "--tail-bytes", "1", "--tail-bytes", "2"],
+        [
+            "fence",
+            "--work-dir",
+            "{work}",
+            "--task-dir",
+            "{work}/t1",
+            "--epoch",
+            "1",
+            "--task-dir",
+            "{victim}",
+        ],
     ],
 )
 def test_repeated_options_are_refused(work: Path, victim: Path, argv: list[str]) -> None:
@@ -76,7 +87,7 @@ def test_repeated_options_are_refused(work: Path, victim: Path, argv: list[str])
         "relative/t2",
     ],
 )
-@pytest.mark.parametrize("command", ["remove", "adopt"])
+@pytest.mark.parametrize("command", ["remove", "adopt", "fence"])
 def test_paths_outside_the_work_dir_are_refused(
     work: Path, victim: Path, task_dir: str, command: str
 ) -> None:
@@ -84,11 +95,12 @@ def test_paths_outside_the_work_dir_are_refused(
     (work / "sub" / "t2").symlink_to(victim)
     (work / "linked").symlink_to(victim)
     path = task_dir.format(work=work, victim=victim)
-    result = job(command, "--work-dir", str(work), "--task-dir", path, stdin=FILES)
+    extra = ["--epoch", "3"] if command == "fence" else []
+    result = job(command, "--work-dir", str(work), "--task-dir", path, *extra, stdin=FILES)
     assert result.returncode == 1, result.stderr
     assert "bridge.job:" in result.stderr
     assert (victim / "precious.txt").read_text() == "keep me"
-    assert not (victim / "task.json").exists()
+    assert not (victim / "task.json").exists() and not (victim / "lease-fence").exists()
     assert (work / "linked").is_symlink()
 
 
@@ -109,6 +121,9 @@ def test_commands_work_inside_the_work_dir(work: Path) -> None:
     read = job("read-records", "--work-dir", str(work), "--tail-bytes", "10", f"{work}/t3:5")
     assert read.returncode == 0, read.stderr
     assert f"{work}/t3:5" in json.loads(read.stdout)
+    fenced = job("fence", "--work-dir", str(work), "--task-dir", f"{work}/t3", "--epoch", "7")
+    assert fenced.returncode == 0, fenced.stderr
+    assert (work / "t3" / "lease-fence").read_text() == "7\n"
     removed = job("remove", "--work-dir", str(work), "--task-dir", f"{work}/t3")
     assert removed.returncode == 0, removed.stderr
     assert not (work / "t3").exists()

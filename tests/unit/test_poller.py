@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, load_config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE
+from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
 from bridge.core.tes import State, View, render_task
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
@@ -214,6 +214,26 @@ def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
     assert "could not write its records" in message and "submitting it again" in message
     last = decide(job=unwritten, records=records(), attempt=3, retries=2, current=State.QUEUED)
     assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
+
+
+def test_a_job_that_stood_down_for_a_newer_lease_is_submitted_again_with_no_retry_spent():
+    """Two login nodes: a job an old leader submitted, found and followed by the new leader,
+    which had fenced its task first, exits SUPERSEDED_EXIT_CODE before anything ran. The task
+    is submitted again, even with no retries left: nothing of it ran, nothing failed."""
+    stood_down = job(state="FAILED", exit_code=SUPERSEDED_EXIT_CODE, signal=0)
+    for attempt in (1, 3):
+        decision = decide(
+            job=stood_down, records=records(), attempt=attempt, retries=2, current=State.QUEUED
+        )
+        assert decision.retry and decision.state is State.QUEUED
+        (message,) = decision.messages
+        assert "lease had passed to another" in message and "submitting it again" in message
+    # The same code from a job that had started its records is no stand-down: a failure.
+    started = decide(
+        job=stood_down, records=records(phase="staging"), attempt=1, retries=2,
+        current=State.RUNNING,
+    )  # fmt: skip
+    assert started.state is State.SYSTEM_ERROR
 
 
 @pytest.mark.parametrize("phase", ["staging", "running 0", "uploading"])
