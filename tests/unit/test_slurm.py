@@ -271,6 +271,20 @@ def test_submit_returns_the_job_id(tmp_path: Path) -> None:
     ]
 
 
+def test_submit_gives_the_script_its_own_arguments_after_it(tmp_path: Path) -> None:
+    """The lease epoch of an elected poller reaches the job script as its argument (sbatch
+    passes what follows the script to it); one that could break the command line is refused."""
+    client = SlurmClient(sbatch=replay(tmp_path, "sbatch", "sbatch-ok.txt"))
+    client.submit(
+        tmp_path / "a.sh", job_name="tes-array-x", array_size=3, script_args=["lease-epoch=7"]
+    )
+    assert calls(tmp_path, "sbatch") == [
+        f"--parsable --job-name=tes-array-x --array=0-2 {tmp_path}/a.sh lease-epoch=7"
+    ]
+    with pytest.raises(ValueError, match="script argument"):
+        client.submit(tmp_path / "a.sh", job_name="n", script_args=["x\ny"])
+
+
 def test_node_sizes_are_one_sinfo_call_tmp_disk_smallest_and_largest(tmp_path: Path) -> None:
     client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-node-sizes.txt"))
     nodes = client.node_sizes()
