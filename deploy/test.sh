@@ -71,10 +71,11 @@ fi
 # cluster, and some restart its daemons or take a node away), and beside them everything that
 # needs no cluster, whose report follows the cluster tests' report.
 others_log=$(mktemp)
-.venv/bin/python -m pytest tests/unit tests/api >"$others_log" 2>&1 &
+# The slowest tests of each run are listed at its end: where the suite's time goes.
+.venv/bin/python -m pytest --durations=15 tests/unit tests/api >"$others_log" 2>&1 &
 others=$!
 cluster_status=0
-.venv/bin/python -m pytest tests/cluster || cluster_status=$?
+.venv/bin/python -m pytest --durations=30 tests/cluster || cluster_status=$?
 others_status=0
 wait "$others" || others_status=$?
 step "pytest tests/unit tests/api (ran beside tests/cluster)"
