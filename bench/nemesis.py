@@ -734,33 +734,17 @@ class Workflow:
         (workdir / "Snakefile").write_text(SNAKEFILE)
         attempts: list[str] = []
         while now() < deadline:
-            result = subprocess.run(
-                [
-                    str(self.venv / "bin" / "snakemake"),
-                    "--tes",
-                    api_url,
-                    "--container-image",
-                    self.image,
-                    "--jobs",
-                    "3",
-                    "--latency-wait",
-                    "5",
-                    "--printshellcmds",
-                    # Started again after it stopped: the jobs it left unfinished run again.
-                    "--rerun-incomplete",
-                ],
-                cwd=workdir,
-                env={
-                    "PATH": f"{self.venv / 'bin'}:/usr/bin:/bin",
-                    "HOME": str(workdir / "home"),
-                    "LANG": "C.UTF-8",
-                },
-                capture_output=True,
-                text=True,
-                timeout=max(1, deadline - now()),
-                check=False,
-            )
-            attempts.append(f"exit {result.returncode}: {result.stderr[-300:]}")
+            started = now()
+            try:
+                result = self._snakemake(api_url, workdir, deadline)
+            except subprocess.TimeoutExpired as exc:
+                # Still running at the deadline: how long, and what it said last.
+                said = (exc.stderr or b"")[-300:]
+                text = said.decode(errors="replace") if isinstance(said, bytes) else said
+                attempts.append(f"timed out after {now() - started:.0f} s: {text}")
+                break
+            attempts.append(f"exit {result.returncode} after {now() - started:.0f} s: "
+                            f"{result.stderr[-300:]}")  # fmt: skip
             if result.returncode == 0:
                 break
             time.sleep(5)
@@ -776,20 +760,48 @@ class Workflow:
                 "workdir": workdir.name,
                 "snakemake_runs": len(attempts),
                 "outputs_right": right,
+                # How each Snakemake run ended (it stops on an error of its own): why a
+                # workflow did not finish.
+                "attempts": attempts,
                 "last": attempts[-1] if attempts else "",
             }
+        )
+
+    def _snakemake(
+        self, api_url: str, workdir: Path, deadline: float
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                str(self.venv / "bin" / "snakemake"),
+                "--tes",
+                api_url,
+                "--container-image",
+                self.image,
+                "--jobs",
+                "3",
+                "--latency-wait",
+                "5",
+                "--printshellcmds",
+                # Started again after it stopped: the jobs it left unfinished run again.
+                "--rerun-incomplete",
+            ],
+            cwd=workdir,
+            env={
+                "PATH": f"{self.venv / 'bin'}:/usr/bin:/bin",
+                "HOME": str(workdir / "home"),
+                "LANG": "C.UTF-8",
+            },
+            capture_output=True,
+            text=True,
+            timeout=max(1, deadline - now()),
+            check=False,
         )
 
     def loop(self, api_url: str, data: Path, until: Callable[[], bool], deadline: float) -> None:
         n = 0
         while not until() and now() < deadline:
             n += 1
-            try:
-                self.run_once(api_url, data / f"workflow-{n}", deadline)
-            except subprocess.TimeoutExpired:
-                self.runs.append(
-                    {"workdir": f"workflow-{n}", "outputs_right": False, "last": "timed out"}
-                )
+            self.run_once(api_url, data / f"workflow-{n}", deadline)
 
 
 # ------------------------------------------------------------------------------ the poller
