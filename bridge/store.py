@@ -176,6 +176,16 @@ class TaskRecord:
     #: cancel_task: this call moved the task to CANCELED (it was not final before).
     canceled_now: bool = False
 
+    @property
+    def created_at(self) -> float | None:
+        """`creation_time` as Unix time (None: not read, or not a time)."""
+        if not self.creation_time:
+            return None
+        try:
+            return datetime.fromisoformat(self.creation_time).timestamp()
+        except ValueError:
+            return None
+
 
 @dataclass
 class TaskFilter:

@@ -2,6 +2,10 @@
 same (`slurm.arrays = "auto"`) go as one `sbatch --array=0-N`, in chunks of the cluster's
 MaxArraySize.
 
+While a burst arrives (a round of at least `slurm.array_min_tasks` tasks), a shape with fewer
+than that many is held back, left QUEUED as it is, until its oldest task is
+`slurm.array_gather_seconds` old, so that it can grow into an array; a lone task is never held.
+
 Each task keeps its directory and job script; the array's script (bridge.jobscript.array) holds
 the manifest, the task directories in element order. Before sbatch runs, each task stores the
 array's name and its element (`ARRAY_NAME_KEY`, `ARRAY_INDEX_KEY` in its attempt's metadata,
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,20 @@ class Ready:
     owner: str | None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A round's submissions, and the tasks held back to gather."""
+
+    #: In order: arrays (several tasks) and single tasks.
+    units: list[list[Ready]]
+    #: Tasks of a shape too small for an array yet: not submitted this round, left QUEUED.
+    held: list[Ready] = field(default_factory=list)
+
+
+#: The group key of a task submitted as a job of its own whatever others there are.
+_ALONE = object()
+
+
 def array_mark(task: TaskRecord) -> tuple[str, str] | None:
     """The array name and element index its current attempt's sbatch was given, if any."""
     if not task.logs:
@@ -101,6 +119,12 @@ class ArrayPlanner:
         self._max_size: int | None = None
         #: The largest array a submit limit let through lately (None: no limit met).
         self._cap: int | None = None
+        #: When each task held back to gather was first held, by the poller's clock: a hold
+        #: ends in time even when the task's creation time is ahead of this clock.
+        self._held_since: dict[str, float] = {}
+        #: When the first group held in the last round may go (None: none held): the poller's
+        #: quick check starts a round then, new tasks or not.
+        self.gather_until: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -108,22 +132,51 @@ class ArrayPlanner:
         # Site mode: each task's files are written, and its sbatch run, as its owner.
         return cfg.arrays == "auto" and not self.ctx.site
 
-    def plan(self, ready: Sequence[Ready], stats: CycleStats) -> list[list[Ready]]:
-        """The round's submissions in order: arrays (several tasks) and single tasks."""
-        if not self.enabled or len(ready) < self.ctx.config.slurm.array_min_tasks:
-            return [[r] for r in ready]
+    def plan(self, ready: Sequence[Ready], stats: CycleStats) -> Plan:
+        """The round's submissions in order: arrays (several tasks) and single tasks; and the
+        tasks held back to gather (`_gathering`)."""
+        minimum = self.ctx.config.slurm.array_min_tasks
+        self.gather_until = None
+        if not self.enabled or len(ready) < minimum:
+            self._held_since.clear()
+            return Plan([[r] for r in ready])
         groups: dict[tuple[Any, ...], list[Ready]] = {}
         for item in ready:
             groups.setdefault(self._key(item), []).append(item)
         size = min(self._array_size(stats), self._cap or MAX_ANY)
+        now = self.ctx.clock()
+        held_since = self._held_since
+        self._held_since = {}
         units: list[list[Ready]] = []
-        for group in groups.values():
+        held: list[Ready] = []
+        for key, group in groups.items():
+            small = key[0] is not _ALONE and len(group) < minimum <= size
+            if small and self._gathering(group, now, held_since):
+                held += group
+                continue
             for chunk in _chunks(group, size):
-                if len(chunk) >= self.ctx.config.slurm.array_min_tasks:
+                if len(chunk) >= minimum:
                     units.append(chunk)
                 else:
                     units += [[r] for r in chunk]
-        return units
+        return Plan(units, held)
+
+    def _gathering(self, group: list[Ready], now: float, held_since: dict[str, float]) -> bool:
+        """Whether a group too small for an array waits for more of its shape: until its oldest
+        task is `slurm.array_gather_seconds` old (created, or first held, that long ago)."""
+        window = self.ctx.config.slurm.array_gather_seconds
+        if window <= 0:
+            return False
+        since = {r.task.id: held_since.get(r.task.id, now) for r in group}
+        created = [r.task.created_at for r in group]
+        oldest = min([*since.values(), *(c for c in created if c is not None)])
+        if now - oldest >= window:
+            return False
+        self._held_since.update(since)
+        until = oldest + window
+        if self.gather_until is None or until < self.gather_until:
+            self.gather_until = until
+        return True
 
     def refused_for_a_limit(self, size: int) -> None:
         """Slurm refused an array of `size` for a limit (a QOS's MaxSubmitJobs counts each
@@ -139,7 +192,7 @@ class ArrayPlanner:
         try:
             return (item.task.owner, item.owner, shape(read_directives(item.prepared.script)))
         except (OSError, UnicodeDecodeError):
-            return ("alone", item.task.id)  # unreadable here: submitted as a job of its own
+            return (_ALONE, item.task.id)  # unreadable here: submitted as a job of its own
 
     def _array_size(self, stats: CycleStats) -> int:
         """MaxArraySize (1: arrays are off until scontrol answers)."""

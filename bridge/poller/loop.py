@@ -112,13 +112,17 @@ class Poller:
         return stats
 
     def quick_check(self) -> str | None:
-        """Between cycles: "submit" when a task arrived, "cycle" when a job recorded its
-        outcome, else None. Costs one query and a few stats; no Slurm command."""
+        """Between cycles: "submit" when a task arrived or tasks held back to gather into an
+        array may go, "cycle" when a job recorded its outcome, else None. Costs one query and a
+        few stats; no Slurm command."""
         with self.store.db.connection_context():
             newest = self.store.newest_seq()
             cancels = self.store.cancels_pending()
         if newest != self._newest_seq:
             self._newest_seq = newest
+            return "submit"
+        gather_until = self.submitter.arrays.gather_until
+        if gather_until is not None and self.clock() >= gather_until:
             return "submit"
         if cancels > self._cancels_seen:
             return "cycle"  # a cancel arrived: its job is scanceled now, not a cycle later

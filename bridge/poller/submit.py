@@ -334,6 +334,7 @@ class Submitter:
         self.waiting_for_images = 0
 
     def submit_queued(self, stats: CycleStats) -> None:
+        self.arrays.gather_until = None  # set again when this round holds tasks to gather
         if self.backoff.paused:
             return
         store = self.ctx.store
@@ -352,10 +353,14 @@ class Submitter:
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
         ready, held = self._prepare_round(tasks, admission, stats)
+        gathering = 0
         if ready:
-            # The tasks prepared before one had to wait go on, as they would one by one.
-            self._submit_round(self.arrays.plan(ready, stats), stats)
-        metrics.observe_submission_round(held, self.waiting_for_images)
+            # The tasks prepared before one had to wait go on, as they would one by one; those
+            # held back to gather into an array stay QUEUED, untouched, for a later round.
+            plan = self.arrays.plan(ready, stats)
+            gathering = len(plan.held)
+            self._submit_round(plan.units, stats)
+        metrics.observe_submission_round(held, self.waiting_for_images, gathering)
 
     def _prepare_round(
         self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats

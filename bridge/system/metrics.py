@@ -208,6 +208,11 @@ TASKS_HELD_BY_ADMISSION = Gauge(
     "slurm.max_jobs_per_owner.",
     multiprocess_mode="mostrecent",
 )
+ARRAY_GATHER_HELD = Counter(
+    "tes_bridge_array_gather_held",
+    "Tasks a submission round held back so that their shape could grow into a job array "
+    "(slurm.array_gather_seconds), counted once per round.",
+)
 TASKS_WAITING_FOR_IMAGE = Gauge(
     "tes_bridge_tasks_waiting_for_image",
     "QUEUED tasks of the last submission round waiting for an image pull.",
@@ -265,9 +270,13 @@ def observe_poller_cycle(seconds: float, now: float, work_dir: str | os.PathLike
     WORK_DIR_SIZE.set(stats.f_blocks * stats.f_frsize)
 
 
-def observe_submission_round(held_by_admission: int, waiting_for_image: int) -> None:
+def observe_submission_round(
+    held_by_admission: int, waiting_for_image: int, held_to_gather: int = 0
+) -> None:
     TASKS_HELD_BY_ADMISSION.set(held_by_admission)
     TASKS_WAITING_FOR_IMAGE.set(waiting_for_image)
+    if held_to_gather:
+        ARRAY_GATHER_HELD.inc(held_to_gather)
 
 
 def observe_slurm_command(argv: Sequence[str], seconds: float, failed: bool) -> None:
@@ -339,6 +348,7 @@ def registry() -> CollectorRegistry:
         TASKS_FINISHED,
         POLLER_LAST_CYCLE,
         TASKS_HELD_BY_ADMISSION,
+        ARRAY_GATHER_HELD,
         TASKS_WAITING_FOR_IMAGE,
         WORK_DIR_FREE,
         WORK_DIR_SIZE,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from bridge.poller.arrays import ARRAY_INDEX_KEY, ARRAY_JOB_KEY, ARRAY_NAME_KEY
 from bridge.poller.attempt import LOST_JOBS_KEY
 from bridge.slurm import expand_array_range, parse_max_array_size, parse_sacct, parse_squeue
 from bridge.store import Store
+from bridge.system import metrics
 from tests.fakes.slurm import FakeSlurm
 from tests.unit.test_hpc_poller import LIMIT_REFUSALS
 from tests.unit.test_poller import ECHO, FakeImages
@@ -81,6 +83,10 @@ def test_each_shape_is_its_own_array_and_a_unique_shape_a_job_of_its_own(tmp_pat
     lone = sqlite_store.create_task({**ECHO, "resources": {"ram_gb": 1}})
     poller.cycle()
     assert sorted(fake.arrays) == [4, 5]
+    assert sqlite_store.get_task(lone.id).job_id is None  # gathering (array_gather_seconds)
+    later = time.time() + 2
+    poller.clock = lambda: later
+    poller.cycle()
     assert fake.calls.count("sbatch") == 3
     assert {sqlite_store.get_task(t.id).job_id.split("_")[0] for t in ones} == {"100"}
     assert {sqlite_store.get_task(t.id).job_id.split("_")[0] for t in twos} == {"101"}
@@ -125,6 +131,109 @@ def test_admission_counts_elements(tmp_path, sqlite_store):
     assert sum(1 for t in tasks if sqlite_store.get_task(t.id).job_id) == 5
     poller.cycle()
     assert fake.arrays == [5]  # nothing ended: no room
+
+
+# ----------------------------------------------------------------------------- gathering
+
+
+def burst(store: Store) -> tuple[list[Any], list[Any]]:
+    """10 tasks of one shape, 2 of another, created just now."""
+    return [store.create_task(with_cpus(1)) for _ in range(10)], [
+        store.create_task(with_cpus(2)) for _ in range(2)
+    ]
+
+
+def test_a_small_shape_in_a_burst_is_held_then_goes_alone_after_the_window(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    now = [time.time()]
+    poller.clock = lambda: now[0]
+    many, few = burst(sqlite_store)
+    before = [sqlite_store.get_task(t.id) for t in few]
+    counted = metrics.ARRAY_GATHER_HELD._value.get()
+    stats = poller.cycle()
+    assert stats.submitted == 10
+    assert fake.arrays == [10] and fake.calls.count("sbatch") == 1
+    # Held: QUEUED exactly as they were (no mark, no system_logs line), counted.
+    assert [sqlite_store.get_task(t.id) for t in few] == before
+    assert before[0].state == State.QUEUED.value and before[0].submit_started_at is None
+    assert metrics.ARRAY_GATHER_HELD._value.get() == counted + 2
+    # The burst goes on: within slurm.array_gather_seconds (1.0) the small shape still waits.
+    now[0] += 0.5
+    many += [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
+    assert poller.cycle().submitted == 4
+    assert fake.arrays == [10, 4] and fake.calls.count("sbatch") == 2
+    assert [sqlite_store.get_task(t.id) for t in few] == before
+    # Past the window it goes as before: a job per task.
+    now[0] += 1.0
+    many += [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
+    assert poller.cycle().submitted == 6
+    assert fake.arrays == [10, 4, 4] and fake.calls.count("sbatch") == 5
+    assert [sqlite_store.get_task(t.id).job_id for t in few] == ["102", "103"]
+    assert all("_" in sqlite_store.get_task(t.id).job_id for t in many)
+
+
+def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    now = [time.time()]
+    poller.clock = lambda: now[0]
+    _, few = burst(sqlite_store)
+    poller.cycle()
+    assert fake.arrays == [10]
+    few += [sqlite_store.create_task(with_cpus(2)) for _ in range(2)]
+    now[0] += 0.3
+    poller.cycle()
+    assert fake.arrays == [10, 4] and fake.calls.count("sbatch") == 2
+    assert [sqlite_store.get_task(t.id).job_id for t in few] == [f"101_{i}" for i in range(4)]
+
+
+def test_the_quick_check_submits_when_the_window_ends(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    now = [time.time()]
+    poller.clock = lambda: now[0]
+    _, few = burst(sqlite_store)
+    poller.cycle()
+    assert poller.quick_check() is None  # nothing new, the window still open
+    now[0] += 1.0
+    assert poller.quick_check() == "submit"  # not a poll interval later
+    assert poller.submit_new().submitted == 2
+    assert all(sqlite_store.get_task(t.id).job_id for t in few)
+    assert fake.arrays == [10] and fake.calls.count("sbatch") == 3
+    assert poller.quick_check() is None
+
+
+def test_a_hold_ends_even_when_tasks_seem_created_in_the_future(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    now = [time.time() - 3600]  # the poller's clock an hour behind the API's
+    poller.clock = lambda: now[0]
+    _, few = burst(sqlite_store)
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 1
+    now[0] += 1.5
+    for _ in range(4):  # the burst goes on
+        sqlite_store.create_task(with_cpus(1))
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 4 and fake.arrays == [10, 4]
+    assert all(sqlite_store.get_task(t.id).job_id for t in few)
+
+
+def test_a_lone_task_or_a_handful_is_never_held(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store, array_gather_seconds=60)
+    lone = sqlite_store.create_task(ECHO)
+    assert poller.cycle().submitted == 1
+    assert sqlite_store.get_task(lone.id).job_id == "100"
+    # Fewer than array_min_tasks in the round, each of its own shape: no burst, none held.
+    handful = [sqlite_store.create_task(with_cpus(n)) for n in (1, 2, 3)]
+    assert poller.cycle().submitted == 3
+    assert all(sqlite_store.get_task(t.id).job_id for t in handful)
+    assert fake.arrays == []
+
+
+def test_array_gather_seconds_0_holds_nothing(tmp_path, sqlite_store):
+    poller, fake = make_poller(tmp_path, sqlite_store, array_gather_seconds=0)
+    _, few = burst(sqlite_store)
+    assert poller.cycle().submitted == 12
+    assert fake.arrays == [10] and fake.calls.count("sbatch") == 3
+    assert [sqlite_store.get_task(t.id).job_id for t in few] == ["101", "102"]
 
 
 # ----------------------------------------------------------------------------- per element
