@@ -596,7 +596,9 @@ def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
     assert f"submitted under lease epoch {a_epoch}" in output and "standing down" in output
     # Only B's job ran the task: the stale job started no records, and A wrote nothing.
     assert sorted(p.name for p in (task_dir / "records").iterdir()) == [b_job]
-    assert site.client.get(task_id) == task
+    after = site.client.get(task_id)
+    assert after["state"] == "COMPLETE"
+    assert [log["metadata"]["slurm_job_id"] for log in after["logs"]] == [b_job]
     assert "lease epoch" in a.log() and "refused" in a.log(), a.log()[-3000:]
 
 
