@@ -136,6 +136,16 @@ def test_admission_counts_elements(tmp_path, sqlite_store):
 # ----------------------------------------------------------------------------- gathering
 
 
+def clocked_poller(
+    tmp_path: Path, store: Store, start: float | None = None
+) -> tuple[Any, FakeSlurm, list[float]]:
+    """A poller whose clock is `now[0]` (the time now unless `start`)."""
+    poller, fake = make_poller(tmp_path, store)
+    now = [time.time() if start is None else start]
+    poller.clock = lambda: now[0]
+    return poller, fake, now
+
+
 def burst(store: Store) -> tuple[list[Any], list[Any]]:
     """10 tasks of one shape, 2 of another, created just now."""
     return [store.create_task(with_cpus(1)) for _ in range(10)], [
@@ -144,9 +154,7 @@ def burst(store: Store) -> tuple[list[Any], list[Any]]:
 
 
 def test_a_small_shape_in_a_burst_is_held_then_goes_alone_after_the_window(tmp_path, sqlite_store):
-    poller, fake = make_poller(tmp_path, sqlite_store)
-    now = [time.time()]
-    poller.clock = lambda: now[0]
+    poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     many, few = burst(sqlite_store)
     before = [sqlite_store.get_task(t.id) for t in few]
     counted = metrics.ARRAY_GATHER_HELD._value.get()
@@ -173,9 +181,7 @@ def test_a_small_shape_in_a_burst_is_held_then_goes_alone_after_the_window(tmp_p
 
 
 def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
-    poller, fake = make_poller(tmp_path, sqlite_store)
-    now = [time.time()]
-    poller.clock = lambda: now[0]
+    poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     _, few = burst(sqlite_store)
     poller.cycle()
     assert fake.arrays == [10]
@@ -187,9 +193,7 @@ def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
 
 
 def test_the_quick_check_submits_when_the_window_ends(tmp_path, sqlite_store):
-    poller, fake = make_poller(tmp_path, sqlite_store)
-    now = [time.time()]
-    poller.clock = lambda: now[0]
+    poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     _, few = burst(sqlite_store)
     poller.cycle()
     assert poller.quick_check() is None  # nothing new, the window still open
@@ -202,9 +206,8 @@ def test_the_quick_check_submits_when_the_window_ends(tmp_path, sqlite_store):
 
 
 def test_a_hold_ends_even_when_tasks_seem_created_in_the_future(tmp_path, sqlite_store):
-    poller, fake = make_poller(tmp_path, sqlite_store)
-    now = [time.time() - 3600]  # the poller's clock an hour behind the API's
-    poller.clock = lambda: now[0]
+    # The poller's clock an hour behind the API's.
+    poller, fake, now = clocked_poller(tmp_path, sqlite_store, start=time.time() - 3600)
     _, few = burst(sqlite_store)
     poller.cycle()
     assert fake.calls.count("sbatch") == 1

@@ -270,74 +270,71 @@ def test_a_new_leader_forgets_no_submission_before_the_settle_time_after_takeove
     assert task is not None and task.job_id is not None and slurm.calls.count("sbatch") == 1
 
 
+@pytest.fixture
+def led_by_b(pg, postgres_url: str) -> Iterator[tuple[Store, int]]:
+    """The poller process's store fenced at the epoch of a lease node "b" holds."""
+    a_store, _raw = pg
+    b = _lease(postgres_url, "b")
+    try:
+        assert b.try_acquire() and b.epoch is not None
+        a_store.fence_epoch = b.epoch
+        yield a_store, b.epoch
+    finally:
+        a_store.fence_epoch = None
+        b.release()
+        b.close()
+
+
 def test_a_new_leader_fences_an_interrupted_task_before_it_looks_and_submits_with_its_epoch(
-    tmp_path: Path, pg, postgres_url
+    tmp_path: Path, led_by_b
 ):
     """The old leader marked the task and may still run its sbatch (frozen after its lease
     check): the new leader fences the task's directory at its epoch before it looks for the
     job, and the job it submits carries that epoch. A job the old leader submits later stands
     down at its start (tests/unit/test_job_side.py)."""
-    a_store, _raw = pg
-    b = _lease(postgres_url, "b")
-    try:
-        assert b.try_acquire() and b.epoch is not None
-        a_store.fence_epoch = b.epoch
-        config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
-        now = [10_000.0]
-        slurm = FakeSlurm()
-        poller = Poller(
-            config, a_store, slurm_client=slurm, images=FakeImages(), clock=lambda: now[0]
-        )
-        config.work_dir.mkdir(parents=True)
-        task_id = _queued(a_store)
-        assert a_store.mark_submitting(task_id, attempt=1, now=1.0)
-        poller.recovery.hold_after_takeover()
-        poller.cycle()
-        fence = poller.task_dir(task_id) / "lease-fence"
-        assert fence.read_text() == f"{b.epoch}\n" and "sbatch" not in slurm.calls
-        now[0] += config.slurm.command_timeout + config.slurm.submit_settle + 1
-        poller.cycle()
-        assert slurm.calls.count("sbatch") == 1
-        assert slurm.script_args == [[f"lease-epoch={b.epoch}"]]
-    finally:
-        a_store.fence_epoch = None
-        b.release()
-        b.close()
+    a_store, epoch = led_by_b
+    config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    now = [10_000.0]
+    slurm = FakeSlurm()
+    poller = Poller(config, a_store, slurm_client=slurm, images=FakeImages(), clock=lambda: now[0])
+    config.work_dir.mkdir(parents=True)
+    task_id = _queued(a_store)
+    assert a_store.mark_submitting(task_id, attempt=1, now=1.0)
+    poller.recovery.hold_after_takeover()
+    poller.cycle()
+    fence = poller.task_dir(task_id) / "lease-fence"
+    assert fence.read_text() == f"{epoch}\n" and "sbatch" not in slurm.calls
+    now[0] += config.slurm.command_timeout + config.slurm.submit_settle + 1
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    assert slurm.script_args == [[f"lease-epoch={epoch}"]]
 
 
 def test_an_interrupted_task_whose_fence_cannot_be_written_is_not_submitted_again(
-    tmp_path: Path, pg, postgres_url
+    tmp_path: Path, led_by_b
 ):
     """Without its fence, a job the old leader submits late would run beside the new one: the
     task waits (QUEUED, its submission in flight) until the fence is written."""
-    a_store, _raw = pg
-    b = _lease(postgres_url, "b")
-    try:
-        assert b.try_acquire() and b.epoch is not None
-        a_store.fence_epoch = b.epoch
-        config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
-        slurm = FakeSlurm()
-        poller = Poller(config, a_store, slurm_client=slurm, images=FakeImages())
-        task_id = _queued(a_store)
-        assert a_store.mark_submitting(task_id, attempt=1, now=1.0)  # long settled
-        task_dir = poller.task_dir(task_id)
-        task_dir.parent.mkdir(parents=True, exist_ok=True)
-        task_dir.write_text("")  # a file in the directory's place: the fence cannot be written
-        poller.cycle()
-        task = a_store.get_task(task_id)
-        assert task is not None and task.submit_started_at == 1.0 and task.job_id is None
-        assert "sbatch" not in slurm.calls
-        task_dir.unlink()
-        poller.cycle()  # fenced now: forgotten, and submitted again next
-        poller.cycle()
-        assert (task_dir / "lease-fence").read_text() == f"{b.epoch}\n"
-        task = a_store.get_task(task_id)
-        assert task is not None and task.job_id is not None
-        assert slurm.calls.count("sbatch") == 1
-    finally:
-        a_store.fence_epoch = None
-        b.release()
-        b.close()
+    a_store, epoch = led_by_b
+    config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    slurm = FakeSlurm()
+    poller = Poller(config, a_store, slurm_client=slurm, images=FakeImages())
+    task_id = _queued(a_store)
+    assert a_store.mark_submitting(task_id, attempt=1, now=1.0)  # long settled
+    task_dir = poller.task_dir(task_id)
+    task_dir.parent.mkdir(parents=True, exist_ok=True)
+    task_dir.write_text("")  # a file in the directory's place: the fence cannot be written
+    poller.cycle()
+    task = a_store.get_task(task_id)
+    assert task is not None and task.submit_started_at == 1.0 and task.job_id is None
+    assert "sbatch" not in slurm.calls
+    task_dir.unlink()
+    poller.cycle()  # fenced now: forgotten, and submitted again next
+    poller.cycle()
+    assert (task_dir / "lease-fence").read_text() == f"{epoch}\n"
+    task = a_store.get_task(task_id)
+    assert task is not None and task.job_id is not None
+    assert slurm.calls.count("sbatch") == 1
 
 
 def test_the_keeper_renews_and_says_when_leadership_changed(pg, postgres_url):
