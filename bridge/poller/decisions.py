@@ -163,29 +163,28 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
     return None
 
 
-def _records_unwritable(job: JobInfo, records: JobRecords) -> bool:
-    """The script exited because it could not start or write its records (see
-    templates/job.sh.j2, start_records and record): the system's failure, never the task's.
-    Only the script itself exits with that code (an executor's or a staging command's code is
-    recorded, never passed on), and never once its outcome is written."""
+def _script_exited_with(job: JobInfo, records: JobRecords, code: int) -> bool:
+    """The job script itself ended with one of its own exit codes, before recording an outcome.
+    Only the script exits with them (an executor's or a staging command's code is recorded,
+    never passed on), and never once its outcome is written."""
     return (
         job.state == "FAILED"
-        and job.exit_code == NO_RECORDS_EXIT_CODE
+        and job.exit_code == code
         and not job.signal
         and records.outcome is None
     )
+
+
+def _records_unwritable(job: JobInfo, records: JobRecords) -> bool:
+    """The script exited because it could not start or write its records (see
+    templates/job.sh.j2, start_records and record): the system's failure, never the task's."""
+    return _script_exited_with(job, records, NO_RECORDS_EXIT_CODE)
 
 
 def _superseded(job: JobInfo, records: JobRecords) -> bool:
     """The script stood down at its start: the task's directory is fenced at a newer lease
     epoch than the one its job was submitted under (templates/job.sh.j2)."""
-    return (
-        job.state == "FAILED"
-        and job.exit_code == SUPERSEDED_EXIT_CODE
-        and not job.signal
-        and records.outcome is None
-        and records.phase is None
-    )
+    return _script_exited_with(job, records, SUPERSEDED_EXIT_CODE) and records.phase is None
 
 
 def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decision:

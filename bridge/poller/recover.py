@@ -84,9 +84,9 @@ class Recovery:
         """The ids of the tasks whose directories are fenced at this leader's epoch (all of
         them where no poller is elected: one poller, no epoch)."""
         epoch = self.ctx.store.fence_epoch
-        if epoch is None:
-            return {task.id for task in pending}
         ids = {task.id for task in pending}
+        if epoch is None:
+            return ids
         self._fenced = {tid: e for tid, e in self._fenced.items() if tid in ids}
         for task in pending:
             if self._fenced.get(task.id) == epoch:
