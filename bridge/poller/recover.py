@@ -5,10 +5,12 @@ twice.
 
 With two login nodes a leader may be frozen between its lease check and its sbatch for longer
 than the lease, and submit after the new leader looked for its job and found none. So an elected
-leader first fences each interrupted task's directory at its own epoch
-(`bridge.job.layout.write_lease_fence`), then looks: a job it does not find, submitted by the
-old leader later, stands down when it starts (templates/job.sh.j2); a task whose fence cannot
-be written is not submitted again until it can."""
+leader that finds no job fences the task's directory at its own epoch
+(`bridge.job.layout.write_lease_fence`) and looks again: a job it still does not find, submitted
+by the old leader later, stands down when it starts (templates/job.sh.j2); a task whose fence
+cannot be written is not submitted again until it can. A task whose job is found is not fenced:
+that job, the old leader's, is the task's run (fencing it would make it stand down and be
+submitted again)."""
 
 from __future__ import annotations
 
@@ -48,16 +50,21 @@ class Recovery:
 
     def recover(self, stats: CycleStats) -> None:
         """Tasks whose `sbatch` started but whose job id was never stored: look for the job
-        (an array's element: by the array's name and the task's element in it)."""
+        (an array's element: by the array's name and the task's element in it). A task whose
+        job is not found once the sbatch has settled is fenced, then looked for again: only a
+        task fenced before a look that found nothing is forgotten (and submitted again)."""
         pending = self.ctx.store.interrupted_submissions()
+        ids = {task.id for task in pending}
+        self._fenced = {tid: e for tid, e in self._fenced.items() if tid in ids}
         if not pending:
             return
-        fenced = self._fence(pending)
         names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
         for task in pending:
             mark = array_mark(task)
             name, index = mark if mark else (job_name(task.id), None)
             names.setdefault(name, []).append((task, index))
+        # Fenced before this look: a job of the old leader not found now stands down.
+        fenced = self._fenced_now()
         try:
             stats.slurm_calls += 2
             found = self.ctx.slurm.find_by_names(list(names))
@@ -68,29 +75,45 @@ class Recovery:
         # act on a request it received: "no job" is believed only once that time has passed.
         slurm_cfg = self.ctx.config.slurm
         settled_before = self.ctx.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
+        to_fence: list[TaskRecord] = []
         for name, members in names.items():
             jobs = found.get(name, [])
             for task, index in members:
-                is_fenced = task.id in fenced
                 if index is None:
                     job = _newest_job_of_this_attempt(task, jobs)
-                    self._settle(task, job, settled_before, fenced=is_fenced)
+                    if job is not None:
+                        self._adopt(task, job)
+                        continue
                 elif jobs:
                     self._adopt_element(task, index, jobs)
+                    continue
+                if (task.submit_started_at or 0.0) > settled_before or self._holding():
+                    log.info(
+                        "interrupted submission of task %s: no job yet, looking again", task.id
+                    )
+                elif fenced is None or task.id in fenced:
+                    # sbatch never created a job: the task may be submitted again.
+                    self.ctx.store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
                 else:
-                    self._settle(task, None, settled_before, fenced=is_fenced)
+                    to_fence.append(task)
+        self._fence(to_fence)
 
-    def _fence(self, pending: list[TaskRecord]) -> set[str]:
-        """The ids of the tasks whose directories are fenced at this leader's epoch (all of
-        them where no poller is elected: one poller, no epoch)."""
+    def _fenced_now(self) -> set[str] | None:
+        """The tasks fenced at this leader's epoch; None where no poller is elected (one
+        poller, no epoch: nothing to fence)."""
         epoch = self.ctx.store.fence_epoch
-        ids = {task.id for task in pending}
         if epoch is None:
-            return ids
-        self._fenced = {tid: e for tid, e in self._fenced.items() if tid in ids}
-        for task in pending:
-            if self._fenced.get(task.id) == epoch:
-                continue
+            return None
+        return {tid for tid, e in self._fenced.items() if e == epoch}
+
+    def _fence(self, tasks: list[TaskRecord]) -> None:
+        """Fence the directories of tasks whose job was not found, at this leader's epoch: the
+        next look, finding none again, forgets them. Only those: a job of the old leader that
+        was found is the task's, and runs."""
+        epoch = self.ctx.store.fence_epoch
+        if epoch is None:
+            return
+        for task in tasks:
             task_dir = self.ctx.task_dir(task.id)
             try:
                 if self.owners is not None and task.owner:
@@ -100,24 +123,13 @@ class Recovery:
             except (OSError, OwnerCommandError) as exc:
                 log.warning("cannot fence the directory of task %s yet: %s", task.id, exc)
                 continue
+            log.info("interrupted submission of task %s: no job, fenced, looking again", task.id)
             self._fenced[task.id] = epoch
-        return {tid for tid, e in self._fenced.items() if e == epoch}
 
-    def _settle(
-        self, task: TaskRecord, job: JobInfo | None, settled_before: float, *, fenced: bool
-    ) -> None:
-        store = self.ctx.store
-        if job is not None:
-            log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
-            # Canceled while its sbatch ran: record_job marks the job for scancel.
-            store.record_job(task.id, job.job_id)
-        elif (task.submit_started_at or 0.0) > settled_before or self._holding():
-            log.info("interrupted submission of task %s: no job yet, looking again", task.id)
-        elif not fenced:
-            log.info("interrupted submission of task %s: not fenced yet, looking again", task.id)
-        else:
-            # sbatch never created a job: the task may be submitted again.
-            store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+    def _adopt(self, task: TaskRecord, job: JobInfo) -> None:
+        log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
+        # Canceled while its sbatch ran: record_job marks the job for scancel.
+        self.ctx.store.record_job(task.id, job.job_id)
 
     def _adopt_element(self, task: TaskRecord, index: str, jobs: list[JobInfo]) -> None:
         """The array exists: the task's job is its element `index`, never submitted again."""

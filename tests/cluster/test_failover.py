@@ -602,6 +602,58 @@ def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
     assert "lease epoch" in a.log() and "refused" in a.log(), a.log()[-3000:]
 
 
+HOLDING_SBATCH = """#!/bin/sh
+if [ -e {control}/armed ]; then
+  rm -f {control}/armed
+  {sbatch} --hold "$@" >{control}/out || exit
+  kill -STOP "$PPID"
+  cp {control}/out {control}/held
+  while :; do sleep 1; done
+fi
+exec {sbatch} "$@"
+"""
+
+
+def test_the_job_of_a_leader_killed_before_it_stored_the_id_is_adopted_and_runs(
+    make_site, tmp_path: Path
+):
+    """The leader's sbatch created the job (held, so it cannot start early), then the leader
+    died before it stored the job id. The new leader finds that job by name and adopts it
+    without fencing the task: released, the old leader's job runs the task, the only job."""
+    site = make_site(fake=False)
+    a, b = site.nodes["nodeA"], site.nodes["nodeB"]
+    control = tmp_path / "sbatch-control"
+    control.mkdir()
+    sbatch = shutil.which("sbatch")
+    assert sbatch is not None
+    wrapper = tmp_path / "sbatch-nodeA"
+    wrapper.write_text(HOLDING_SBATCH.format(control=control, sbatch=sbatch))
+    wrapper.chmod(0o755)
+    a.config.write_text(
+        a.config.read_text().replace("[slurm]\n", f'[slurm]\nsbatch = "{wrapper}"\n')
+    )
+    a.start()
+    site.wait_for_leader("nodeA")
+    b.start()
+    warm = site.create()  # the image is pulled before the clock matters
+    assert site.client.wait(warm, timeout=120)["state"] == "COMPLETE"
+    (control / "armed").touch()
+    task_id = site.create()
+    wait_until(lambda: (control / "held").exists(), 30, a.log()[-3000:])
+    held = (control / "held").read_text().strip().split(";")[0].split()[-1]
+    a.kill()
+    site.wait_for_leader("nodeB", timeout=4 * LEASE)
+    wait_until(lambda: site.row(task_id)[1] == held, 60, f"B adopted no job: {site.row(task_id)}")
+    subprocess.run(["scontrol", "release", held], check=True, timeout=30)
+    task = site.client.wait(task_id, timeout=120)
+    assert task["state"] == "COMPLETE", task
+    assert [log["metadata"]["slurm_job_id"] for log in task["logs"]] == [held]
+    assert slurm_jobs_by_task(site.shared / "work", [task_id])[task_id] == [held]
+    task_dir = site.shared / "work" / task_id
+    assert not (task_dir / "lease-fence").exists()
+    assert sorted(p.name for p in (task_dir / "records").iterdir()) == [held]
+
+
 def _sacct_state(job_id: str) -> str:
     out = subprocess.run(
         ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,ExitCode"],

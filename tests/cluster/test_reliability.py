@@ -84,7 +84,24 @@ def assert_one_job_per_attempt(tasks: dict[str, dict[str, Any]], work_dir: Path)
     found = slurm_jobs_by_task(work_dir, list(tasks))
     counts = {task_id: len(found[task_id]) for task_id in tasks}
     attempts = {task_id: len(task["logs"]) for task_id, task in tasks.items()}
-    assert counts == attempts, {t: (found[t], attempts[t]) for t in tasks}
+    differing = {t for t in tasks if counts[t] != attempts[t]}
+    assert not differing, _job_details(differing, found, work_dir)
+
+
+def _job_details(task_ids: set[str], found: dict[str, list[str]], work_dir: Path) -> str:
+    """What Slurm and the task directories say of each job of the tasks that differ."""
+    job_ids = sorted({j for t in task_ids for j in found[t]})
+    sacct = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State,ExitCode,Start,End", "-j",
+         ",".join(job_ids) or "0"],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    lines = [f"{len(task_ids)} tasks with jobs other than their attempts:"]
+    for task_id in sorted(task_ids)[:20]:
+        records = sorted(p.name for p in (work_dir / task_id / "records").glob("*"))
+        lines.append(f"{task_id}: jobs {found[task_id]}, records of {records}")
+    lines += ["sacct:", *sacct.splitlines()[:60]]
+    return "\n".join(lines)
 
 
 def executors_ran(service: BridgeService, task_id: str) -> list[Path]:

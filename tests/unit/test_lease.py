@@ -16,6 +16,7 @@ import psycopg2
 import pytest
 
 from bridge.config import Config, load_config
+from bridge.core.naming import job_name
 from bridge.core.tes import State
 from bridge.poller import Poller
 from bridge.poller.lease import Lease, LeaseKeeper, Renewal
@@ -285,13 +286,14 @@ def led_by_b(pg, postgres_url: str) -> Iterator[tuple[Store, int]]:
         b.close()
 
 
-def test_a_new_leader_fences_an_interrupted_task_before_it_looks_and_submits_with_its_epoch(
+def test_a_new_leader_fences_a_task_it_finds_no_job_for_looks_again_and_submits_with_its_epoch(
     tmp_path: Path, led_by_b
 ):
     """The old leader marked the task and may still run its sbatch (frozen after its lease
-    check): the new leader fences the task's directory at its epoch before it looks for the
-    job, and the job it submits carries that epoch. A job the old leader submits later stands
-    down at its start (tests/unit/test_job_side.py)."""
+    check): the new leader, finding no job once the sbatch has settled, fences the task's
+    directory at its epoch, looks again, and only then submits, the job carrying its epoch. A
+    job the old leader submits after that fence stands down at its start
+    (tests/unit/test_job_side.py)."""
     a_store, epoch = led_by_b
     config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
     now = [10_000.0]
@@ -301,13 +303,36 @@ def test_a_new_leader_fences_an_interrupted_task_before_it_looks_and_submits_wit
     task_id = _queued(a_store)
     assert a_store.mark_submitting(task_id, attempt=1, now=1.0)
     poller.recovery.hold_after_takeover()
-    poller.cycle()
     fence = poller.task_dir(task_id) / "lease-fence"
-    assert fence.read_text() == f"{epoch}\n" and "sbatch" not in slurm.calls
+    poller.cycle()  # the old leader's sbatch may not have settled: no fence, no sbatch yet
+    assert not fence.exists() and "sbatch" not in slurm.calls
     now[0] += config.slurm.command_timeout + config.slurm.submit_settle + 1
-    poller.cycle()
-    assert slurm.calls.count("sbatch") == 1
+    poller.cycle()  # no job: fenced, to be looked for once more
+    assert fence.read_text() == f"{epoch}\n" and "sbatch" not in slurm.calls
+    assert slurm.calls.count("find") == 2
+    poller.cycle()  # fenced before a look that found none: forgotten, submitted again
+    assert slurm.calls.count("find") == 3 and slurm.calls.count("sbatch") == 1
     assert slurm.script_args == [[f"lease-epoch={epoch}"]]
+
+
+def test_a_new_leader_adopts_the_old_leaders_job_unfenced(tmp_path: Path, led_by_b):
+    """The old leader's sbatch created the job but it died before storing its id: the new
+    leader takes that job as the task's, and fences nothing (the job would stand down at its
+    start and be submitted again)."""
+    a_store, _epoch = led_by_b
+    config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    slurm = FakeSlurm()
+    poller = Poller(config, a_store, slurm_client=slurm, images=FakeImages())
+    config.work_dir.mkdir(parents=True)
+    task_id = _queued(a_store)
+    assert a_store.mark_submitting(task_id, attempt=1, now=1.0)  # long settled
+    old_job = slurm.submit(Path(__file__), job_name=job_name(task_id))
+    poller.recovery.hold_after_takeover()
+    poller.cycle()
+    task = a_store.get_task(task_id)
+    assert task is not None and task.job_id == old_job
+    assert not (poller.task_dir(task_id) / "lease-fence").exists()
+    assert slurm.calls.count("sbatch") == 1  # the old leader's
 
 
 def test_an_interrupted_task_whose_fence_cannot_be_written_is_not_submitted_again(
