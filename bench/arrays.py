@@ -9,7 +9,11 @@ and the same jobs as one raw `sbatch --array` and as a raw `sbatch` loop, each r
 Apptainer command on the same SIF with the same Slurm resources. Then the same number of tasks
 in BENCH_ARRAYS_SHAPES (20) shapes (`resources.ram_gb` apart), interleaved, with arrays and with
 `arrays = "never"` (one job per task); and BENCH_ARRAYS_LONE (5) lone tasks, POST to COMPLETE,
-against a raw sbatch of the same job.
+against a raw sbatch of the same job. Last, a submission burst of BENCH_ARRAYS_BURST (10,000; 0:
+none) same-shape tasks, POSTed as fast as one client can: the time from the last POST until
+every task had its job, the jobs and submission RPCs it took, and the Slurm calls per poll cycle
+with that many jobs queued; then its jobs are scanceled (running them all would take hours on
+the local cluster's 4 CPUs).
 
 For each side: the makespan (first POST or submission to the last job's end), how many sbatch
 ran, the time from the last POST until every task had its Slurm job, slurmctld's RPCs per task
@@ -59,6 +63,7 @@ from bench.e2e import cluster, container_toml, slurm, wait_queue_empty
 TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
 SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
 LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
+BURST = int(os.environ.get("BENCH_ARRAYS_BURST", "10000"))
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
 
@@ -122,6 +127,12 @@ class Bridge:
         """Tasks without their Slurm job (read from the store, which the API does not show)."""
         with sqlite3.connect(f"file:{self.root / 'tasks.db'}?mode=ro", uri=True) as db:
             return int(db.execute("SELECT COUNT(*) FROM tasks WHERE job_id IS NULL").fetchone()[0])
+
+    def job_ids(self) -> set[str]:
+        """The Slurm jobs of the tasks (an array's id once for all its elements)."""
+        with sqlite3.connect(f"file:{self.root / 'tasks.db'}?mode=ro", uri=True) as db:
+            rows = db.execute("SELECT job_id FROM tasks WHERE job_id IS NOT NULL").fetchall()
+        return {str(row[0]).split("_")[0] for row in rows}
 
     def counters(self) -> dict[str, float]:
         """Slurm calls (all, and sbatch's) and poll cycles so far, from /metrics."""
@@ -202,6 +213,37 @@ def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, floa
         "submitted_after_last_post_s": submitted_at[0] - last_post,
         "poll_cycles": cycles,
         "calls_per_cycle": (after["calls"] - before["calls"]) / cycles,
+        "calls_per_cycle_without_sbatch": (
+            after["calls"] - before["calls"] - (after["sbatch"] - before["sbatch"])
+        )
+        / cycles,
+    }
+
+
+def submission_burst(service: Bridge, count: int) -> dict[str, float]:
+    """`count` tasks POSTed as fast as one client can: the seconds from the last POST until
+    every task had its job, how many jobs carried them, and the Slurm calls per poll cycle
+    until then; then every job is scanceled and the queue left empty."""
+    session = requests.Session()
+    body = json.dumps({"executors": SLEEP})
+    before = service.counters()
+    known = service.job_ids()
+    started = time.perf_counter()
+    for _ in range(count):
+        session.post(f"{service.api}/tasks", data=body).raise_for_status()
+    last_post = time.perf_counter()
+    while service.unsubmitted():
+        time.sleep(0.05)
+    submitted = time.perf_counter()
+    after = service.counters()
+    jobs = service.job_ids() - known
+    slurm("scancel", *sorted(jobs))
+    cycles = max(after["cycles"] - before["cycles"], 1.0)
+    return {
+        "posting_s": last_post - started,
+        "jobs": len(jobs),
+        "submitted_after_last_post_s": submitted - last_post,
+        "poll_cycles": cycles,
         "calls_per_cycle_without_sbatch": (
             after["calls"] - before["calls"] - (after["sbatch"] - before["sbatch"])
         )
@@ -305,6 +347,13 @@ def main() -> dict[str, object]:
             "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
         )
         lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
+    if BURST:
+        with bridge(info, root, "burst", unlimited) as service:
+            measured(
+                f"submission burst of {BURST}", results,
+                lambda: submission_burst(service, BURST), BURST,
+            )  # fmt: skip
+            wait_queue_empty(timeout=1800)
     ratios = {
         "makespan_vs_raw_array": results["bridge"]["makespan_s"]
         / results["raw array"]["makespan_s"],
@@ -315,7 +364,7 @@ def main() -> dict[str, object]:
         / results[f"one job per task, {SHAPES} shapes"]["makespan_s"],
     }
     rows = [
-        [side, r["makespan_s"], int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
+        [side, r.get("makespan_s", "-"), int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
          r["submit"], r["user"], r.get("calls_per_cycle_without_sbatch", "-")]
         for side, r in results.items()
     ]  # fmt: skip

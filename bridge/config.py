@@ -193,10 +193,12 @@ class SlurmConfig(_Section):
     #: are ready; never: one sbatch per task. Site mode always submits one job per task.
     arrays: Literal["auto", "never"] = "auto"
     array_min_tasks: int = Field(default=4, ge=2)
-    #: While a burst arrives (a submission round of at least `array_min_tasks` tasks), a shape
-    #: with fewer than `array_min_tasks` ready waits in QUEUED until its oldest task is this
-    #: many seconds old, so that it can grow into an array; a lone task never waits. 0: off.
+    #: While a burst arrives (a submission round of at least `array_min_tasks` tasks), each
+    #: shape waits in QUEUED while its tasks keep arriving: until none has arrived for this
+    #: many seconds, or its oldest has waited `array_gather_max_seconds`; so a burst becomes
+    #: one array per shape. A lone task never waits. 0: off.
     array_gather_seconds: float = Field(default=1.0, ge=0)
+    array_gather_max_seconds: float = Field(default=5.0, ge=0)
     #: What a task's `resources.disk_gb` becomes. auto: `--tmp` (MB, rounded up) only where
     #: every node of the task's partition declares a TmpDisk (read with one sinfo call, again
     #: after `tmp_disk_refresh_seconds`); tmp: always `--tmp`; ignore: never.

@@ -78,7 +78,8 @@ def write_lease_fence(task_dir: Path, epoch: int) -> None:
     lease epoch submitted stands down when it starts (templates/job.sh.j2, exit code
     SUPERSEDED_EXIT_CODE). A new leader that found no job for the old leader's interrupted
     submission writes it and looks once more before it submits the task again, so a job it
-    does not find can never run the task beside the one it submits. Creates the task directory when it is missing (as the renderer would)."""
+    does not find can never run the task beside the one it submits. Creates the task directory
+    when it is missing (as the renderer would)."""
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"a lease epoch is a whole number >= 0, not {epoch!r}")
     with contextlib.suppress(FileExistsError):

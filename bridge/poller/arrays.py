@@ -2,9 +2,11 @@
 same (`slurm.arrays = "auto"`) go as one `sbatch --array=0-N`, in chunks of the cluster's
 MaxArraySize.
 
-While a burst arrives (a round of at least `slurm.array_min_tasks` tasks), a shape with fewer
-than that many is held back, left QUEUED as it is, until its oldest task is
-`slurm.array_gather_seconds` old, so that it can grow into an array; a lone task is never held.
+While a burst arrives (a round of at least `slurm.array_min_tasks` tasks), each shape is held
+back, left QUEUED as it is, while its tasks keep arriving: until none has arrived for
+`slurm.array_gather_seconds`, or its oldest task has waited `slurm.array_gather_max_seconds`.
+So a burst of one shape becomes one array (not one per round), and a shape too small for an
+array can still grow into one; a lone task is never held.
 
 Each task keeps its directory and job script; the array's script (bridge.jobscript.array) holds
 the manifest, the task directories in element order. Before sbatch runs, each task stores the
@@ -132,12 +134,14 @@ class ArrayPlanner:
         # Site mode: each task's files are written, and its sbatch run, as its owner.
         return cfg.arrays == "auto" and not self.ctx.site
 
-    def plan(self, ready: Sequence[Ready], stats: CycleStats) -> Plan:
+    def plan(self, ready: Sequence[Ready], stats: CycleStats, *, gather: bool = True) -> Plan:
         """The round's submissions in order: arrays (several tasks) and single tasks; and the
-        tasks held back to gather (`_gathering`)."""
+        tasks held back to gather (`_gathering`; none unless `gather`)."""
         minimum = self.ctx.config.slurm.array_min_tasks
         self.gather_until = None
-        if not self.enabled or len(ready) < minimum:
+        # A round of a handful is no burst; unless it holds the end of one, gathered so far.
+        burst = len(ready) >= minimum or any(r.task.id in self._held_since for r in ready)
+        if not self.enabled or not burst:
             self._held_since.clear()
             return Plan([[r] for r in ready])
         groups: dict[tuple[Any, ...], list[Ready]] = {}
@@ -150,30 +154,33 @@ class ArrayPlanner:
         units: list[list[Ready]] = []
         held: list[Ready] = []
         for key, group in groups.items():
-            small = key[0] is not _ALONE and len(group) < minimum <= size
-            if small and self._gathering(group, now, held_since):
-                held += group
-                continue
-            for chunk in _chunks(group, size):
-                if len(chunk) >= minimum:
-                    units.append(chunk)
-                else:
-                    units += [[r] for r in chunk]
+            # Full arrays go at once, the rest of the shape may wait for more; only a cluster
+            # that takes arrays gathers.
+            if gather and key[0] is not _ALONE and minimum <= size:
+                rest = group[len(group) - len(group) % size :]
+                if rest and self._gathering(rest, now, held_since):
+                    held += rest
+                    group = group[: len(group) - len(rest)]
+            units += _units(group, size, minimum)
         return Plan(units, held)
 
     def _gathering(self, group: list[Ready], now: float, held_since: dict[str, float]) -> bool:
-        """Whether a group too small for an array waits for more of its shape: until its oldest
-        task is `slurm.array_gather_seconds` old (created, or first held, that long ago)."""
-        window = self.ctx.config.slurm.array_gather_seconds
-        if window <= 0:
+        """Whether a group waits for more of its shape: while its tasks keep arriving (the
+        newest first seen in a round less than `slurm.array_gather_seconds` ago), for at most
+        `slurm.array_gather_max_seconds` after its oldest was created or first seen. Arrivals
+        are the poller's own sightings, by its clock: a creation time (another host's clock,
+        perhaps) only ever shortens the wait."""
+        cfg = self.ctx.config.slurm
+        quiet, longest = cfg.array_gather_seconds, cfg.array_gather_max_seconds
+        if quiet <= 0:
             return False
         since = {r.task.id: held_since.get(r.task.id, now) for r in group}
         created = [r.task.created_at for r in group]
         oldest = min([*since.values(), *(c for c in created if c is not None)])
-        if now - oldest >= window:
+        until = min(max(since.values()) + quiet, oldest + max(longest, quiet))
+        if now >= until:
             return False
         self._held_since.update(since)
-        until = oldest + window
         if self.gather_until is None or until < self.gather_until:
             self.gather_until = until
         return True
@@ -217,6 +224,15 @@ class ArrayPlanner:
         path = self.ctx.task_dir(members[0].task.id) / f"{name}.sh"
         write_atomically(path, text, 0o700)
         return path
+
+
+def _units(group: list[Ready], size: int, minimum: int) -> list[list[Ready]]:
+    """A group's submissions: arrays of at most `size`, a job per task where fewer than
+    `minimum` are left."""
+    units: list[list[Ready]] = []
+    for chunk in _chunks(group, size):
+        units += [chunk] if len(chunk) >= minimum else [[r] for r in chunk]
+    return units
 
 
 def _chunks(items: list[Ready], size: int) -> Iterator[list[Ready]]:

@@ -79,24 +79,35 @@ class Recovery:
         for name, members in names.items():
             jobs = found.get(name, [])
             for task, index in members:
-                if index is None:
-                    job = _newest_job_of_this_attempt(task, jobs)
-                    if job is not None:
-                        self._adopt(task, job)
-                        continue
-                elif jobs:
-                    self._adopt_element(task, index, jobs)
-                    continue
-                if (task.submit_started_at or 0.0) > settled_before or self._holding():
-                    log.info(
-                        "interrupted submission of task %s: no job yet, looking again", task.id
-                    )
-                elif fenced is None or task.id in fenced:
-                    # sbatch never created a job: the task may be submitted again.
-                    self.ctx.store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
-                else:
-                    to_fence.append(task)
+                if not self._adopted(task, index, jobs):
+                    to_fence += self._no_job(task, settled_before, fenced)
         self._fence(to_fence)
+
+    def _adopted(self, task: TaskRecord, index: str | None, jobs: list[JobInfo]) -> bool:
+        """Whether the task's job is among `jobs` (an array's: the array is, its element may not
+        be listed yet), and taken as the task's."""
+        if index is not None:
+            if jobs:
+                self._adopt_element(task, index, jobs)
+            return bool(jobs)
+        job = _newest_job_of_this_attempt(task, jobs)
+        if job is not None:
+            self._adopt(task, job)
+        return job is not None
+
+    def _no_job(
+        self, task: TaskRecord, settled_before: float, fenced: set[str] | None
+    ) -> list[TaskRecord]:
+        """No job found for the task: wait for its sbatch to settle, forget it once it was
+        fenced before this look, else the task to fence now ([task])."""
+        if (task.submit_started_at or 0.0) > settled_before or self._holding():
+            log.info("interrupted submission of task %s: no job yet, looking again", task.id)
+        elif fenced is None or task.id in fenced:
+            # sbatch never created a job: the task may be submitted again.
+            self.ctx.store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
+        else:
+            return [task]
+        return []
 
     def _fenced_now(self) -> set[str] | None:
         """The tasks fenced at this leader's epoch; None where no poller is elected (one

@@ -357,7 +357,10 @@ class Submitter:
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one; those
             # held back to gather into an array stay QUEUED, untouched, for a later round.
-            plan = self.arrays.plan(ready, stats)
+            # Nothing is gathered where the round could not grow: admission held tasks back, or
+            # the round is full (the tasks behind it are not read).
+            may_gather = not held and len(tasks) < MAX_SUBMISSIONS_PER_CYCLE
+            plan = self.arrays.plan(ready, stats, gather=may_gather)
             gathering = len(plan.held)
             self._submit_round(plan.units, stats)
         metrics.observe_submission_round(held, self.waiting_for_images, gathering)

@@ -30,6 +30,9 @@ from tests.unit.test_poller import ECHO, FakeImages
 
 
 def make_poller(tmp_path: Path, store: Store, **slurm: Any) -> tuple[Poller, FakeSlurm]:
+    """A poller on the fake Slurm; one that gathers nothing unless `array_gather_seconds` is
+    given (a round's ready tasks go at once: the gathering tests below drive its clock)."""
+    slurm.setdefault("array_gather_seconds", 0)
     config = load_config(
         environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
         overrides={f"slurm.{k}": v for k, v in slurm.items()},
@@ -82,12 +85,7 @@ def test_each_shape_is_its_own_array_and_a_unique_shape_a_job_of_its_own(tmp_pat
     twos = [sqlite_store.create_task(with_cpus(2)) for _ in range(5)]
     lone = sqlite_store.create_task({**ECHO, "resources": {"ram_gb": 1}})
     poller.cycle()
-    assert sorted(fake.arrays) == [4, 5]
-    assert sqlite_store.get_task(lone.id).job_id is None  # gathering (array_gather_seconds)
-    later = time.time() + 2
-    poller.clock = lambda: later
-    poller.cycle()
-    assert fake.calls.count("sbatch") == 3
+    assert fake.arrays == [4, 5] and fake.calls.count("sbatch") == 3
     assert {sqlite_store.get_task(t.id).job_id.split("_")[0] for t in ones} == {"100"}
     assert {sqlite_store.get_task(t.id).job_id.split("_")[0] for t in twos} == {"101"}
     assert sqlite_store.get_task(lone.id).job_id == "102"
@@ -140,7 +138,7 @@ def clocked_poller(
     tmp_path: Path, store: Store, start: float | None = None
 ) -> tuple[Any, FakeSlurm, list[float]]:
     """A poller whose clock is `now[0]` (the time now unless `start`)."""
-    poller, fake = make_poller(tmp_path, store)
+    poller, fake = make_poller(tmp_path, store, array_gather_seconds=1.0)
     now = [time.time() if start is None else start]
     poller.clock = lambda: now[0]
     return poller, fake, now
@@ -153,70 +151,99 @@ def burst(store: Store) -> tuple[list[Any], list[Any]]:
     ]
 
 
-def test_a_small_shape_in_a_burst_is_held_then_goes_alone_after_the_window(tmp_path, sqlite_store):
+def test_a_burst_is_gathered_while_it_arrives_one_array_per_shape(tmp_path, sqlite_store):
+    """Rounds during a burst submit nothing of a shape whose tasks keep arriving; once none has
+    arrived for slurm.array_gather_seconds, each shape goes as one array, a shape too small
+    for one as a job per task."""
     poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     many, few = burst(sqlite_store)
-    before = [sqlite_store.get_task(t.id) for t in few]
+    before = [sqlite_store.get_task(t.id) for t in many + few]
     counted = metrics.ARRAY_GATHER_HELD._value.get()
-    stats = poller.cycle()
-    assert stats.submitted == 10
-    assert fake.arrays == [10] and fake.calls.count("sbatch") == 1
+    assert poller.cycle().submitted == 0
     # Held: QUEUED exactly as they were (no mark, no system_logs line), counted.
-    assert [sqlite_store.get_task(t.id) for t in few] == before
+    assert [sqlite_store.get_task(t.id) for t in many + few] == before
     assert before[0].state == State.QUEUED.value and before[0].submit_started_at is None
-    assert metrics.ARRAY_GATHER_HELD._value.get() == counted + 2
-    # The burst goes on: within slurm.array_gather_seconds (1.0) the small shape still waits.
-    now[0] += 0.5
-    many += [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
-    assert poller.cycle().submitted == 4
-    assert fake.arrays == [10, 4] and fake.calls.count("sbatch") == 2
-    assert [sqlite_store.get_task(t.id) for t in few] == before
-    # Past the window it goes as before: a job per task.
+    assert metrics.ARRAY_GATHER_HELD._value.get() == counted + 12
+    assert "sbatch" not in fake.calls
+    # The burst goes on for 3 s (past the quiet time of 1 s, counted from the newest task).
+    sent = 0
+    for _ in range(6):
+        now[0] += 0.5
+        many += [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
+        sent += poller.cycle().submitted
+    # The 2-CPU shape has been quiet since the start: it went once 1 s had passed.
+    assert sent == 2 and fake.calls.count("sbatch") == 2 and fake.arrays == []
+    assert [sqlite_store.get_task(t.id).job_id for t in few] == ["100", "101"]
     now[0] += 1.0
-    many += [sqlite_store.create_task(with_cpus(1)) for _ in range(4)]
-    assert poller.cycle().submitted == 6
-    assert fake.arrays == [10, 4, 4] and fake.calls.count("sbatch") == 5
-    assert [sqlite_store.get_task(t.id).job_id for t in few] == ["102", "103"]
-    assert all("_" in sqlite_store.get_task(t.id).job_id for t in many)
+    assert poller.cycle().submitted == 34
+    assert fake.arrays == [34] and fake.calls.count("sbatch") == 3
+    assert {sqlite_store.get_task(t.id).job_id.partition("_")[0] for t in many} == {"102"}
+
+
+def test_a_burst_that_goes_on_is_submitted_after_the_longest_gathering(tmp_path, sqlite_store):
+    """A shape whose tasks never stop arriving goes when its oldest task has waited
+    slurm.array_gather_max_seconds (5): one array, and the next ones gather afresh."""
+    poller, fake, now = clocked_poller(tmp_path, sqlite_store)
+    first = [sqlite_store.create_task(with_cpus(1)) for _ in range(5)]
+    poller.cycle()
+    sent = 0
+    for _ in range(10):  # 5 tasks every 0.5 s: never 1 s quiet
+        now[0] += 0.5
+        first += [sqlite_store.create_task(with_cpus(1)) for _ in range(5)]
+        sent += poller.cycle().submitted
+    assert fake.arrays == [55] and sent == 55
+    assert all(sqlite_store.get_task(t.id).job_id for t in first)
+    later = [sqlite_store.create_task(with_cpus(1)) for _ in range(5)]
+    assert poller.cycle().submitted == 0
+    assert not any(sqlite_store.get_task(t.id).job_id for t in later)
 
 
 def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
     poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     _, few = burst(sqlite_store)
     poller.cycle()
-    assert fake.arrays == [10]
     few += [sqlite_store.create_task(with_cpus(2)) for _ in range(2)]
     now[0] += 0.3
     poller.cycle()
-    assert fake.arrays == [10, 4] and fake.calls.count("sbatch") == 2
-    assert [sqlite_store.get_task(t.id).job_id for t in few] == [f"101_{i}" for i in range(4)]
+    assert fake.arrays == []
+    now[0] += 1.0
+    poller.cycle()
+    assert sorted(fake.arrays) == [4, 10] and fake.calls.count("sbatch") == 2
+    assert len({sqlite_store.get_task(t.id).job_id.partition("_")[0] for t in few}) == 1
 
 
 def test_the_quick_check_submits_when_the_window_ends(tmp_path, sqlite_store):
     poller, fake, now = clocked_poller(tmp_path, sqlite_store)
-    _, few = burst(sqlite_store)
+    many, few = burst(sqlite_store)
     poller.cycle()
     assert poller.quick_check() is None  # nothing new, the window still open
     now[0] += 1.0
     assert poller.quick_check() == "submit"  # not a poll interval later
-    assert poller.submit_new().submitted == 2
-    assert all(sqlite_store.get_task(t.id).job_id for t in few)
+    assert poller.submit_new().submitted == 12
+    assert all(sqlite_store.get_task(t.id).job_id for t in many + few)
     assert fake.arrays == [10] and fake.calls.count("sbatch") == 3
     assert poller.quick_check() is None
+
+
+def test_a_full_array_goes_at_once(tmp_path, sqlite_store):
+    poller, fake, _now = clocked_poller(tmp_path, sqlite_store)
+    fake.array_limit = 8
+    tasks = [sqlite_store.create_task(with_cpus(1)) for _ in range(10)]
+    assert poller.cycle().submitted == 8  # the 2 left wait for more of their shape
+    assert fake.arrays == [8]
+    assert [bool(sqlite_store.get_task(t.id).job_id) for t in tasks] == [True] * 8 + [False] * 2
 
 
 def test_a_hold_ends_even_when_tasks_seem_created_in_the_future(tmp_path, sqlite_store):
     # The poller's clock an hour behind the API's.
     poller, fake, now = clocked_poller(tmp_path, sqlite_store, start=time.time() - 3600)
-    _, few = burst(sqlite_store)
+    many, few = burst(sqlite_store)
     poller.cycle()
-    assert fake.calls.count("sbatch") == 1
+    assert "sbatch" not in fake.calls
     now[0] += 1.5
-    for _ in range(4):  # the burst goes on
-        sqlite_store.create_task(with_cpus(1))
     poller.cycle()
-    assert fake.calls.count("sbatch") == 4 and fake.arrays == [10, 4]
-    assert all(sqlite_store.get_task(t.id).job_id for t in few)
+    assert fake.calls.count("sbatch") == 3 and fake.arrays == [10]
+    assert all(sqlite_store.get_task(t.id).job_id for t in many + few)
 
 
 def test_a_lone_task_or_a_handful_is_never_held(tmp_path, sqlite_store):

@@ -65,7 +65,11 @@ class FakeImages:
 
 @pytest.fixture
 def env(tmp_path: Path, sqlite_store: Store):
-    config: Config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    # A round's tasks go at once: gathering a burst into arrays is tests/unit/test_arrays.py's.
+    config: Config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.array_gather_seconds": 0},
+    )
     slurm = FakeSlurm()
     images = FakeImages()
     poller = Poller(config, sqlite_store, slurm_client=slurm, images=images)
