@@ -940,7 +940,7 @@ class Store(_PollerQueries, _Transitions, _Listing):
         """Create missing tables and record the schema version (safe to run concurrently)."""
         with self.db.connection_context(), self.db.atomic():
             self.db.create_tables(MODELS, safe=True)
-            # The poller counts pending cancels every 0.2 s: a seek, not a scan of every task.
+            # The poller counts pending cancels every 0.1 s: a seek, not a scan of every task.
             self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
             if not self.is_sqlite:
                 # For the name_prefix range, which compares with the "C" collation.

@@ -43,7 +43,7 @@ log = logging.getLogger("bridge.poller")
 #: Between full cycles the poller looks this often for new tasks (one cheap query) and for
 #: jobs that recorded their outcome (one stat each), so neither waits for the next cycle;
 #: squeue and sacct keep the pace of `slurm.poll_interval`.
-QUICK_CHECK_INTERVAL = 0.2
+QUICK_CHECK_INTERVAL = 0.1
 #: Finished jobs are looked for between cycles only while at most this many are active.
 QUICK_CHECK_MAX_JOBS = 64
 
@@ -206,7 +206,7 @@ class _Signals:
     #: Set by a finished image pull (or a stop request): the next cycle starts at once.
     wake: threading.Event = field(default_factory=threading.Event)
     #: Set by an API worker's nudge (bridge.system.wake), and with `wake`: look now, not in
-    #: 0.2 s. A standby's API nudges its own poller only: the leader's quick check (0.2 s)
+    #: 0.1 s. A standby's API nudges its own poller only: the leader's quick check (0.1 s)
     #: sees the new task all the same.
     nudge: threading.Event = field(default_factory=threading.Event)
 

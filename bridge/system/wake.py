@@ -1,6 +1,6 @@
 """The API's nudge to the poller: a datagram on a Unix socket in the state directory.
 
-The poller looks for new tasks and cancels every 0.2 s between its cycles (one query). An API
+The poller looks for new tasks and cancels every 0.1 s between its cycles (one query). An API
 worker that created or canceled a task also sends one byte to `<state_dir>/poller.wake`, so
 the poller looks at once: a new task's job is submitted within milliseconds. The nudge is only
 a hint: nothing is lost when no poller listens (another host, stopped, its queue full), since
@@ -60,14 +60,14 @@ class WakeReceiver:
         self._socket: socket.socket | None = None
 
     def start(self) -> bool:
-        """Listen; False (and the poller keeps its 0.2 s checks) when the socket cannot be made,
+        """Listen; False (and the poller keeps its 0.1 s checks) when the socket cannot be made,
         e.g. a state directory whose path is longer than a socket address allows."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             bind_private(sock, self.path)
         except OSError as exc:
             sock.close()
-            log.warning("no wake-up socket (%s): new tasks are looked for every 0.2 s", exc)
+            log.warning("no wake-up socket (%s): new tasks are looked for every 0.1 s", exc)
             return False
         self._socket = sock
         threading.Thread(target=self._listen, name="wake", daemon=True).start()

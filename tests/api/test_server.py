@@ -240,8 +240,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def _fill(directory: Path) -> None:
-    """Write to a file in `directory` until its filesystem is full."""
-    with open(directory / "filler", "wb", buffering=0) as filler:
+    """Write to a file in `directory` until its filesystem is full (again: appended to, for
+    the room SQLite frees when it checkpoints and removes its write-ahead log)."""
+    with open(directory / "filler", "ab", buffering=0) as filler:
         with contextlib.suppress(OSError):
             while True:
                 filler.write(b"\0" * 65536)
@@ -277,6 +278,7 @@ def test_a_full_state_filesystem_costs_writes_a_503_never_reads_or_a_worker(
                     answer = requests.get(f"{url}{path}", timeout=10)
                     assert answer.status_code == (404 if path == "/v1/x" else 200), path
                 big = {"name": "x" * 100_000, **ECHO}  # more than the pages SQLite has free
+                _fill(small_disk)
                 created = requests.post(f"{url}/v1/tasks", json=big, timeout=10)
                 assert created.status_code == 503, created.text
                 assert created.json()["code"] == 503 and "full" in created.json()["message"]
