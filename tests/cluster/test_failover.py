@@ -536,13 +536,12 @@ exec {sbatch} "$@"
 """
 
 
-def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
-    make_site, tmp_path: Path
-):
-    """The window the store's fencing cannot close: the leader checked its lease, then froze
-    before its sbatch reached Slurm for longer than the lease and the settle time. The new
-    leader fences the task, finds no job, and submits it again; the old leader's sbatch then
-    creates a second job, which stands down at its start: the task runs once, COMPLETE."""
+def _led_by_a_with_its_sbatch_wrapped(
+    make_site: Any, tmp_path: Path, template: str
+) -> tuple[Any, Path]:
+    """A real-Slurm site led by node A, whose sbatch is `template` (a shell wrapper around the
+    real one, steered through files in the control directory returned), B standing by, and
+    the image pulled by a first task."""
     site = make_site(fake=False)
     a, b = site.nodes["nodeA"], site.nodes["nodeB"]
     control = tmp_path / "sbatch-control"
@@ -550,7 +549,7 @@ def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
     sbatch = shutil.which("sbatch")
     assert sbatch is not None
     wrapper = tmp_path / "sbatch-nodeA"
-    wrapper.write_text(FREEZING_SBATCH.format(control=control, sbatch=sbatch))
+    wrapper.write_text(template.format(control=control, sbatch=sbatch))
     wrapper.chmod(0o755)
     a.config.write_text(
         a.config.read_text().replace("[slurm]\n", f'[slurm]\nsbatch = "{wrapper}"\n')
@@ -560,6 +559,18 @@ def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
     b.start()
     warm = site.create()  # the image is pulled before the clock matters
     assert site.client.wait(warm, timeout=120)["state"] == "COMPLETE"
+    return site, control
+
+
+def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
+    make_site, tmp_path: Path
+):
+    """The window the store's fencing cannot close: the leader checked its lease, then froze
+    before its sbatch reached Slurm for longer than the lease and the settle time. The new
+    leader fences the task, finds no job, and submits it again; the old leader's sbatch then
+    creates a second job, which stands down at its start: the task runs once, COMPLETE."""
+    site, control = _led_by_a_with_its_sbatch_wrapped(make_site, tmp_path, FREEZING_SBATCH)
+    a = site.nodes["nodeA"]
     _, a_epoch = site.lease()
     (control / "armed").touch()
     task_id = site.create()
@@ -620,23 +631,8 @@ def test_the_job_of_a_leader_killed_before_it_stored_the_id_is_adopted_and_runs(
     """The leader's sbatch created the job (held, so it cannot start early), then the leader
     died before it stored the job id. The new leader finds that job by name and adopts it
     without fencing the task: released, the old leader's job runs the task, the only job."""
-    site = make_site(fake=False)
-    a, b = site.nodes["nodeA"], site.nodes["nodeB"]
-    control = tmp_path / "sbatch-control"
-    control.mkdir()
-    sbatch = shutil.which("sbatch")
-    assert sbatch is not None
-    wrapper = tmp_path / "sbatch-nodeA"
-    wrapper.write_text(HOLDING_SBATCH.format(control=control, sbatch=sbatch))
-    wrapper.chmod(0o755)
-    a.config.write_text(
-        a.config.read_text().replace("[slurm]\n", f'[slurm]\nsbatch = "{wrapper}"\n')
-    )
-    a.start()
-    site.wait_for_leader("nodeA")
-    b.start()
-    warm = site.create()  # the image is pulled before the clock matters
-    assert site.client.wait(warm, timeout=120)["state"] == "COMPLETE"
+    site, control = _led_by_a_with_its_sbatch_wrapped(make_site, tmp_path, HOLDING_SBATCH)
+    a = site.nodes["nodeA"]
     (control / "armed").touch()
     task_id = site.create()
     wait_until(lambda: (control / "held").exists(), 30, a.log()[-3000:])
