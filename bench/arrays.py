@@ -123,15 +123,18 @@ class Bridge:
     def api(self) -> str:
         return f"{self.base}/ga4gh/tes/v1"
 
-    def unsubmitted(self) -> int:
-        """Tasks without their Slurm job (read from the store, which the API does not show)."""
+    def _store(self, sql: str) -> list[tuple[Any, ...]]:
+        """Rows of the store, read-only (it holds what the API does not show)."""
         with sqlite3.connect(f"file:{self.root / 'tasks.db'}?mode=ro", uri=True) as db:
-            return int(db.execute("SELECT COUNT(*) FROM tasks WHERE job_id IS NULL").fetchone()[0])
+            return db.execute(sql).fetchall()
+
+    def unsubmitted(self) -> int:
+        """Tasks without their Slurm job."""
+        return int(self._store("SELECT COUNT(*) FROM tasks WHERE job_id IS NULL")[0][0])
 
     def job_ids(self) -> set[str]:
         """The Slurm jobs of the tasks (an array's id once for all its elements)."""
-        with sqlite3.connect(f"file:{self.root / 'tasks.db'}?mode=ro", uri=True) as db:
-            rows = db.execute("SELECT job_id FROM tasks WHERE job_id IS NOT NULL").fetchall()
+        rows = self._store("SELECT job_id FROM tasks WHERE job_id IS NOT NULL")
         return {str(row[0]).split("_")[0] for row in rows}
 
     def counters(self) -> dict[str, float]:
@@ -206,17 +209,23 @@ def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, floa
     after = service.counters()
     assert all(t["state"] == "COMPLETE" for t in tasks), [t["state"] for t in tasks][:5]
     jobs = {t["logs"][0]["metadata"]["slurm_job_id"].split("_")[0] for t in tasks}
-    cycles = max(after["cycles"] - before["cycles"], 1.0)
     return {
         "makespan_s": elapsed,
         "jobs": len(jobs),
         "submitted_after_last_post_s": submitted_at[0] - last_post,
+        **cycle_figures(before, after),
+    }
+
+
+def cycle_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The poll cycles between two readings of `Bridge.counters`, and the Slurm calls per
+    cycle, with and without sbatch."""
+    cycles = max(after["cycles"] - before["cycles"], 1.0)
+    calls = after["calls"] - before["calls"]
+    return {
         "poll_cycles": cycles,
-        "calls_per_cycle": (after["calls"] - before["calls"]) / cycles,
-        "calls_per_cycle_without_sbatch": (
-            after["calls"] - before["calls"] - (after["sbatch"] - before["sbatch"])
-        )
-        / cycles,
+        "calls_per_cycle": calls / cycles,
+        "calls_per_cycle_without_sbatch": (calls - (after["sbatch"] - before["sbatch"])) / cycles,
     }
 
 
@@ -238,16 +247,11 @@ def submission_burst(service: Bridge, count: int) -> dict[str, float]:
     after = service.counters()
     jobs = service.job_ids() - known
     slurm("scancel", *sorted(jobs))
-    cycles = max(after["cycles"] - before["cycles"], 1.0)
     return {
         "posting_s": last_post - started,
         "jobs": len(jobs),
         "submitted_after_last_post_s": submitted - last_post,
-        "poll_cycles": cycles,
-        "calls_per_cycle_without_sbatch": (
-            after["calls"] - before["calls"] - (after["sbatch"] - before["sbatch"])
-        )
-        / cycles,
+        **cycle_figures(before, after),
     }
 
 
