@@ -384,6 +384,9 @@ $(slurmd_paths)
 SlurmctldDebug=info
 SlurmdDebug=info
 SchedulerType=sched/backfill
+# Schedule as soon as a job ends, not up to 3 s later (the default batch_sched_delay): the
+# tests' bursts of one-second jobs would otherwise leave cores idle most of the time.
+SchedulerParameters=batch_sched_delay=0
 # Reject at submission a job no partition can ever run (else it pends with Reason=PartitionConfig).
 EnforcePartLimits=ALL
 SelectType=select/cons_tres
@@ -411,10 +414,13 @@ JobCompType=jobcomp/none
 TmpFS=$NODE_TMPFS
 $(node_lines "$topo")
 # Cores are shared by up to $OVERSUBSCRIBE jobs, so several test jobs run at once on a small machine.
-# A job of $PARTITION (the higher PriorityTier; never preempted itself) that finds no room
-# preempts jobs of $PREEMPTIBLE_PARTITION: REQUEUE requeues a job that allows it (--requeue) and
-# cancels one that does not (--no-requeue, as the bridge submits), its state PREEMPTED.
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=OFF
+# A job of $PARTITION (the higher PriorityTier) that finds no room preempts jobs of
+# $PREEMPTIBLE_PARTITION: REQUEUE requeues a job that allows it (--requeue) and cancels one that
+# does not (--no-requeue, as the bridge submits), its state PREEMPTED. $PARTITION's own jobs are
+# never preempted (no partition has a higher tier), yet its PreemptMode must not be OFF: Slurm
+# 22.05's select/cons_tres then takes the cores of its running jobs away from every other job of
+# it, and no core is ever shared (4 jobs at once on the two nodes instead of 16).
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=REQUEUE
 PartitionName=$PREEMPTIBLE_PARTITION Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
 EOF
 }
