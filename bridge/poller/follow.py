@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.core.tes import TERMINAL_STATES, State
+from bridge.job.records import JobRecords, read_records
 from bridge.poller.attempt import TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.decisions import (
     TIME_LIMIT_KEY,
     decide,
     fill_attempt_log,
+    in_queue,
     log_decision,
     slurm_facts,
 )
@@ -118,10 +120,39 @@ class Follower:
         self._refresh_facts(awaited)
         self._finish_canceled(canceled)
 
-    def _decide(self, task: TaskRecord) -> _Decided:
+    def finish_recorded(self, recorded: list[tuple[str, str]], stats: CycleStats) -> None:
+        """Decide the tasks of `recorded` (task id, job id) whose job wrote its outcome from
+        their records, without a Slurm command. Slurm's last word on the job (squeue's, at the
+        last cycle) is used only where it says the job started: one that started and ended
+        since has recorded all the same. A task this cannot decide is left to the next cycle."""
+        batch: list[_Decided] = []
+        for task_id, job_id in recorded:
+            try:
+                task = self.ctx.store.get_task(task_id)
+                if task is None or task.job_id != job_id or State(task.state) in TERMINAL_STATES:
+                    continue
+                tail = self.ctx.config.job.log_tail_bytes
+                records = read_records(self.ctx.task_dir(task_id), job_id, tail_bytes=tail)
+                if records.outcome is not None:
+                    job = self.watch.job_of(task)
+                    known = None if in_queue(job) else job
+                    batch.append(self._decide(task, job=known, records=records))
+            except Exception as exc:
+                if unavailable_reason(exc):
+                    raise
+                log.exception("updating task %s failed unexpectedly", task_id)
+        if batch:
+            stats.updated += self._apply(batch)
+
+    def _decide(
+        self, task: TaskRecord, job: JobInfo | None = None, records: JobRecords | None = None
+    ) -> _Decided:
+        """The task's decision from what the watch read this cycle (or from `job` and
+        `records`, given by finish_recorded)."""
         assert task.job_id is not None
-        job = self.watch.job_of(task)
-        records = self.watch.records(task)
+        if records is None:
+            job = self.watch.job_of(task)
+            records = self.watch.records(task)
         current = State(task.state)
         logs = TaskLogs(task.logs)
         attempt = max(task.attempt, 1)

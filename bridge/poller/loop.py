@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("bridge.poller")
 
 #: Between full cycles the poller looks this often for new tasks (one cheap query) and for
-#: jobs that recorded their outcome (one stat each), so neither waits for the next cycle;
-#: squeue and sacct keep the pace of `slurm.poll_interval`.
+#: jobs that recorded their outcome (one stat each; their tasks are decided from the records),
+#: so neither waits for the next cycle; squeue and sacct keep the pace of `slurm.poll_interval`.
 QUICK_CHECK_INTERVAL = 0.1
 #: Finished jobs are looked for between cycles only while at most this many are active.
 QUICK_CHECK_MAX_JOBS = 64
@@ -78,6 +78,8 @@ class Poller:
         self._active_jobs: list[tuple[str, str]] = []
         #: Tasks with a cancel to carry out, as of the last cycle (see quick_check).
         self._cancels_seen = 0
+        #: (task id, job id) of the active jobs the last quick check found an outcome of.
+        self._recorded: list[tuple[str, str]] = []
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -113,8 +115,8 @@ class Poller:
 
     def quick_check(self) -> str | None:
         """Between cycles: "submit" when a task arrived or tasks held back to gather into an
-        array may go, "cycle" when a job recorded its outcome, else None. Costs one query and a
-        few stats; no Slurm command."""
+        array may go, "cycle" when a cancel arrived, "finish" when a job recorded its outcome
+        (finish_recorded), else None. Costs one query and a few stats; no Slurm command."""
         with self.store.db.connection_context():
             newest = self.store.newest_seq()
             cancels = self.store.cancels_pending()
@@ -127,14 +129,35 @@ class Poller:
         if cancels > self._cancels_seen:
             return "cycle"  # a cancel arrived: its job is scanceled now, not a cycle later
         if len(self._active_jobs) <= QUICK_CHECK_MAX_JOBS:
-            for task_id, job_id in self._active_jobs:
-                try:
-                    outcome = TaskLayout(self.task_dir(task_id)).records_dir(job_id) / "outcome"
-                    if outcome.exists():  # False too where site mode keeps records private
-                        return "cycle"
-                except (OSError, ValueError):
-                    continue
+            self._recorded = [
+                (task_id, job_id)
+                for task_id, job_id in self._active_jobs
+                if self._outcome_recorded(task_id, job_id)
+            ]
+            if self._recorded:
+                return "finish"
         return None
+
+    def _outcome_recorded(self, task_id: str, job_id: str) -> bool:
+        try:
+            outcome = TaskLayout(self.task_dir(task_id)).records_dir(job_id) / "outcome"
+            return outcome.exists()  # False too where site mode keeps records private
+        except (OSError, ValueError):
+            return False
+
+    def finish_recorded(self) -> CycleStats:
+        """Decide the tasks whose job recorded its outcome (see quick_check) from their records
+        alone, without waiting for the next cycle's squeue: the outcome decides the state
+        whatever Slurm says yet. Slurm's final facts of the job follow from the next cycles."""
+        stats = CycleStats()
+        recorded, self._recorded = self._recorded, []
+        # The next cycle watches again whatever this leaves undecided.
+        self._active_jobs = [job for job in self._active_jobs if job not in recorded]
+        with self.store.db.connection_context():
+            self.follower.finish_recorded(recorded, stats)
+            if stats.updated:  # admission control may have held tasks back for their slots
+                self.submitter.submit_queued(stats)
+        return stats
 
     def submit_new(self) -> CycleStats:
         """Submit what is QUEUED now, without polling Slurm (see quick_check)."""
@@ -361,8 +384,8 @@ def _between_cycles(
     nudge: threading.Event,
     leading: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Quick checks until the next cycle is due, a wake-up, a job that recorded its outcome,
-    or the end of the lease: every QUICK_CHECK_INTERVAL, and at once when nudged."""
+    """Quick checks until the next cycle is due, a wake-up, a cancel or the end of the lease:
+    every QUICK_CHECK_INTERVAL, and at once when nudged."""
     deadline = time.monotonic() + interval
     while not stop.is_set() and leading():
         remaining = deadline - time.monotonic()
@@ -378,5 +401,9 @@ def _between_cycles(
                 return
             if what == "submit":
                 poller.submit_new()
+            elif what == "finish":
+                stats = poller.finish_recorded()
+                if stats.updated:
+                    log.info("decided from the jobs' records", extra=stats.__dict__)
         except Exception:
             log.exception("quick check failed; the next cycle will do its work")

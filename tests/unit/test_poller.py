@@ -1148,21 +1148,84 @@ def test_quick_check_submits_new_tasks_without_calling_squeue(env):
     assert poller.quick_check() is None
 
 
-def test_quick_check_asks_for_a_cycle_when_a_job_recorded_its_outcome(env):
+def write_finished_records(records_dir: Path, outcome: str, exit_code: int) -> None:
+    """What a job script leaves once done: its times, one executor's, its outcome last."""
+    executor = records_dir / "executors" / "0"
+    executor.mkdir(parents=True)
+    for directory in (records_dir, executor):
+        (directory / "start_time").write_text("2026-01-01T00:00:00.000Z\n")
+        (directory / "end_time").write_text("2026-01-01T00:00:02.000Z\n")
+    (executor / "exit_code").write_text(f"{exit_code}\n")
+    (executor / "stdout").write_text("hello\n")
+    (executor / "stderr").write_text("")
+    (records_dir / "phase").write_text("done\n")
+    (records_dir / "outcome").write_text(f"{outcome}\n")
+
+
+def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", node="node1")
+    poller.cycle()
+    assert poller.quick_check() is None
+    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
+    assert poller.quick_check() == "finish"
+    slurm.calls.clear()
+    poller.finish_recorded()
+    assert slurm.calls == []  # squeue's word waits for the next cycle
+    record = store.get_task(task.id)
+    assert record.state == "COMPLETE"
+    log = record.logs[-1]
+    assert log["logs"] == [
+        {
+            "exit_code": 0,
+            "start_time": "2026-01-01T00:00:00.000000Z",
+            "end_time": "2026-01-01T00:00:02.000000Z",
+            "stdout": "hello\n",
+            "stderr": "",
+        }
+    ]
+    assert log["end_time"] == "2026-01-01T00:00:02.000000Z"
+    assert log["metadata"]["slurm_node"] == "node1"
+    assert poller.quick_check() is None  # a finished task is not watched any more
+    # The next cycle reads the ended job's final facts from sacct.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", elapsed_seconds=2)
+    poller.cycle()
+    assert store.get_task(task.id).logs[-1]["metadata"]["slurm_state"] == "COMPLETED"
+
+
+def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_is_decided_in_full(env):
+    # squeue's last word (pending) is older than the records: they are read all the same, and
+    # the pending condition goes with the final state.
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="Priority")
+    poller.cycle()
+    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "executor_error", 3)
+    assert poller.quick_check() == "finish"
+    poller.finish_recorded()
+    record = store.get_task(task.id)
+    assert record.state == "EXECUTOR_ERROR"
+    assert [executor["exit_code"] for executor in record.logs[-1]["logs"]] == [3]
+    assert not any("pending" in line for line in record.logs[-1].get("system_logs", []))
+
+
+def test_a_task_canceled_before_the_quick_check_decides_it_stays_canceled(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     poller.cycle()
     job_id = store.get_task(task.id).job_id
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
     poller.cycle()
-    assert poller.quick_check() is None
-    records = poller.task_dir(task.id) / "records" / job_id
-    records.mkdir(parents=True)
-    (records / "outcome").write_text("complete\n")
-    assert poller.quick_check() == "cycle"
-    poller.cycle()
-    assert store.get_task(task.id).state == "COMPLETE"
-    assert poller.quick_check() is None  # a finished task is not watched any more
+    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
+    assert poller.quick_check() == "finish"
+    store.cancel_task(task.id)
+    poller.finish_recorded()
+    assert store.get_task(task.id).state == "CANCELED"
 
 
 # ----------------------------------------------------------------- honest states and facts
