@@ -115,8 +115,9 @@ class Poller:
 
     def quick_check(self) -> str | None:
         """Between cycles: "submit" when a task arrived or tasks held back to gather into an
-        array may go, "cycle" when a cancel arrived, "finish" when a job recorded its outcome
-        (finish_recorded), else None. Costs one query and a few stats; no Slurm command."""
+        array may go, "finish" when jobs seen running recorded their outcome (finish_recorded),
+        "cycle" when a cancel arrived or a job seen waiting recorded its outcome, else None.
+        Costs one query and a few stats; no Slurm command."""
         with self.store.db.connection_context():
             newest = self.store.newest_seq()
             cancels = self.store.cancels_pending()
@@ -129,13 +130,15 @@ class Poller:
         if cancels > self._cancels_seen:
             return "cycle"  # a cancel arrived: its job is scanceled now, not a cycle later
         if len(self._active_jobs) <= QUICK_CHECK_MAX_JOBS:
-            self._recorded = [
-                (task_id, job_id)
-                for task_id, job_id in self._active_jobs
-                if self._outcome_recorded(task_id, job_id)
-            ]
-            if self._recorded:
+            recorded = [job for job in self._active_jobs if self._outcome_recorded(*job)]
+            if not recorded:
+                return None
+            # A job the last cycle saw only waiting ran and ended since: the cycle's squeue
+            # and sacct say where, which its task's log names from the start.
+            if all(self.follower.watch.seen_started(job_id) for _, job_id in recorded):
+                self._recorded = recorded
                 return "finish"
+            return "cycle"
         return None
 
     def _outcome_recorded(self, task_id: str, job_id: str) -> bool:

@@ -119,6 +119,11 @@ class JobWatch:
             return None
         return accounted or queued
 
+    def seen_started(self, job_id: str) -> bool:
+        """The last update saw the job started (running, or ended)."""
+        job = self.job(job_id)
+        return job is not None and not in_queue(job)
+
     def job_of(self, task: TaskRecord) -> JobInfo | None:
         """What Slurm says of the task's job (by its id and its name)."""
         assert task.job_id is not None

@@ -40,11 +40,7 @@ def test_echo_hello_completes_with_its_output(bridge_service):
     assert log["start_time"] and log["end_time"]
     metadata = log["metadata"]
     assert metadata["slurm_job_id"].isdigit()
-    # The job may record its outcome before Slurm ends it: sacct's facts follow a cycle later.
-    deadline = time.monotonic() + 30
-    while "slurm_partition" not in metadata and time.monotonic() < deadline:
-        time.sleep(0.5)
-        metadata = only_log(bridge_service.get(task["id"]))["metadata"]
+    metadata = only_log(bridge_service.with_final_facts(task["id"]))["metadata"]
     assert metadata["slurm_partition"] and metadata["slurm_node"]
     basic = bridge_service.get(task["id"], "BASIC")
     assert "stdout" not in basic["logs"][0]["logs"][0]

@@ -133,7 +133,8 @@ def test_a_preempted_task_is_submitted_again_and_completes(
         first = running_job(service, task_id, meeting)
         fill_node(first["slurm_node"], blockers, 5)
         task = service.wait(task_id, timeout=240)
-    assert task["state"] == "COMPLETE", task
+        assert task["state"] == "COMPLETE", task
+        task = service.with_final_facts(task_id)
     # The preempted job continues the task's one entry (docs/states.md), which names it.
     assert len(task["logs"]) == 1, task["logs"]
     (entry,) = task["logs"]

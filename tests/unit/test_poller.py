@@ -1196,9 +1196,9 @@ def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm
     assert store.get_task(task.id).logs[-1]["metadata"]["slurm_state"] == "COMPLETED"
 
 
-def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_is_decided_in_full(env):
-    # squeue's last word (pending) is older than the records: they are read all the same, and
-    # the pending condition goes with the final state.
+def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_gets_a_cycle(env):
+    # squeue's last word (pending) is older than the records: a cycle reads where the job ran,
+    # then decides from the records, and the pending condition goes with the final state.
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     poller.cycle()
@@ -1206,11 +1206,30 @@ def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_is_decid
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="Priority")
     poller.cycle()
     write_finished_records(poller.task_dir(task.id) / "records" / job_id, "executor_error", 3)
-    assert poller.quick_check() == "finish"
-    poller.finish_recorded()
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", node="node2", exit_code=0)
+    assert poller.quick_check() == "cycle"
+    poller.cycle()
     record = store.get_task(task.id)
     assert record.state == "EXECUTOR_ERROR"
     assert [executor["exit_code"] for executor in record.logs[-1]["logs"]] == [3]
+    assert record.logs[-1]["metadata"]["slurm_node"] == "node2"
+    assert not any("pending" in line for line in record.logs[-1].get("system_logs", []))
+
+
+def test_finishing_from_the_records_fills_the_log_even_if_the_job_was_last_seen_waiting(env):
+    # finish_recorded's own guard, should squeue's last word be older than the records.
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="Priority")
+    poller.cycle()
+    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
+    poller._recorded = [(task.id, job_id)]
+    poller.finish_recorded()
+    record = store.get_task(task.id)
+    assert record.state == "COMPLETE"
+    assert [executor["stdout"] for executor in record.logs[-1]["logs"]] == ["hello\n"]
     assert not any("pending" in line for line in record.logs[-1].get("system_logs", []))
 
 
