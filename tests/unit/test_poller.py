@@ -1162,20 +1162,27 @@ def write_finished_records(records_dir: Path, outcome: str, exit_code: int) -> N
     (records_dir / "outcome").write_text(f"{outcome}\n")
 
 
-def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm(env):
+def job_seen(env, **job_fields) -> tuple[str, str]:
+    """A task whose job the last cycle saw as `job_fields` say: (task id, job id)."""
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     poller.cycle()
     job_id = store.get_task(task.id).job_id
-    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", node="node1")
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], **job_fields)
     poller.cycle()
+    return task.id, job_id
+
+
+def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm(env):
+    poller, store, slurm, _ = env
+    task_id, job_id = job_seen(env, state="RUNNING", node="node1")
     assert poller.quick_check() is None
-    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
+    write_finished_records(poller.task_dir(task_id) / "records" / job_id, "complete", 0)
     assert poller.quick_check() == "finish"
     slurm.calls.clear()
     poller.finish_recorded()
     assert slurm.calls == []  # squeue's word waits for the next cycle
-    record = store.get_task(task.id)
+    record = store.get_task(task_id)
     assert record.state == "COMPLETE"
     log = record.logs[-1]
     assert log["logs"] == [
@@ -1193,23 +1200,19 @@ def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm
     # The next cycle reads the ended job's final facts from sacct.
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", elapsed_seconds=2)
     poller.cycle()
-    assert store.get_task(task.id).logs[-1]["metadata"]["slurm_state"] == "COMPLETED"
+    assert store.get_task(task_id).logs[-1]["metadata"]["slurm_state"] == "COMPLETED"
 
 
 def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_gets_a_cycle(env):
     # squeue's last word (pending) is older than the records: a cycle reads where the job ran,
     # then decides from the records, and the pending condition goes with the final state.
     poller, store, slurm, _ = env
-    task = store.create_task(ECHO)
-    poller.cycle()
-    job_id = store.get_task(task.id).job_id
-    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="Priority")
-    poller.cycle()
-    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "executor_error", 3)
+    task_id, job_id = job_seen(env, state="PENDING", reason="Priority")
+    write_finished_records(poller.task_dir(task_id) / "records" / job_id, "executor_error", 3)
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="COMPLETED", node="node2", exit_code=0)
     assert poller.quick_check() == "cycle"
     poller.cycle()
-    record = store.get_task(task.id)
+    record = store.get_task(task_id)
     assert record.state == "EXECUTOR_ERROR"
     assert [executor["exit_code"] for executor in record.logs[-1]["logs"]] == [3]
     assert record.logs[-1]["metadata"]["slurm_node"] == "node2"
@@ -1218,33 +1221,25 @@ def test_a_job_seen_pending_that_ran_and_recorded_before_the_next_cycle_gets_a_c
 
 def test_finishing_from_the_records_fills_the_log_even_if_the_job_was_last_seen_waiting(env):
     # finish_recorded's own guard, should squeue's last word be older than the records.
-    poller, store, slurm, _ = env
-    task = store.create_task(ECHO)
-    poller.cycle()
-    job_id = store.get_task(task.id).job_id
-    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="PENDING", reason="Priority")
-    poller.cycle()
-    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
-    poller._recorded = [(task.id, job_id)]
+    poller, store, _, _ = env
+    task_id, job_id = job_seen(env, state="PENDING", reason="Priority")
+    write_finished_records(poller.task_dir(task_id) / "records" / job_id, "complete", 0)
+    poller._recorded = [(task_id, job_id)]
     poller.finish_recorded()
-    record = store.get_task(task.id)
+    record = store.get_task(task_id)
     assert record.state == "COMPLETE"
     assert [executor["stdout"] for executor in record.logs[-1]["logs"]] == ["hello\n"]
     assert not any("pending" in line for line in record.logs[-1].get("system_logs", []))
 
 
 def test_a_task_canceled_before_the_quick_check_decides_it_stays_canceled(env):
-    poller, store, slurm, _ = env
-    task = store.create_task(ECHO)
-    poller.cycle()
-    job_id = store.get_task(task.id).job_id
-    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING")
-    poller.cycle()
-    write_finished_records(poller.task_dir(task.id) / "records" / job_id, "complete", 0)
+    poller, store, _, _ = env
+    task_id, job_id = job_seen(env, state="RUNNING")
+    write_finished_records(poller.task_dir(task_id) / "records" / job_id, "complete", 0)
     assert poller.quick_check() == "finish"
-    store.cancel_task(task.id)
+    store.cancel_task(task_id)
     poller.finish_recorded()
-    assert store.get_task(task.id).state == "CANCELED"
+    assert store.get_task(task_id).state == "CANCELED"
 
 
 # ----------------------------------------------------------------- honest states and facts
