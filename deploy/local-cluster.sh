@@ -384,9 +384,6 @@ $(slurmd_paths)
 SlurmctldDebug=info
 SlurmdDebug=info
 SchedulerType=sched/backfill
-# Schedule as soon as a job ends, not up to 3 s later (the default batch_sched_delay): the
-# tests' bursts of one-second jobs would otherwise leave cores idle most of the time.
-SchedulerParameters=batch_sched_delay=0
 # Reject at submission a job no partition can ever run (else it pends with Reason=PartitionConfig).
 EnforcePartLimits=ALL
 SelectType=select/cons_tres
