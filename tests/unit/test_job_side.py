@@ -868,6 +868,40 @@ def test_job_script_that_cannot_write_its_outcome_exits_with_the_no_records_code
     assert [e.exit_code for e in records.executors] == [0]
 
 
+def test_job_script_that_cannot_write_a_system_log_line_exits_with_the_no_records_code(
+    tmp_path: Path,
+) -> None:
+    """The work filesystem fills while inputs are staged: staging fails, and so does the
+    script's line saying so. The job ends with the no-records code, to be submitted again;
+    it exited 1 (a failed task: "ended in state FAILED (exit code 1) without recording an
+    outcome"), as the nemesis found. A directory in the log's place stands in for the full
+    filesystem: a stand-in for the job-side Python fails staging after making it."""
+    stage_in = tmp_path / "python"
+    stage_in.write_text(
+        '#!/bin/bash\nwhile [ "$1" != --records ]; do shift; done\n'
+        'mkdir -- "$2/system_logs.jsonl"\nexit 1\n'
+    )
+    stage_in.chmod(0o755)
+    task = {
+        "id": "job-1",
+        "inputs": [{"path": "/in/x", "content": "x"}],
+        "executors": [sh(f"touch {tmp_path / 'ran'}")],
+    }
+    config = Config.model_validate(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "container": {"allow_root": True},
+            "job": {"python": str(stage_in)},
+        }
+    )
+    script = prepare_task_dir(task, config=config, image_paths={"img": str(tmp_path / "i.sif")})
+    env = dict(os.environ, SLURM_JOB_ID="9")
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
+    assert result.returncode == NO_RECORDS_EXIT_CODE, result.stderr
+    assert not (tmp_path / "ran").exists()
+    assert read_records(script.parent, "9", tail_bytes=1024).outcome is None
+
+
 def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
     tmp_path: Path,
 ) -> None:
