@@ -160,6 +160,14 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
         # that reports the id as a duplicate, after a slurmctld killed before it saved its
         # state reused it): lost through no fault of the task, nor canceled by anyone.
         return f" on {job.node} before its script started"
+    if job.state == "COMPLETED" and job.node and not records.started:
+        # The script records its start before anything else (or exits with the no-records
+        # code): this end is another job's. A slurmctld killed before it saved its state gave
+        # the id out again, and the orphan still running under it on the node ended as this job.
+        return (
+            f", yet its script never started on {job.node}: Slurm gave the id of a job it had "
+            "forgotten to this one, and that job's end was taken for this one's"
+        )
     return None
 
 

@@ -190,7 +190,7 @@ def test_a_preempted_job_that_recorded_its_outcome_keeps_it():
         ("OUT_OF_MEMORY", "running 1", State.EXECUTOR_ERROR, "out of memory"),
         ("OUT_OF_MEMORY", "uploading", State.SYSTEM_ERROR, "out of memory"),
         ("FAILED", "running 0", State.SYSTEM_ERROR, "without recording an outcome"),
-        ("COMPLETED", None, State.SYSTEM_ERROR, "without recording an outcome"),
+        ("COMPLETED", "staging", State.SYSTEM_ERROR, "without recording an outcome"),
         ("CANCELLED", "running 0", State.CANCELED, "canceled outside"),
     ],
 )
@@ -373,6 +373,22 @@ def test_a_job_slurm_forgot_before_it_started_is_submitted_again_within_the_retr
     ]
     spent = decide(**unknown, attempt=3, retries=2, missing_for=MISSING_JOB_GRACE + 1)
     assert spent.state is State.SYSTEM_ERROR and not spent.retry
+
+
+def test_a_job_completed_whose_script_never_started_is_submitted_again():
+    """Seen in a nemesis run: a slurmctld killed -9 came back from an older state and gave the
+    id of a job still running on node2 to an array element; the element was never launched
+    (the id was taken there), and the orphan's end at exit 0 was recorded as the element's."""
+    orphaned = job(job_id="38300_0", state="COMPLETED", node="node2", exit_code=0, signal=0)
+    lost = decide(job=orphaned, records=records(), attempt=1, retries=2, current=State.QUEUED)
+    assert lost.state is State.QUEUED and lost.retry
+    assert "its script never started on node2" in lost.messages[0]
+    spent = decide(job=orphaned, records=records(), attempt=3, retries=2, current=State.QUEUED)
+    assert spent.state is State.SYSTEM_ERROR and not spent.retry
+    # Its script started but recorded no outcome: what the job did is unknown, not run again.
+    started = decide(job=orphaned, records=records(phase="staging"), attempt=1, retries=2,
+                     current=State.INITIALIZING)  # fmt: skip
+    assert started.state is State.SYSTEM_ERROR and not started.retry
 
 
 def test_a_job_slurm_killed_as_it_launched_it_is_submitted_again_not_canceled():
@@ -752,7 +768,7 @@ def test_polling_costs_at_most_two_slurm_calls_whatever_the_number_of_jobs(env):
     tasks = [store.create_task(ECHO) for _ in range(300)]
     poller.cycle()
     for info in list(slurm.jobs.values())[::2]:
-        slurm.jobs[info.job_id] = replace(info, state="COMPLETED", exit_code=0)
+        slurm.jobs[info.job_id] = replace(info, state="FAILED", exit_code=1)
     slurm.calls.clear()
     stats = poller.cycle()
     assert slurm.calls == ["squeue", "sacct"]
