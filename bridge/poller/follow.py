@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.core.tes import TERMINAL_STATES, State
-from bridge.job.records import JobRecords, read_records
+from bridge.job.records import JobRecords
 from bridge.poller.attempt import TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.decisions import (
@@ -131,8 +131,7 @@ class Follower:
                 task = self.ctx.store.get_task(task_id)
                 if task is None or task.job_id != job_id or State(task.state) in TERMINAL_STATES:
                     continue
-                tail = self.ctx.config.job.log_tail_bytes
-                records = read_records(self.ctx.task_dir(task_id), job_id, tail_bytes=tail)
+                records = self.watch.read_records(task)
                 if records.outcome is not None:
                     job = self.watch.job_of(task)
                     known = None if in_queue(job) else job

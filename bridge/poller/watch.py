@@ -147,6 +147,12 @@ class JobWatch:
             return JobRecords(job_id=task.job_id)
         if self.owners is not None:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
+        return self.read_records(task)
+
+    def read_records(self, task: TaskRecord) -> JobRecords:
+        """What the task's job recorded, read now whatever Slurm last said (not in site mode,
+        where only the job's owner may read them)."""
+        assert task.job_id is not None
         tail = self.ctx.config.job.log_tail_bytes
         return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
 
