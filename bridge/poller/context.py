@@ -46,6 +46,11 @@ class PollerContext:
     #: Raises NotLeader unless this poller still holds its lease (bridge.poller.lease):
     #: called just before every sbatch and scancel.
     check_lease: Callable[[], None] = field(default=_no_lease)
+    #: Jobs of tasks already decided (finished, canceled, or to be submitted again) that Slurm
+    #: still held at its last word: (job id, job name) -> the task's owner. Admission counts
+    #: them until squeue lists them neither pending, running nor completing (JobWatch.update):
+    #: a task decided from its records frees its slot only once its job has left Slurm.
+    jobs_leaving: dict[tuple[str, str], str | None] = field(default_factory=dict)
 
     @property
     def site(self) -> bool:

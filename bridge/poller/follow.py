@@ -95,10 +95,11 @@ class Follower:
         known) are written into its log once sacct has them, for at most FINAL_FACTS_GRACE."""
         if task.job_id:
             self._canceled[task.id] = _Canceled(task, self.ctx.clock())
+            self.watch.note_leaving(task)  # a running job takes a moment to end
 
     def follow(self, tasks: list[TaskRecord], stats: CycleStats) -> None:
         self.finished = set()
-        if not tasks and not self._awaited and not self._canceled:
+        if not tasks and not self._awaited and not self._canceled and not self.ctx.jobs_leaving:
             return
         awaited = dict(self._awaited)
         canceled = dict(self._canceled)
@@ -171,6 +172,8 @@ class Follower:
             entry.lose_job()  # the next job continues this attempt (see poller.attempt)
         if decision.job_done:
             self.finished.add(task.id)
+            if self.watch.holds(task):  # decided from its records before Slurm let it go
+                self.watch.note_leaving(task)
         if decision.final and (job is None or not job.ended or job.max_rss_bytes is None):
             self._awaited[task.id] = AwaitedFacts(task.job_id, attempt, self.ctx.clock())
         new_logs = logs.to_json()

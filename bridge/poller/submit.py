@@ -182,8 +182,9 @@ class NodeSizesCache:
 
 class Admission:
     """Admission control: `slurm.max_jobs_in_flight` jobs of this service in Slurm at most, and
-    `slurm.max_jobs_per_owner` of one owner; counted from the store once per submission round
-    (a task whose job ended is counted until the poller has seen it end: never more)."""
+    `slurm.max_jobs_per_owner` of one owner; counted from the store once per submission round,
+    with the jobs of decided tasks that squeue still listed (PollerContext.jobs_leaving): a job
+    is counted until the poller has seen it leave Slurm, never less."""
 
     def __init__(self, ctx: PollerContext) -> None:
         cfg = ctx.config.slurm
@@ -192,6 +193,10 @@ class Admission:
         self.by_owner = (
             ctx.store.jobs_in_flight_by_owner() if self.max_total or self.max_owner else {}
         )
+        if self.max_total or self.max_owner:
+            # Jobs of tasks already decided that Slurm has not let go yet.
+            for owner in ctx.jobs_leaving.values():
+                self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
         self.total = sum(self.by_owner.values())
 
     @property
@@ -332,6 +337,8 @@ class Submitter:
         self.arrays = ArrayPlanner(ctx)
         #: Tasks of this submission round waiting for an image pull (a gauge).
         self.waiting_for_images = 0
+        #: Tasks the last submission round held back for admission control.
+        self.held_by_admission = 0
 
     def submit_queued(self, stats: CycleStats) -> None:
         self.arrays.gather_until = None  # set again when this round holds tasks to gather
@@ -341,6 +348,7 @@ class Submitter:
         now = self.ctx.clock()
         tasks = store.tasks_to_submit(now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
         self.waiting_for_images = 0
+        self.held_by_admission = 0
         if not tasks:
             metrics.observe_submission_round(0, 0)
             return
@@ -353,6 +361,7 @@ class Submitter:
                 now=now, limit=MAX_SUBMISSIONS_PER_CYCLE, skip_owners=at_limit
             )
         ready, held = self._prepare_round(tasks, admission, stats)
+        self.held_by_admission = held
         gathering = 0
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one; those

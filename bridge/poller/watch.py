@@ -53,7 +53,7 @@ class JobWatch:
         spent = self.ctx.slurm.budget.spent
         self._read_at = self.ctx.clock()
         try:
-            queue = self._squeue(job_ids, stats)
+            queue = self._squeue_with_leaving(job_ids, stats)
         except SlurmError as exc:
             log.warning("squeue failed; keeping the last known states: %s", short(exc))
             self.unavailable = short(exc)
@@ -64,8 +64,8 @@ class JobWatch:
         if self.owners is not None:
             self._records = self._read_records_as_owners(self.owners, tasks)
         left = [j for j in job_ids if j not in queue or queue[j].ended]
-        asked = set(left)
-        left += [job_id for job_id in awaited if job_id not in asked]
+        gone = set(left)
+        left += [job_id for job_id in awaited if job_id not in gone]
         self._accounting = _theirs(self._sacct(left, stats), names)
         now = self.ctx.clock()
         self._missing_since = {
@@ -90,6 +90,18 @@ class JobWatch:
         """One read per owner, of the jobs that have started (a pending one recorded nothing)."""
         waiting = {j for j, info in self._queue.items() if info.tes_state == State.QUEUED.value}
         return owners.read_records([t for t in tasks if t.job_id not in waiting])
+
+    def _squeue_with_leaving(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
+        """squeue's word on the followed jobs, and on the jobs of decided tasks Slurm still
+        held (same call): those it lists no more, or lists as ended, leave jobs_leaving."""
+        leaving = dict(self.ctx.jobs_leaving)
+        followed = set(job_ids)
+        asked = job_ids + sorted({job_id for job_id, _ in leaving if job_id not in followed})
+        queue = self._squeue(asked, stats)
+        self.ctx.jobs_leaving = {
+            key: owner for key, owner in leaving.items() if _held(queue.get(key[0]), key[1])
+        }
+        return queue
 
     def _squeue(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
         if not job_ids:
@@ -123,6 +135,21 @@ class JobWatch:
         """The last update saw the job started (running, or ended)."""
         job = self.job(job_id)
         return job is not None and not in_queue(job)
+
+    def holds(self, task: TaskRecord) -> bool:
+        """squeue's last word has the task's job pending, running or completing."""
+        assert task.job_id is not None
+        return _held(self._queue.get(task.job_id), _job_name_of(task))
+
+    def note_leaving(self, task: TaskRecord) -> None:
+        """The task is decided, but Slurm may still hold its job: admission counts the job
+        until squeue lists it no more (PollerContext.jobs_leaving). Without admission
+        control nothing counts them, and nothing is asked of Slurm for them."""
+        assert task.job_id is not None
+        slurm = self.ctx.config.slurm
+        if not (slurm.max_jobs_in_flight or slurm.max_jobs_per_owner):
+            return
+        self.ctx.jobs_leaving[(task.job_id, _job_name_of(task))] = task.owner
 
     def job_of(self, task: TaskRecord) -> JobInfo | None:
         """What Slurm says of the task's job (by its id and its name)."""
@@ -181,6 +208,12 @@ def _named(info: JobInfo | None, name: str | None) -> JobInfo | None:
     if info is None or name is None or not info.name or info.name == name:
         return info
     return None
+
+
+def _held(info: JobInfo | None, name: str) -> bool:
+    """squeue's record is of the job named `name`, which Slurm still holds (not ended)."""
+    named = _named(info, name)
+    return named is not None and not named.ended
 
 
 def _theirs(found: dict[str, JobInfo], names: dict[str, set[str]]) -> dict[str, JobInfo]:

@@ -3,6 +3,7 @@ Slurm of tests/fakes/slurm.py (the real cluster runs them in tests/cluster/test_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from bridge.poller import Poller, decide
 from bridge.slurm import JobInfo
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
-from tests.unit.test_poller import ECHO, FakeImages, records
+from tests.unit.test_poller import ECHO, FakeImages, records, write_finished_records
 
 #: What sbatch prints when refused for a limit. The first two are Slurm's own words for a
 #: QOS or association submit limit (ESLURM_ACCOUNTING_POLICY after the limit's name) and for
@@ -231,3 +232,54 @@ def test_tasks_that_end_are_counted_by_final_state(
     assert sqlite_store.get_task(bad.id).state == "EXECUTOR_ERROR"
     poller.cycle()  # counted once
     assert (finished._value.get(), failed._value.get()) == (before[0] + 1, before[1] + 1)
+
+
+def test_a_task_decided_from_its_records_keeps_its_slot_until_its_job_leaves_slurm(
+    tmp_path: Path, sqlite_store: Store
+) -> None:
+    # The job recorded its outcome and the task is COMPLETE, but the job script is still
+    # exiting: squeue lists it running (then completing). Submitting the next task then would
+    # put two jobs in Slurm under a limit of one.
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=1)
+    first, second = (sqlite_store.create_task(ECHO) for _ in range(2))
+    poller.cycle()
+    job_id = sqlite_store.get_task(first.id).job_id
+    assert job_id and not sqlite_store.get_task(second.id).job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="RUNNING", node="node1")
+    poller.cycle()
+    write_finished_records(poller.task_dir(first.id) / "records" / job_id, "complete", 0)
+    assert poller.quick_check() == "finish"
+    poller.finish_recorded()
+    assert sqlite_store.get_task(first.id).state == "COMPLETE"
+    assert not sqlite_store.get_task(second.id).job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETING")
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 1
+    assert "waiting: 1 jobs of this service are in Slurm" in condition(sqlite_store, second.id)[0]
+    # It left: the task held back goes in the same cycle.
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETED", exit_code=0)
+    poller.cycle()
+    assert fake.calls.count("sbatch") == 2
+    assert sqlite_store.get_task(second.id).job_id
+
+
+def test_a_canceled_tasks_job_keeps_its_owners_slot_until_it_leaves_slurm(
+    tmp_path: Path, sqlite_store: Store
+) -> None:
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_per_owner=1)
+    first, second = (sqlite_store.create_task(ECHO, owner="alice") for _ in range(2))
+    poller.cycle()
+    job_id = sqlite_store.get_task(first.id).job_id
+    assert job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="RUNNING", node="node1")
+    poller.cycle()
+    sqlite_store.cancel_task(first.id)
+    poller.cycle()
+    assert sqlite_store.get_task(first.id).state == "CANCELED"
+    # scancel sent; the job's processes take a moment to end.
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETING")
+    poller.cycle()
+    assert not sqlite_store.get_task(second.id).job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="CANCELLED")
+    poller.cycle()
+    assert sqlite_store.get_task(second.id).job_id
