@@ -18,12 +18,14 @@ JOB_NAME_PREFIX = "tes-"
 #: The job script's exit code when it cannot even start its records (a full or read-only work
 #: filesystem): none of the task ran, so the poller submits the job again (EX_TEMPFAIL).
 NO_RECORDS_EXIT_CODE = 75
-#: The job script's exit code when it stands down before doing anything: it was submitted by a
-#: poller whose lease had already passed to another (a leader frozen between its lease check and
-#: sbatch), and the new leader fenced the task (see `bridge.job.layout.write_lease_fence`).
+#: The job script's exit code when it stands down before doing anything: its sbatch started
+#: before the poller fenced the task (a leader frozen between its lease check and sbatch, or an
+#: sbatch that timed out and that slurmctld acted on late; see
+#: `bridge.job.layout.write_lease_fence`).
 SUPERSEDED_EXIT_CODE = 76
-#: The argument a job script is given (after its array element's id, if any) with the lease
-#: epoch of the poller that submitted it: `lease-epoch=7`.
+#: The argument a job script is given (after its array element's id, if any) with its
+#: submission's fence token (`PollerContext.fence_token`): the lease epoch of an elected poller
+#: (`lease-epoch=7`), a lone poller's clock in milliseconds.
 LEASE_EPOCH_ARG = "lease-epoch="
 
 

@@ -10,8 +10,8 @@
         root/                      container path /a/b lives at root/a/b
         records/<job id>/          what one run of the job did (see bridge.job.records)
         tmp/                       scratch space for the runtime and staging
-        lease-fence                the lowest lease epoch whose jobs may run this task (two
-                                   login nodes; see write_lease_fence)
+        lease-fence                the lowest fence token whose jobs may run this task
+                                   (see write_lease_fence)
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ def write_atomically(path: Path, text: str, mode: int) -> None:
 
 
 def write_lease_fence(task_dir: Path, epoch: int) -> None:
-    """Fence the task's directory at `epoch`: a job of this task that a poller of an earlier
-    lease epoch submitted stands down when it starts (templates/job.sh.j2, exit code
-    SUPERSEDED_EXIT_CODE). A new leader that found no job for the old leader's interrupted
-    submission writes it and looks once more before it submits the task again, so a job it
-    does not find can never run the task beside the one it submits. Creates the task directory
-    when it is missing (as the renderer would)."""
+    """Fence the task's directory at `epoch` (a fence token: a lease epoch, or a lone poller's
+    clock in ms): a job of this task submitted with an earlier token stands down when it starts
+    (templates/job.sh.j2, exit code SUPERSEDED_EXIT_CODE). A poller that found no job for an
+    interrupted submission writes it and looks once more before it submits the task again, so
+    a job it does not find can never run the task beside the one it submits. Creates the task
+    directory when it is missing (as the renderer would)."""
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"a lease epoch is a whole number >= 0, not {epoch!r}")
     with contextlib.suppress(FileExistsError):

@@ -9,8 +9,9 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
 - ``read-records --work-dir WORK --tail-bytes N DIR:JOBID...``: the records of those jobs, as
   JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks);
 - ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
-- ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at lease epoch N (two login
-  nodes: a job an earlier leader submitted stands down; bridge.job.layout.write_lease_fence);
+- ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at token N (a lease epoch,
+  or a lone poller's clock in ms): a job whose sbatch started before stands down
+  (bridge.job.layout.write_lease_fence);
 - ``read-output --work-dir WORK --task-dir DIR --job-id J --executor N --stream S --offset K
   --max-bytes M``: a range of an executor's live output (bridge.job.output), as JSON on stdout,
   for the API's output endpoint.
@@ -250,8 +251,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
 
     fence_cmd = subparsers.add_parser(
         "fence",
-        help="(site mode, as the owner) fence a task directory at a lease epoch: a job that an "
-        "earlier epoch's poller submitted stands down",
+        help="(site mode, as the owner) fence a task directory at a token (a lease epoch, or a "
+        "lone poller's clock in ms): a job submitted with an earlier token stands down",
     )
     fence_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
     fence_cmd.add_argument("--task-dir", required=True, action=Once)

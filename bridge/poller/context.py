@@ -52,6 +52,15 @@ class PollerContext:
     #: a task decided from its records frees its slot only once its job has left Slurm.
     jobs_leaving: dict[tuple[str, str], str | None] = field(default_factory=dict)
 
+    def fence_token(self) -> int:
+        """What each sbatch gives its job (`lease-epoch=`) and what recovery fences a task's
+        directory at (recover.py): an elected poller's lease epoch; a lone poller's clock in
+        milliseconds. A job whose sbatch started before the fence stands down when it starts
+        (templates/job.sh.j2): an sbatch that timed out, which slurmctld acted on after the
+        poller looked for its job and found none, does not run the task a second time."""
+        epoch = self.store.fence_epoch
+        return epoch if epoch is not None else int(self.clock() * 1000)
+
     @property
     def site(self) -> bool:
         """Site mode: every task runs as its owner (sudo -n -u OWNER)."""

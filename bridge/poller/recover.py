@@ -3,14 +3,15 @@ write, or an sbatch that failed without an answer), by job name (an array's elem
 array's name and the element stored with the task before sbatch): a task is never submitted
 twice.
 
-With two login nodes a leader may be frozen between its lease check and its sbatch for longer
-than the lease, and submit after the new leader looked for its job and found none. So an elected
-leader that finds no job fences the task's directory at its own epoch
-(`bridge.job.layout.write_lease_fence`) and looks again: a job it still does not find, submitted
-by the old leader later, stands down when it starts (templates/job.sh.j2); a task whose fence
-cannot be written is not submitted again until it can. A task whose job is found is not fenced:
-that job, the old leader's, is the task's run (fencing it would make it stand down and be
-submitted again)."""
+An sbatch may create its job later than the poller looks for it: with two login nodes, a leader
+frozen between its lease check and its sbatch for longer than the lease; with one, an sbatch that
+timed out while slurmctld held the request, acted on after the settle time. So a poller that
+finds no job fences the task's directory (`bridge.job.layout.write_lease_fence`) at its fence
+token (`PollerContext.fence_token`: an elected leader's epoch, a lone poller's clock) and looks
+again: a job it still does not find, whose sbatch started before the fence, stands down when it
+starts (templates/job.sh.j2); a task whose fence cannot be written is not submitted again until
+it can. A task whose job is found is not fenced: that job is the task's run (fencing it would
+make it stand down and be submitted again)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Recovery:
         self.ctx = ctx
         #: Site mode: the fence is written as the task's owner.
         self.owners = owners
-        #: The epoch each interrupted task's directory is fenced at (by this poller).
+        #: The token each interrupted task's directory is fenced at (by this poller).
         self._fenced: dict[str, int] = {}
         #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
         #: takeover, when the old leader's sbatch may still be under way on another host
@@ -96,34 +97,33 @@ class Recovery:
         return job is not None
 
     def _no_job(
-        self, task: TaskRecord, settled_before: float, fenced: set[str] | None
+        self, task: TaskRecord, settled_before: float, fenced: set[str]
     ) -> list[TaskRecord]:
         """No job found for the task: wait for its sbatch to settle, forget it once it was
         fenced before this look, else the task to fence now ([task])."""
         if (task.submit_started_at or 0.0) > settled_before or self._holding():
             log.info("interrupted submission of task %s: no job yet, looking again", task.id)
-        elif fenced is None or task.id in fenced:
-            # sbatch never created a job: the task may be submitted again.
+        elif task.id in fenced:
+            # No job before the fence, and none after it may run: submitted again.
             self.ctx.store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
         else:
             return [task]
         return []
 
-    def _fenced_now(self) -> set[str] | None:
-        """The tasks fenced at this leader's epoch; None where no poller is elected (one
-        poller, no epoch: nothing to fence)."""
+    def _fenced_now(self) -> set[str]:
+        """The tasks this poller has fenced (an elected one: at its current epoch)."""
         epoch = self.ctx.store.fence_epoch
         if epoch is None:
-            return None
+            return set(self._fenced)
         return {tid for tid, e in self._fenced.items() if e == epoch}
 
     def _fence(self, tasks: list[TaskRecord]) -> None:
         """Fence the directories of tasks whose job was not found, at this leader's epoch: the
-        next look, finding none again, forgets them. Only those: a job of the old leader that
-        was found is the task's, and runs."""
-        epoch = self.ctx.store.fence_epoch
-        if epoch is None:
+        next look, finding none again, forgets them. Only those: a job that was found is the
+        task's, and runs."""
+        if not tasks:
             return
+        epoch = self.ctx.fence_token()
         for task in tasks:
             task_dir = self.ctx.task_dir(task.id)
             try:

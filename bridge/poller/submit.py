@@ -605,10 +605,10 @@ class Submitter:
         return image_paths
 
     def _epoch_args(self) -> list[str]:
-        """An elected poller gives each job its lease epoch: a job submitted by a leader that
-        had lost its lease stands down where the new leader fenced the task (recover.py)."""
-        epoch = self.ctx.store.fence_epoch
-        return [] if epoch is None else [f"{LEASE_EPOCH_ARG}{epoch}"]
+        """Each job gets its submission's fence token (PollerContext.fence_token): a job
+        submitted by a leader that had lost its lease, or by an sbatch that timed out and
+        was acted on late, stands down where recovery fenced the task since (recover.py)."""
+        return [f"{LEASE_EPOCH_ARG}{self.ctx.fence_token()}"]
 
     def _account(self, ready: Ready) -> list[str]:
         return self.owners.account_args(ready.owner, ready.document) if self.owners else []

@@ -266,7 +266,10 @@ def test_a_new_leader_forgets_no_submission_before_the_settle_time_after_takeove
     task = a_store.get_task(task_id)
     assert task is not None and task.submit_started_at == 1.0 and "sbatch" not in slurm.calls
     now[0] += config.slurm.command_timeout + config.slurm.submit_settle + 1
-    poller.cycle()  # no job of its name: forgotten, and submitted again
+    config.work_dir.mkdir(parents=True)  # where the old node wrote the task's directory
+    poller.cycle()  # no job of its name: the directory is fenced
+    assert "sbatch" not in slurm.calls
+    poller.cycle()  # still none: forgotten, and submitted again
     task = a_store.get_task(task_id)
     assert task is not None and task.job_id is not None and slurm.calls.count("sbatch") == 1
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, load_config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
+from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
 from bridge.core.tes import State, View, render_task
+from bridge.job.layout import LEASE_FENCE
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.poller.attempt import LOST_JOBS_KEY, Condition, ConditionKind
@@ -518,8 +519,10 @@ def test_interrupted_submission_without_a_job_is_submitted_again(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     store.update_task(task.id, submit_started_at=1.0, attempt=1)
-    poller.cycle()
-    poller.cycle()
+    poller.task_dir(task.id).mkdir(parents=True)
+    poller.cycle()  # no job: the task's directory is fenced
+    assert "sbatch" not in slurm.calls
+    poller.cycle()  # still none: submitted again
     assert slurm.calls.count("sbatch") == 1
     record = store.get_task(task.id)
     assert record.job_id is not None and record.attempt == 1
@@ -1435,6 +1438,31 @@ def test_sbatch_time_out_is_retried_only_after_the_settle_time(env):
     assert slurm.calls.count("sbatch") == 1
 
 
+def test_an_sbatch_acted_on_after_the_settle_time_is_fenced_out_by_a_lone_poller(env):
+    # slurmctld held a timed-out sbatch's request past the settle time: the poller found no
+    # job, fenced the directory, found none again and submitted the task again. The late job
+    # carries its sbatch's start as its token, older than the fence: it stands down where it
+    # starts (tests/unit/test_job_side.py), and only the new job runs the task.
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    now = [1_000.0]
+    poller.clock = lambda: now[0]
+    slurm.unavailable_message = "Socket timed out on send/recv operation"
+    slurm.unavailable = True
+    poller.cycle()
+    slurm.unavailable = False
+    now[0] += poller.config.slurm.command_timeout + poller.config.slurm.submit_settle
+    poller.cycle()  # no job: fenced
+    fence = poller.task_dir(task.id) / LEASE_FENCE
+    assert fence.read_text() == f"{int(now[0] * 1000)}\n"
+    assert slurm.calls.count("sbatch") == 1
+    now[0] += 1
+    poller.cycle()  # still none: submitted again
+    assert slurm.calls.count("sbatch") == 2
+    late, new = (int(arg.removeprefix(LEASE_EPOCH_ARG)) for [arg] in slurm.script_args)
+    assert late < int(fence.read_text()) <= new
+
+
 def test_interrupted_submission_waits_out_the_settle_time_before_submitting_again(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -1442,12 +1470,13 @@ def test_interrupted_submission_waits_out_the_settle_time_before_submitting_agai
     poller.clock = lambda: now[0]
     # A poller killed during sbatch, just now.
     store.update_task(task.id, submit_started_at=now[0] - 1, attempt=1)
+    poller.task_dir(task.id).mkdir(parents=True)
     poller.cycle()
     assert "sbatch" not in slurm.calls
     wait = poller.config.slurm.command_timeout + poller.config.slurm.submit_settle
     now[0] += wait
-    poller.cycle()
-    poller.cycle()
+    poller.cycle()  # fenced
+    poller.cycle()  # forgotten, submitted again
     assert slurm.calls.count("sbatch") == 1
     assert store.get_task(task.id).attempt == 1
 
