@@ -51,6 +51,7 @@ class PollerContext:
     #: them until squeue lists them neither pending, running nor completing (JobWatch.update):
     #: a task decided from its records frees its slot only once its job has left Slurm.
     jobs_leaving: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    _last_token: int = field(default=0, repr=False)
 
     def fence_token(self) -> int:
         """What each sbatch gives its job (`lease-epoch=`) and what recovery fences a task's
@@ -59,7 +60,11 @@ class PollerContext:
         (templates/job.sh.j2): an sbatch that timed out, which slurmctld acted on after the
         poller looked for its job and found none, does not run the task a second time."""
         epoch = self.store.fence_epoch
-        return epoch if epoch is not None else int(self.clock() * 1000)
+        if epoch is not None:
+            return epoch
+        # Each above the one before: a clock stepped back must not fence out new jobs.
+        self._last_token = max(int(self.clock() * 1000), self._last_token + 1)
+        return self._last_token
 
     @property
     def site(self) -> bool:

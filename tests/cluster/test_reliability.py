@@ -49,6 +49,19 @@ sleep "$(cat "$dir/sbatch-after" 2>/dev/null || echo 0)"
 exit $rc
 """
 
+#: An sbatch whose request slurmctld acts on late: the first call hands the real sbatch to a
+#: process of its own session, which submits {late} s later (past the poller's time-out and
+#: settle time), and hangs until the poller kills it at its time-out; later calls are sbatch.
+LATE_SBATCH = """#!/bin/bash
+dir=$(dirname "$0")
+if mkdir "$dir/late.once" 2>/dev/null; then
+  setsid bash -c 'echo $$ >"$0/late.pid"; sleep {late}; exec "$@" >"$0/late.out" 2>&1' \\
+    "$dir" {sbatch} "$@" </dev/null >/dev/null 2>&1 &
+  sleep 600
+fi
+exec {sbatch} "$@"
+"""
+
 
 def executor(*command: str) -> dict[str, Any]:
     return {"image": ALPINE, "command": list(command)}
@@ -139,6 +152,61 @@ def test_poller_killed_anywhere_in_a_slow_sbatch_submits_each_attempt_once(slow_
         assert task["state"] == "COMPLETE", task
         assert len(task["logs"]) == 1, task["logs"]
     assert_one_job_per_attempt(tasks, service.work_dir)
+
+
+def test_an_sbatch_acted_on_after_the_settle_time_stands_down_and_the_task_runs_once(
+    local_cluster, tmp_path
+):
+    wrapper = tmp_path / "late-sbatch"
+    sbatch = shutil.which("sbatch") or "/usr/bin/sbatch"
+    wrapper.write_text(LATE_SBATCH.format(sbatch=sbatch, late=25))
+    wrapper.chmod(0o755)
+    toml = f'sbatch = "{wrapper}"\ncommand_timeout = 4.0\nsubmit_settle = 2.0\narrays = "never"'
+    try:
+        with start_bridge_service(local_cluster, tmp_path, slurm_toml=toml) as service:
+            task_id = service.create({"executors": [executor("echo", "once")]})
+            task = service.wait(task_id, timeout=300)
+            assert task["state"] == "COMPLETE", task
+            job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
+            late_id = _late_job(tmp_path / "late.out")
+            ended = _wait_for_sacct_end(late_id)
+            assert ended["ExitCode"] == "76:0", ended  # SUPERSEDED_EXIT_CODE: it stood down
+            output = (service.work_dir / task_id / f"slurm-{late_id}.out").read_text()
+            assert "standing down" in output, output
+            # The task ran once, in the job it was submitted again as.
+            assert [p.parent.parent.name for p in executors_ran(service, task_id)] == [job_id]
+            assert service.get(task_id)["state"] == "COMPLETE"
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            _kill(int((tmp_path / "late.pid").read_text()))
+
+
+def _late_job(out: Path, timeout: float = 120) -> str:
+    """The job id the late sbatch printed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = out.read_text().strip() if out.exists() else ""
+        if text:
+            assert text.isdigit(), text
+            return text
+        time.sleep(0.5)
+    raise AssertionError("the late sbatch never submitted")
+
+
+def _wait_for_sacct_end(job_id: str, timeout: float = 120) -> dict[str, str]:
+    fields = ["State", "ExitCode"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-o", ",".join(fields), "-j", job_id],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        if out:
+            record = dict(zip(fields, out.splitlines()[0].split("|"), strict=True))
+            if record["State"] not in ("PENDING", "RUNNING", "REQUEUED"):
+                return record
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not end")
 
 
 # ------------------------------------------------------------- transient conditions (defect 8)

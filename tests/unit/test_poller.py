@@ -1611,3 +1611,14 @@ def test_owner_commands_run_through_the_one_sudo_argv(tmp_path: Path) -> None:
     ]  # fmt: skip
     with pytest.raises(OwnerCommandError, match="remove exited 2: no such directory"):
         runner.remove("alice", Path("/w/t"))
+
+
+def test_fence_tokens_rise_even_when_the_clock_steps_back(env):
+    poller, _, _, _ = env
+    now = [2_000.0]
+    poller.clock = lambda: now[0]
+    first = poller.ctx.fence_token()
+    now[0] -= 3_600  # an NTP step back
+    assert first < poller.ctx.fence_token() < poller.ctx.fence_token()
+    now[0] += 7_200
+    assert poller.ctx.fence_token() == 5_600_000
