@@ -64,6 +64,14 @@ TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
 SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
 LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
 BURST = int(os.environ.get("BENCH_ARRAYS_BURST", "10000"))
+#: The sides to run (all by default): a 10,000-task makespan takes about half an hour a side
+#: on the local cluster, so a run may take only those it compares.
+ALL_SIDES = ("bridge", "shapes", "lone", "raw-array", "raw-loop", "never", "budget")
+SIDES = [
+    side.strip()
+    for side in os.environ.get("BENCH_ARRAYS_SIDES", ",".join(ALL_SIDES)).split(",")
+    if side.strip()
+]
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
 
@@ -324,33 +332,48 @@ def main() -> dict[str, object]:
             f"#!/bin/sh\nexec {info['LOCAL_CLUSTER_APPTAINER']} exec "
             f"{info['LOCAL_CLUSTER_APPTAINER_FLAGS']} {sif} sleep 1\n"
         )
-        measured("bridge", results, lambda: bridge_burst(service, TASKS), TASKS)
+        if "bridge" in SIDES:
+            measured("bridge", results, lambda: bridge_burst(service, TASKS), TASKS)
+        if "shapes" in SIDES:
+            measured(
+                f"bridge, {SHAPES} shapes",
+                results,
+                lambda: bridge_burst(service, TASKS, SHAPES),
+                TASKS,
+            )
+        lone = {}
+        if "lone" in SIDES:
+            lone["no budget"] = lone_latencies(service, raw_script, directives)
+    if "raw-array" in SIDES:
         measured(
-            f"bridge, {SHAPES} shapes",
+            "raw array",
             results,
-            lambda: bridge_burst(service, TASKS, SHAPES),
+            lambda: raw_side(raw_array(TASKS, raw_script, directives), 1),
             TASKS,
         )
-        lone = {"no budget": lone_latencies(service, raw_script, directives)}
-    measured(
-        "raw array", results, lambda: raw_side(raw_array(TASKS, raw_script, directives), 1), TASKS
-    )
-    measured(
-        "raw loop", results, lambda: raw_side(raw_loop(TASKS, raw_script, directives), TASKS), TASKS
-    )
-    with bridge(info, root, "never", 'arrays = "never"\ncalls_per_second = 0') as service:
+    if "raw-loop" in SIDES:
         measured(
-            f"one job per task, {SHAPES} shapes",
+            "raw loop",
             results,
-            lambda: bridge_burst(service, TASKS, SHAPES),
+            lambda: raw_side(raw_loop(TASKS, raw_script, directives), TASKS),
             TASKS,
         )
-    budget = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
-    with bridge(info, root, "budget", budget) as service:
-        measured(
-            "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
-        )
-        lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
+    if "never" in SIDES:
+        with bridge(info, root, "never", 'arrays = "never"\ncalls_per_second = 0') as service:
+            measured(
+                f"one job per task, {SHAPES} shapes",
+                results,
+                lambda: bridge_burst(service, TASKS, SHAPES),
+                TASKS,
+            )
+    if "budget" in SIDES:
+        budget = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
+        with bridge(info, root, "budget", budget) as service:
+            measured(
+                "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
+            )
+            if "lone" in SIDES:
+                lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
     if BURST:
         with bridge(info, root, "burst", unlimited) as service:
             measured(
@@ -358,14 +381,19 @@ def main() -> dict[str, object]:
                 lambda: submission_burst(service, BURST), BURST,
             )  # fmt: skip
             wait_queue_empty(timeout=1800)
+    compared = {
+        "makespan_vs_raw_array": ("bridge", "raw array"),
+        "makespan_vs_raw_loop": ("bridge", "raw loop"),
+        "budget_vs_unlimited": ("bridge, budget 2/s burst 30", "bridge"),
+        "shapes_arrays_vs_one_job_per_task": (
+            f"bridge, {SHAPES} shapes",
+            f"one job per task, {SHAPES} shapes",
+        ),
+    }
     ratios = {
-        "makespan_vs_raw_array": results["bridge"]["makespan_s"]
-        / results["raw array"]["makespan_s"],
-        "makespan_vs_raw_loop": results["bridge"]["makespan_s"] / results["raw loop"]["makespan_s"],
-        "budget_vs_unlimited": results["bridge, budget 2/s burst 30"]["makespan_s"]
-        / results["bridge"]["makespan_s"],
-        "shapes_arrays_vs_one_job_per_task": results[f"bridge, {SHAPES} shapes"]["makespan_s"]
-        / results[f"one job per task, {SHAPES} shapes"]["makespan_s"],
+        name: results[side]["makespan_s"] / results[base]["makespan_s"]
+        for name, (side, base) in compared.items()
+        if side in results and base in results
     }
     rows = [
         [side, r.get("makespan_s", "-"), int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
@@ -393,7 +421,9 @@ def main() -> dict[str, object]:
         "ratios": ratios,
         "lone": lone,
     }
-    write_result("arrays", data)
+    data["sides_run"] = SIDES
+    # Another size is kept beside the default run's figures, not over them.
+    write_result("arrays" if TASKS == 1000 else f"arrays-{TASKS}", data)
     shutil.rmtree(root, ignore_errors=True)
     return data
 
