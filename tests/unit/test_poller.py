@@ -1416,33 +1416,8 @@ def test_a_job_started_on_a_full_work_filesystem_runs_again_once_space_is_back(e
     assert not any(line.startswith("waiting") for line in record.logs[0]["system_logs"])
 
 
-def test_sbatch_time_out_is_retried_only_after_the_settle_time(env):
-    poller, store, slurm, _ = env
-    task = store.create_task(ECHO)
-    now = [1000.0]
-    poller.clock = lambda: now[0]
-    slurm.unavailable_message = "Socket timed out on send/recv operation"
-    slurm.unavailable = True
-    poller.cycle()
-    slurm.unavailable = False
-    record = store.get_task(task.id)
-    assert record.state == "QUEUED" and record.submit_started_at is not None
-    # The back-off has passed, but slurmctld may still act on the request: no second sbatch.
-    now[0] += poller.config.slurm.submit_settle - 1
-    poller.cycle()
-    assert slurm.calls.count("sbatch") == 1
-    # The late request creates the job: it is adopted, not submitted again.
-    slurm.jobs["300"] = job("300", "PENDING", name=job_name(task.id), reason="Priority")
-    poller.cycle()
-    assert store.get_task(task.id).job_id == "300"
-    assert slurm.calls.count("sbatch") == 1
-
-
-def test_an_sbatch_acted_on_after_the_settle_time_is_fenced_out_by_a_lone_poller(env):
-    # slurmctld held a timed-out sbatch's request past the settle time: the poller found no
-    # job, fenced the directory, found none again and submitted the task again. The late job
-    # carries its sbatch's start as its token, older than the fence: it stands down where it
-    # starts (tests/unit/test_job_side.py), and only the new job runs the task.
+def sbatch_timed_out(env) -> tuple[str, list[float]]:
+    """A task whose first sbatch timed out, at the time in the list (the poller's clock)."""
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
     now = [1_000.0]
@@ -1451,9 +1426,35 @@ def test_an_sbatch_acted_on_after_the_settle_time_is_fenced_out_by_a_lone_poller
     slurm.unavailable = True
     poller.cycle()
     slurm.unavailable = False
+    return task.id, now
+
+
+def test_sbatch_time_out_is_retried_only_after_the_settle_time(env):
+    poller, store, slurm, _ = env
+    task_id, now = sbatch_timed_out(env)
+    record = store.get_task(task_id)
+    assert record.state == "QUEUED" and record.submit_started_at is not None
+    # The back-off has passed, but slurmctld may still act on the request: no second sbatch.
+    now[0] += poller.config.slurm.submit_settle - 1
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    # The late request creates the job: it is adopted, not submitted again.
+    slurm.jobs["300"] = job("300", "PENDING", name=job_name(task_id), reason="Priority")
+    poller.cycle()
+    assert store.get_task(task_id).job_id == "300"
+    assert slurm.calls.count("sbatch") == 1
+
+
+def test_an_sbatch_acted_on_after_the_settle_time_is_fenced_out_by_a_lone_poller(env):
+    # slurmctld held a timed-out sbatch's request past the settle time: the poller found no
+    # job, fenced the directory, found none again and submitted the task again. The late job
+    # carries its sbatch's start as its token, older than the fence: it stands down where it
+    # starts (tests/unit/test_job_side.py), and only the new job runs the task.
+    poller, _, slurm, _ = env
+    task_id, now = sbatch_timed_out(env)
     now[0] += poller.config.slurm.command_timeout + poller.config.slurm.submit_settle
     poller.cycle()  # no job: fenced
-    fence = poller.task_dir(task.id) / LEASE_FENCE
+    fence = poller.task_dir(task_id) / LEASE_FENCE
     assert fence.read_text() == f"{int(now[0] * 1000)}\n"
     assert slurm.calls.count("sbatch") == 1
     now[0] += 1
