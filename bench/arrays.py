@@ -59,6 +59,7 @@ from bench.common import (
     write_result,
 )
 from bench.e2e import cluster, container_toml, slurm, wait_queue_empty
+from bridge.slurm import SlurmClient
 
 TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
 SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
@@ -108,21 +109,15 @@ def raw_loop(count: int, script: Path, directives: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def max_array_size() -> int:
-    """The cluster's MaxArraySize: an array's indices stay below it."""
-    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", slurm("scontrol", "show", "config"), re.M)
-    return int(found.group(1)) if found else 1001
-
-
 def raw_arrays(count: int) -> int:
     """How many `sbatch --array` a user sends for `count` jobs (split at MaxArraySize)."""
-    return -(-count // max_array_size())
+    return -(-count // SlurmClient().max_array_size())
 
 
 def raw_array(count: int, script: Path, directives: list[str], array: bool = True) -> float:
     """`count` jobs as `sbatch --array` (as many as MaxArraySize asks for, back to back), or
     with array=False one plain job: the first sbatch to the last element leaving squeue."""
-    size = max_array_size()
+    size = SlurmClient().max_array_size()
     started = time.perf_counter()
     ids = [
         slurm(
@@ -283,9 +278,8 @@ def wait_final(
     session: requests.Session, api: str, run: str, count: int
 ) -> tuple[float, list[dict[str, Any]]]:
     """When all the run's tasks were seen ended (perf_counter), and the tasks (FULL) then.
-    Their states are polled in the MINIMAL view,
-    every 0.2 s (1 s past 1,000 tasks): polling 10,000 tasks' full logs would cost the
-    machine's two cores more than the bridge does."""
+    Their states are polled in the MINIMAL view, every 0.2 s (1 s past 1,000 tasks): polling
+    10,000 tasks' full logs would cost the machine's two cores more than the bridge does."""
     params = {"tag_key": "bench", "tag_value": run, "page_size": "2047", "view": "MINIMAL"}
     poll = 0.2 if count <= 1000 else 1.0
     while True:

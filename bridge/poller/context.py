@@ -67,6 +67,13 @@ class PollerContext:
         return self._last_token
 
     @property
+    def admission_control(self) -> bool:
+        """Whether the service limits its jobs in Slurm (slurm.max_jobs_in_flight or
+        slurm.max_jobs_per_owner): only then are `jobs_leaving` kept and counted."""
+        slurm = self.config.slurm
+        return bool(slurm.max_jobs_in_flight or slurm.max_jobs_per_owner)
+
+    @property
     def site(self) -> bool:
         """Site mode: every task runs as its owner (sudo -n -u OWNER)."""
         return self.config.site.run_as_owner

@@ -102,15 +102,14 @@ class Poller:
             in_flight = self.store.tasks_in_flight(with_document=False)
             active = [t for t in in_flight if t.job_id and t.state not in TERMINAL_STATES]
             leaving = len(self.ctx.jobs_leaving)
-            updated = stats.updated
             self.follower.follow(active, stats)
-            if self.submitter.held_by_admission and (
-                stats.updated > updated or len(self.ctx.jobs_leaving) < leaving
-            ):
-                # Jobs left Slurm: the tasks admission held back take their slots now, not a
-                # poll interval later.
-                self.submitter.submit_queued(stats)
             finished = self.follower.finished
+            if self.submitter.held_by_admission and (
+                finished or len(self.ctx.jobs_leaving) < leaving
+            ):
+                # Jobs ended or left Slurm: the tasks admission held back take their slots
+                # now, not a poll interval later.
+                self.submitter.submit_queued(stats)
             self._active_jobs = [
                 (t.id, t.job_id) for t in active if t.job_id and t.id not in finished
             ]

@@ -190,10 +190,9 @@ class Admission:
         cfg = ctx.config.slurm
         self.max_total = cfg.max_jobs_in_flight
         self.max_owner = cfg.max_jobs_per_owner
-        self.by_owner = (
-            ctx.store.jobs_in_flight_by_owner() if self.max_total or self.max_owner else {}
-        )
-        if self.max_total or self.max_owner:
+        self.by_owner: dict[str | None, int] = {}
+        if ctx.admission_control:
+            self.by_owner = ctx.store.jobs_in_flight_by_owner()
             # Jobs of tasks already decided that Slurm has not let go yet.
             for owner in ctx.jobs_leaving.values():
                 self.by_owner[owner] = self.by_owner.get(owner, 0) + 1

@@ -146,8 +146,7 @@ class JobWatch:
         until squeue lists it no more (PollerContext.jobs_leaving). Without admission
         control nothing counts them, and nothing is asked of Slurm for them."""
         assert task.job_id is not None
-        slurm = self.ctx.config.slurm
-        if not (slurm.max_jobs_in_flight or slurm.max_jobs_per_owner):
+        if not self.ctx.admission_control:
             return
         self.ctx.jobs_leaving[(task.job_id, _job_name_of(task))] = task.owner
 

@@ -23,7 +23,8 @@ import pytest
 import requests
 
 from bench.common import slurm_jobs_by_task
-from bridge.slurm import SlurmClient
+from bridge.core.naming import SUPERSEDED_EXIT_CODE
+from bridge.slurm import JobInfo, SlurmClient
 from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.procs import children, cmdline
 
@@ -170,7 +171,7 @@ def test_an_sbatch_acted_on_after_the_settle_time_stands_down_and_the_task_runs_
             job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
             late_id = _late_job(tmp_path / "late.out")
             ended = _wait_for_sacct_end(late_id)
-            assert ended["ExitCode"] == "76:0", ended  # SUPERSEDED_EXIT_CODE: it stood down
+            assert (ended.exit_code, ended.signal) == (SUPERSEDED_EXIT_CODE, 0), ended  # stood down
             output = (service.work_dir / task_id / f"slurm-{late_id}.out").read_text()
             assert "standing down" in output, output
             # The task ran once, in the job it was submitted again as.
@@ -193,18 +194,13 @@ def _late_job(out: Path, timeout: float = 120) -> str:
     raise AssertionError("the late sbatch never submitted")
 
 
-def _wait_for_sacct_end(job_id: str, timeout: float = 120) -> dict[str, str]:
-    fields = ["State", "ExitCode"]
+def _wait_for_sacct_end(job_id: str, timeout: float = 120) -> JobInfo:
+    """sacct's record of the job once it has ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["sacct", "-X", "-n", "-P", "-o", ",".join(fields), "-j", job_id],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()  # fmt: skip
-        if out:
-            record = dict(zip(fields, out.splitlines()[0].split("|"), strict=True))
-            if record["State"] not in ("PENDING", "RUNNING", "REQUEUED"):
-                return record
+        job = SlurmClient().accounting([job_id]).get(job_id)
+        if job is not None and job.ended:
+            return job
         time.sleep(1)
     raise AssertionError(f"job {job_id} did not end")
 
