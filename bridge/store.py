@@ -481,6 +481,22 @@ class _PollerQueries(_Part):
         pairs: list[tuple[str | None, int]] = list(rows)  # type: ignore[arg-type]
         return {owner: int(jobs) for owner, jobs in pairs}
 
+    def decided_since(self, since: float) -> list[TaskRecord]:
+        """Final tasks with a job, last changed at `since` or later, without their documents:
+        a poller that starts counts their jobs until squeue lists them no more (admission)."""
+        fields = [f for f in TaskRow._meta.sorted_fields if f.name != "document"]
+        rows = (
+            TaskRow.select(*fields)
+            .where(
+                TaskRow.state.in_(_TERMINAL)
+                & TaskRow.job_id.is_null(False)
+                & (TaskRow.updated_at >= since)
+            )
+            .order_by(TaskRow.seq)
+        )
+        dicts = cast(Iterable[dict[str, Any]], rows.dicts())
+        return [_record_from_columns(columns) for columns in dicts]
+
     def interrupted_submissions(self) -> list[TaskRecord]:
         """Tasks whose `sbatch` started but whose job id was never stored (see the poller)."""
         rows = (

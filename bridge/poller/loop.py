@@ -46,6 +46,10 @@ log = logging.getLogger("bridge.poller")
 QUICK_CHECK_INTERVAL = 0.1
 #: Finished jobs are looked for between cycles only while at most this many are active.
 QUICK_CHECK_MAX_JOBS = 64
+#: A poller that starts (or takes over) counts the jobs of tasks decided this recently as
+#: still in Slurm until its squeue says otherwise: jobs_leaving lives in memory, and a job
+#: decided from its records may still be ending (admission control).
+LEAVING_LOOKBACK_SECONDS = 120.0
 
 
 class Poller:
@@ -80,6 +84,8 @@ class Poller:
         self._cancels_seen = 0
         #: (task id, job id) of the active jobs the last quick check found an outcome of.
         self._recorded: list[tuple[str, str]] = []
+        #: Whether this poller has counted the jobs of tasks decided before it acted.
+        self._leaving_counted = False
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -97,6 +103,8 @@ class Poller:
         stats = CycleStats()
         with self.store.db.connection_context():
             self._newest_seq = self.store.newest_seq()
+            if not self._leaving_counted:
+                self._count_jobs_of_recently_decided_tasks()
             self.recovery.recover(stats)
             self.submitter.submit_queued(stats)
             in_flight = self.store.tasks_in_flight(with_document=False)
@@ -119,6 +127,17 @@ class Poller:
             self.capabilities.maybe_refresh()
         stats.seconds = time.perf_counter() - started
         return stats
+
+    def _count_jobs_of_recently_decided_tasks(self) -> None:
+        """Once, before this poller's first submissions: the jobs of tasks an earlier poller
+        decided shortly before may still be ending. They count for admission until this
+        cycle's squeue lists them no more (JobWatch drops them)."""
+        self._leaving_counted = True
+        if not self.ctx.admission_control:
+            return
+        since = self.clock() - LEAVING_LOOKBACK_SECONDS
+        for task in self.store.decided_since(since):
+            self.follower.watch.note_leaving(task)
 
     def quick_check(self) -> str | None:
         """Between cycles: "submit" when a task arrived or tasks held back to gather into an

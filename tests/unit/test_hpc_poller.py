@@ -3,6 +3,7 @@ Slurm of tests/fakes/slurm.py (the real cluster runs them in tests/cluster/test_
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from bridge.config import load_config
 from bridge.core.tes import State
 from bridge.poller import Poller, decide
+from bridge.poller.loop import LEAVING_LOOKBACK_SECONDS
 from bridge.slurm import JobInfo
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
@@ -283,3 +285,35 @@ def test_a_canceled_tasks_job_keeps_its_owners_slot_until_it_leaves_slurm(
     fake.jobs[job_id] = replace(fake.jobs[job_id], state="CANCELLED")
     poller.cycle()
     assert sqlite_store.get_task(second.id).job_id
+
+
+def test_a_poller_that_starts_counts_the_jobs_of_tasks_decided_just_before_it(
+    tmp_path: Path, sqlite_store: Store
+) -> None:
+    # The task was decided from its records by the poller before, which then stopped: what
+    # it knew of the job still ending died with it. The next one must count that job too.
+    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=1)
+    first, second = (sqlite_store.create_task(ECHO) for _ in range(2))
+    poller.cycle()
+    job_id = sqlite_store.get_task(first.id).job_id
+    assert job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="RUNNING", node="node1")
+    poller.cycle()
+    write_finished_records(poller.task_dir(first.id) / "records" / job_id, "complete", 0)
+    assert poller.quick_check() == "finish"
+    poller.finish_recorded()
+    assert sqlite_store.get_task(first.id).state == "COMPLETE"
+
+    restarted = Poller(poller.config, sqlite_store, slurm_client=fake, images=FakeImages())
+    restarted.cycle()
+    assert fake.calls.count("sbatch") == 1
+    assert not sqlite_store.get_task(second.id).job_id
+    fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETED", exit_code=0)
+    restarted.cycle()
+    assert fake.calls.count("sbatch") == 2
+    # A task decided longer ago than the look-back is not asked about.
+    sqlite_store.update_task(second.id, state="COMPLETE", allow_terminal=True)
+    later = Poller(poller.config, sqlite_store, slurm_client=fake, images=FakeImages())
+    later.clock = lambda: time.time() + LEAVING_LOOKBACK_SECONDS + 1
+    later.cycle()
+    assert later.ctx.jobs_leaving == {}
