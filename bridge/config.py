@@ -213,8 +213,9 @@ class SlurmConfig(_Section):
     #: Shell text run at the start and end of every job script (e.g. `module load apptainer`).
     prologue: str = ""
     epilogue: str = ""
-    #: How many times a job lost to NODE_FAIL, BOOT_FAIL or (on_preemption = "resubmit")
-    #: PREEMPTED is submitted again.
+    #: How many times a job lost to NODE_FAIL, BOOT_FAIL, (on_preemption = "resubmit")
+    #: PREEMPTED, or its script killed by a signal before recording an outcome, is
+    #: submitted again.
     retries: int = Field(default=2, ge=0)
     submit_backoff_initial: float = Field(default=2.0, gt=0)
     submit_backoff_max: float = Field(default=300.0, gt=0)

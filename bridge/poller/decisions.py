@@ -155,6 +155,12 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
             ": the job could not write its records in the work directory (a full or "
             f"read-only work filesystem?), so {ran}"
         )
+    if job.state == "FAILED" and job.signal and records.outcome is None:
+        # The job script itself was killed (each executor runs in a subshell whose end the
+        # script records): only something outside the task does that, such as a node's
+        # processes killed as it failed, or an operator's kill.
+        on = f" on {job.node}" if job.node else ""
+        return f": its script was killed{on} before it could record an outcome"
     if job.state == "CANCELLED" and job.node and records.phase is None:
         # Slurm itself killed the job as it launched it, before its script started (a node
         # that reports the id as a duplicate, after a slurmctld killed before it saved its

@@ -322,6 +322,29 @@ def test_a_job_that_starts_on_a_full_work_filesystem_runs_again_once_space_is_ba
     assert [j.job_id for j in found] == [lost, entry["metadata"]["slurm_job_id"]], found
 
 
+def test_a_job_whose_script_is_killed_from_outside_runs_again(bridge_service):
+    """A node's processes killed as it fails while slurmstepd lives (the nemesis soak): sacct
+    has the job FAILED with signal 9 and no outcome. The task did not fail: it runs again."""
+    task_id = bridge_service.create({"executors": [executor("sh", "-c", "sleep 6; echo ran")]})
+    killed = job_id_of(bridge_service, task_id)
+    bridge_service.wait(task_id, timeout=120, states={"RUNNING"})
+    time.sleep(2)  # the executor is running
+    # SIGKILL to the batch script alone, as a node's OOM killer or an operator's kill would.
+    subprocess.run(["scancel", "--batch", "--signal=KILL", killed], check=True, timeout=30)
+    task = bridge_service.wait(task_id, timeout=240)
+    assert task["state"] == "COMPLETE", task
+    lines = [line for entry in task["logs"] for line in entry.get("system_logs", [])]
+    assert any(
+        line.startswith(f"Slurm job {killed} ended in state FAILED (exit code 0, signal 9): "
+                        "its script was killed")
+        and line.endswith("submitting it again")
+        for line in lines
+    ), lines  # fmt: skip
+    last = task["logs"][-1]
+    assert last["metadata"]["slurm_job_id"] != killed, task
+    assert last["logs"][-1]["stdout"] == "ran\n", task
+
+
 def test_a_task_canceled_while_its_job_pends_keeps_no_pending_line(local_cluster, tmp_path):
     # --begin holds the job in the queue (reason BeginTime) until it is canceled.
     with start_bridge_service(

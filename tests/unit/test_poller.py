@@ -258,6 +258,26 @@ def test_a_job_whose_records_became_unwritable_later_is_lost_not_failed(phase):
     assert "it did not finish; submitting it again" in decision.messages[0]
 
 
+@pytest.mark.parametrize("phase", [None, "staging", "running 0", "uploading"])
+def test_a_job_whose_script_was_killed_by_a_signal_is_lost_not_failed(phase):
+    """The nemesis soak: a node's processes killed (SIGKILL) as it failed, while Slurm's step
+    daemon lived to report it: sacct says FAILED, exit code 0, signal 9. The script records
+    every executor's end, so a signal on the job itself came from outside the task: it is
+    submitted again (it used to end SYSTEM_ERROR "without recording an outcome"), within the
+    retries, as for NODE_FAIL."""
+    killed = job(state="FAILED", exit_code=0, signal=9, node="node2")
+    decision = decide(
+        job=killed, records=records(phase=phase), attempt=1, retries=2, current=State.RUNNING
+    )
+    assert decision.retry and decision.state is State.QUEUED
+    (message,) = decision.messages
+    assert "(exit code 0, signal 9): its script was killed on node2" in message
+    assert message.endswith("submitting it again")
+    last = decide(job=killed, records=records(phase=phase), attempt=3, retries=2,
+                  current=State.RUNNING)  # fmt: skip
+    assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
+
+
 def test_a_failed_job_waits_for_sacct_s_exit_code_before_it_is_decided():
     """squeue lists an ended job as FAILED with no exit code; sacct's, a moment later, tells a
     job that could not write its records (the system's failure: submitted again) from one that
