@@ -15,7 +15,7 @@ from bridge.core.tes import State
 from bridge.poller import Poller, decide
 from bridge.poller.loop import LEAVING_LOOKBACK_SECONDS
 from bridge.slurm import JobInfo
-from bridge.store import Store
+from bridge.store import Store, TaskRecord
 from tests.fakes.slurm import FakeSlurm, job
 from tests.unit.test_poller import ECHO, FakeImages, records, write_finished_records
 
@@ -236,12 +236,12 @@ def test_tasks_that_end_are_counted_by_final_state(
     assert (finished._value.get(), failed._value.get()) == (before[0] + 1, before[1] + 1)
 
 
-def test_a_task_decided_from_its_records_keeps_its_slot_until_its_job_leaves_slurm(
+def _first_decided_from_records_second_held(
     tmp_path: Path, sqlite_store: Store
-) -> None:
-    # The job recorded its outcome and the task is COMPLETE, but the job script is still
-    # exiting: squeue lists it running (then completing). Submitting the next task then would
-    # put two jobs in Slurm under a limit of one.
+) -> tuple[Poller, FakeSlurm, TaskRecord, str]:
+    """Under max_jobs_in_flight = 1: the first task's job runs and records its outcome, the
+    quick check decides the task COMPLETE; squeue still lists the job running. Returns the
+    poller, its Slurm, the second task (held back) and the first one's job id."""
     poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=1)
     first, second = (sqlite_store.create_task(ECHO) for _ in range(2))
     poller.cycle()
@@ -253,6 +253,16 @@ def test_a_task_decided_from_its_records_keeps_its_slot_until_its_job_leaves_slu
     assert poller.quick_check() == "finish"
     poller.finish_recorded()
     assert sqlite_store.get_task(first.id).state == "COMPLETE"
+    return poller, fake, second, job_id
+
+
+def test_a_task_decided_from_its_records_keeps_its_slot_until_its_job_leaves_slurm(
+    tmp_path: Path, sqlite_store: Store
+) -> None:
+    # The job recorded its outcome and the task is COMPLETE, but the job script is still
+    # exiting: squeue lists it running (then completing). Submitting the next task then would
+    # put two jobs in Slurm under a limit of one.
+    poller, fake, second, job_id = _first_decided_from_records_second_held(tmp_path, sqlite_store)
     assert not sqlite_store.get_task(second.id).job_id
     fake.jobs[job_id] = replace(fake.jobs[job_id], state="COMPLETING")
     poller.cycle()
@@ -292,17 +302,7 @@ def test_a_poller_that_starts_counts_the_jobs_of_tasks_decided_just_before_it(
 ) -> None:
     # The task was decided from its records by the poller before, which then stopped: what
     # it knew of the job still ending died with it. The next one must count that job too.
-    poller, fake = make_poller(tmp_path, sqlite_store, max_jobs_in_flight=1)
-    first, second = (sqlite_store.create_task(ECHO) for _ in range(2))
-    poller.cycle()
-    job_id = sqlite_store.get_task(first.id).job_id
-    assert job_id
-    fake.jobs[job_id] = replace(fake.jobs[job_id], state="RUNNING", node="node1")
-    poller.cycle()
-    write_finished_records(poller.task_dir(first.id) / "records" / job_id, "complete", 0)
-    assert poller.quick_check() == "finish"
-    poller.finish_recorded()
-    assert sqlite_store.get_task(first.id).state == "COMPLETE"
+    poller, fake, second, job_id = _first_decided_from_records_second_held(tmp_path, sqlite_store)
 
     restarted = Poller(poller.config, sqlite_store, slurm_client=fake, images=FakeImages())
     restarted.cycle()
