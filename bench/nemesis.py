@@ -40,7 +40,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -441,6 +441,9 @@ class Nemesis:
         self.node_readonly = "/usr /opt /work/main /work/wt"
         #: Drained nodes put back (time, which and why).
         self.resumed: list[list[Any]] = []
+        #: (node, UTC time as sacct prints it) of each node whose processes were all killed:
+        #: nothing of a job there ran past it, whatever end Slurm later recorded.
+        self.node_kills: Sequence[tuple[str, str]] = ()
 
     def elapsed(self) -> float:
         return now() - self.t0
@@ -551,6 +554,7 @@ class Nemesis:
                 if item.startswith(b"LOCAL_CLUSTER_NODE_READONLY="):
                     self.node_readonly = item.split(b"=", 1)[1].decode()
         killed = kill_node(slurmd)
+        self.node_kills.append((node, sacct_time(time.time() + 1)))
         fault.detail = f"{node} ({killed} processes), away {duration:.0f} s"
         self._hold(duration)
         start_node(node, self.node_readonly)
@@ -881,7 +885,8 @@ def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
     out = subprocess.run(
         ["sacct", "-n", "-X", "-D", "-P", "--allusers", "-S", since, "-o",
          "JobID,JobName,State,ExitCode,NodeList,Start,End"],
-        env=slurm_env(), capture_output=True, text=True, check=False, timeout=120,
+        env={**slurm_env(), "TZ": "UTC", "SLURM_TIME_FORMAT": "standard"},
+        capture_output=True, text=True, check=False, timeout=120,
     ).stdout  # fmt: skip
     jobs: dict[str, list[dict[str, str]]] = {}
     for line in out.splitlines():
@@ -903,9 +908,36 @@ def named_jobs(task: dict[str, Any]) -> set[str]:
     return named
 
 
-def ran_twice(task: dict[str, Any], jobs: list[dict[str, str]]) -> str | None:
+def sacct_time(when: float) -> str:
+    """A Unix time as sacct prints it (UTC, standard format; see sacct_jobs): the whole
+    second at or before it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when))
+
+
+def ended_by_node_kill(
+    job: dict[str, str], node_kills: Sequence[tuple[str, str]]
+) -> dict[str, str]:
+    """The job with its end at the first kill of its node's processes while it ran: Slurm
+    records the end of such a job only when it notices (NODE_FAIL after SlurmdTimeout, or
+    much later when a slurmctld killed -9 came back from an older state and still had it
+    running), though nothing of it ran past the kill."""
+    start, end = job["start"], job["end"]
+    for node, killed_at in sorted(node_kills, key=lambda kill: kill[1]):
+        if (
+            node == job["node"]
+            and start <= killed_at
+            and (end in ("", "Unknown") or killed_at < end)
+        ):
+            return {**job, "end": killed_at}
+    return job
+
+
+def ran_twice(
+    task: dict[str, Any], jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]] = ()
+) -> str | None:
     """Why the task ran more than once, or None: more than one COMPLETED run, a job its logs
-    do not name, a run that completed before another one started, or two runs at once."""
+    do not name, a run that completed before another one started, or two runs at once
+    (a job's run ends at the latest when the nemesis killed its node's processes)."""
     # A job slurmctld forgot before it started stays PENDING in sacct for ever: not a run.
     jobs = [j for j in jobs if j["start"] not in ("", "None", "Unknown")]
     completed = [j for j in jobs if j["state"] == "COMPLETED"]
@@ -924,6 +956,7 @@ def ran_twice(task: dict[str, Any], jobs: list[dict[str, str]]) -> str | None:
         jobs, key=lambda j: j["start"] if j["start"] not in ("", "None", "Unknown") else "~"
     )
     for before, after in itertools.pairwise(ordered):
+        before = ended_by_node_kill(before, node_kills)
         if before["state"] == "COMPLETED":
             return f"job {after['id']} after job {before['id']} COMPLETED: {jobs}"
         started = after["start"] not in ("", "None", "Unknown")
@@ -960,7 +993,12 @@ def in_windows(call: Call, windows: list[list[float]]) -> bool:
 
 
 def check(
-    api: str, planned: dict[str, Task], created: list[Task], since: str, retries: int
+    api: str,
+    planned: dict[str, Task],
+    created: list[Task],
+    since: str,
+    retries: int,
+    node_kills: list[tuple[str, str]],
 ) -> dict[str, Any]:
     """Every task final, listed, retrievable, run once, in the state its own command explains
     and with the right outputs; the Snakemake tasks (not planned here) must complete."""
@@ -984,7 +1022,7 @@ def check(
         if task["state"] not in TERMINAL:
             not_final.append(summary)
             continue
-        why = ran_twice(task, mine)
+        why = ran_twice(task, mine, node_kills)
         if why:
             twice.append({**summary, "why": why})
         if task["state"] != expected and not failure_explained(task, mine, retries):
@@ -1204,7 +1242,12 @@ def run_nemesis(
         load.stopping.set()
         print(f"  drained ({left} not final) at {now() - t0:.0f} s; checking", flush=True)
         figures = check(
-            bridge.api, {t.document["name"]: t for t in tasks}, load.created, since, retries=2
+            bridge.api,
+            {t.document["name"]: t for t in tasks},
+            load.created,
+            since,
+            retries=2,
+            node_kills=nemesis.node_kills,
         )
         figures["created_unanswered_retries"] = load.create_failures
         api = api_figures(recorder.calls, nemesis.down, nemesis.worker_windows)
