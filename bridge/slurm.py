@@ -304,6 +304,8 @@ _OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
             "Unable to contact slurm controller (send failure)",
             "Unable to contact slurm controller (receive failure)",
             "Unexpected missing socket error",
+            "Connection reset by peer",
+            "Broken pipe",
             "Communication send failure",
             "Communication receive failure",
             "Communication shutdown failure",

@@ -455,6 +455,10 @@ def test_sacct_answers_while_slurmctld_is_down() -> None:
         "sbatch: error: Batch job submission failed: Unexpected missing socket error",
         "sbatch: error: Batch job submission failed: "
         "Unable to contact slurm controller (receive failure)",
+        # The same, a later nemesis run on PostgreSQL: the task ended SYSTEM_ERROR "Slurm
+        # refused the job: Batch job submission failed: Connection reset by peer".
+        "sbatch: error: Batch job submission failed: Connection reset by peer",
+        "sbatch: error: Batch job submission failed: Broken pipe",
     ],
 )
 def test_slurmctld_gone_in_the_middle_of_a_request_may_have_acted(stderr: str) -> None:
