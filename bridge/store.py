@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import functools
 import hashlib
 import hmac
 import json
 import secrets
+import sqlite3
 import threading
 import time
 import uuid
@@ -226,6 +228,22 @@ class _SqliteDatabase(peewee.SqliteDatabase):
             self._opened_at.errors = errors
         return opened
 
+    def _set_pragmas(self, conn: sqlite3.Connection) -> None:
+        super()._set_pragmas(conn)  # type: ignore[misc]
+        if self.database == ":memory:":
+            return
+        if conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+            return
+        # Two processes that switch a new database to WAL at once (the API and the poller
+        # starting together) hold a shared lock each and want an exclusive one: SQLite
+        # answers "database is locked" at once rather than deadlock, without waiting out
+        # the busy timeout. One switch at a time, the second finds WAL already set.
+        with contextlib.ExitStack() as held:
+            with contextlib.suppress(OSError):  # a read-only directory: switch unlocked
+                lock = held.enter_context(open(f"{self.database}.wal-switch.lock", "a"))
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            conn.execute("PRAGMA journal_mode = wal")
+
     def execute_sql(self, sql: str, params: Any = None) -> Any:
         try:
             return super().execute_sql(sql, params)  # type: ignore[no-untyped-call]
@@ -244,8 +262,8 @@ def open_database(url: str) -> peewee.Database:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         return _SqliteDatabase(
             path or ":memory:",
+            # WAL is set after these, one process at a time (_set_pragmas).
             pragmas={
-                "journal_mode": "wal",
                 "busy_timeout": 10000,
                 "synchronous": "normal",
                 "foreign_keys": 1,

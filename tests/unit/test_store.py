@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -310,3 +311,29 @@ def test_minimal_get_returns_what_the_peewee_query_returned(store: Store):
         assert store.get_task(task_id, owner=owner, full=False) == by_peewee(task_id, owner)
     assert store.get_task(anyone.id, full=False).state == "CANCELED"
     assert store.get_task(mine.id, owner="bob", full=False) is None
+
+
+def _open_and_create_tables(path: str, start: float) -> str | None:
+    """In a process of its own: wait for `start`, open the store, create the tables."""
+    while time.time() < start:
+        pass
+    try:
+        Store.from_url(f"sqlite:///{path}").init_schema("test")
+    except Exception as exc:  # the test reports what each process met
+        return repr(exc)
+    return None
+
+
+def test_processes_opening_a_new_sqlite_database_at_once_all_succeed(tmp_path):
+    # The API and the poller start together on a new state directory. Each switches the new
+    # database to WAL when it connects; two switches at once made one answer "database is
+    # locked" at once, and the API exited at its start.
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        for round_ in range(15):
+            path = str(tmp_path / f"{round_}.db")
+            start = time.time() + 0.05
+            errors = pool.starmap(_open_and_create_tables, [(path, start)] * 3)
+            assert errors == [None, None, None], f"round {round_}"
+            assert Store.from_url(f"sqlite:///{path}").db.execute_sql(
+                "PRAGMA journal_mode"
+            ).fetchone() == ("wal",)
