@@ -407,6 +407,8 @@ class Fault:
     at: float
     detail: str = ""
     undone_at: float | None = None
+    #: The harness's own error while injecting or undoing it: the fault did not run as planned.
+    error: str = ""
 
 
 class Nemesis:
@@ -443,7 +445,7 @@ class Nemesis:
         self.resumed: list[list[Any]] = []
         #: (node, UTC time as sacct prints it) of each node whose processes were all killed:
         #: nothing of a job there ran past it, whatever end Slurm later recorded.
-        self.node_kills: Sequence[tuple[str, str]] = ()
+        self.node_kills: list[tuple[str, str]] = []
 
     def elapsed(self) -> float:
         return now() - self.t0
@@ -488,7 +490,7 @@ class Nemesis:
         try:
             getattr(self, f"_{fault.kind}")(fault, duration, pick)
         except Exception as exc:
-            fault.detail += f" (error: {exc!r})"
+            fault.error = repr(exc)
         finally:
             fault.undone_at = round(self.elapsed(), 1)
             with self.lock:
@@ -998,7 +1000,7 @@ def check(
     created: list[Task],
     since: str,
     retries: int,
-    node_kills: list[tuple[str, str]],
+    node_kills: Sequence[tuple[str, str]],
 ) -> dict[str, Any]:
     """Every task final, listed, retrievable, run once, in the state its own command explains
     and with the right outputs; the Snakemake tasks (not planned here) must complete."""
@@ -1264,6 +1266,7 @@ def run_nemesis(
         "p99_ms_while_up": api["p99_ms_while_up"],
         "api": api,
         "faults_by_kind": counts,
+        "fault_errors": [f"{f.kind} at {f.at} s: {f.error}" for f in nemesis.faults if f.error],
         "faults": [f.__dict__ for f in nemesis.faults],
         "nodes_resumed": nemesis.resumed,
         "down_windows_s": [[round(a, 1), round(b, 1)] for a, b in nemesis.down],
@@ -1287,6 +1290,8 @@ def passed(result: dict[str, Any]) -> bool:
         and result["wrong_outputs"] == 0
         and result["five_xx_while_up"] == 0
         and all(r["outputs_right"] for r in runs)
+        # A fault the harness could not inject or undo leaves the run short of its faults.
+        and not result["fault_errors"]
     )
 
 
@@ -1334,6 +1339,8 @@ def main() -> dict[str, Any]:
     )
     for r in runs:
         print(f"{r['store']}: faults {r['faults_by_kind']}; workflow {r['workflow']}")
+        for error in r["fault_errors"]:
+            print(f"  fault not run as planned: {error}")
         if not passed(r):
             print(json.dumps(r["details"], indent=1)[:6000])
     return {"seed": seed, "runs": runs}

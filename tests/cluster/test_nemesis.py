@@ -39,4 +39,5 @@ def test_nemesis_loses_nothing_runs_nothing_twice_and_fails_nothing_falsely(
     assert result["falsely_failed"] == 0, context
     assert result["wrong_outputs"] == 0, context
     assert result["five_xx_while_up"] == 0, context
+    assert result["fault_errors"] == [], context
     assert passed(result), context
