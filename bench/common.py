@@ -82,7 +82,7 @@ def percentile(values: Sequence[float], p: float) -> float:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 60) -> None:
@@ -336,11 +336,11 @@ def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> f
                     )
                 }
                 for r in rows:
-                    document = json.loads(r["document"])
+                    document = json.loads(str(r["document"]))
                     for key, value in document["tags"].items():
-                        tags.append({"task_seq": seqs[r["id"]], "key": key, "value": value})
+                        tags.append({"task_seq": seqs[str(r["id"])], "key": key, "value": value})
                 TagRow.insert_many(tags).execute()
-        store.db.execute_sql("ANALYZE")
+        store.db.execute_sql("ANALYZE")  # type: ignore[no-untyped-call]
     store.db.close()
     return time.perf_counter() - started
 
