@@ -23,6 +23,7 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -250,7 +251,11 @@ def main() -> dict[str, object]:
             f"#!/bin/sh\nexec {runtime} exec {info['LOCAL_CLUSTER_APPTAINER_FLAGS']} "
             f"{sif} echo hello\n"
         )
-        single_raw, single_bridge, job_side, outcome_seen, submitted = [], [], [], [], []
+        single_raw: list[float] = []
+        single_bridge: list[float] = []
+        job_side: list[float] = []
+        outcome_seen: list[float] = []
+        submitted: list[float] = []
         for _ in range(SINGLE):
             wait_queue_empty()
             single_raw.append(raw_jobs(1, raw_script, directives))
@@ -269,7 +274,7 @@ def main() -> dict[str, object]:
     finally:
         stop(server)
     one_raw, one_bridge = statistics.median(single_raw), statistics.median(single_bridge)
-    rows = [
+    rows: list[list[Any]] = [
         [f"{TASKS} tasks, makespan s", ours, raw, f"{ours / raw:.2f}"],
         ["1 task, POST->COMPLETE vs sbatch->end, s", one_bridge, one_raw,
          f"+{one_bridge - one_raw:.2f} s"],
