@@ -20,7 +20,7 @@ ran, the time from the last POST until every task had its Slurm job, slurmctld's
 from `sdiag` before and after (REQUEST_SUBMIT_BATCH_JOB, and every RPC of the user: the
 bridge's squeue, sacct and scancel too), and the bridge's own Slurm calls per poll cycle
 (`tes_bridge_slurm_calls_total` over `tes_bridge_poll_cycle_seconds_count`). The cluster is
-shared by everyone on it as root: run it alone (`flock -x /tmp/cluster.lock`).
+shared by everyone on it as root: run it alone (`flock -x -o /tmp/cluster.lock`).
 
     python -m bench arrays
 """

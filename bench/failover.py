@@ -13,7 +13,7 @@ one private PostgreSQL, the shared work directory and image cache, the default l
   Slurm job: squeue and sacct by job name, job array elements mapped to their tasks through the
   arrays' scripts).
 
-The cluster is shared by everyone on it as root: run it alone (`flock -x /tmp/cluster.lock`).
+The cluster is shared by everyone on it as root: run it alone (`flock -x -o /tmp/cluster.lock`).
 
     BENCH_FAILOVER_TASKS=1000 python -m bench failover
 """

@@ -23,7 +23,7 @@ outside those seconds, and the poller's RSS and open files over the run.
 
 BENCH_NEMESIS_TASKS (default 100 a minute), BENCH_NEMESIS_SEED (replays a run's choices),
 BENCH_NEMESIS_INTERVAL (30 s between faults). Run it alone on the cluster (it kills shared
-daemons): `flock -x /tmp/cluster.lock ...`. Every fault is undone at the end, whatever happens.
+daemons): `flock -x -o /tmp/cluster.lock ...`. Every fault is undone at the end, whatever happens.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ outputs, logs and records, a cancel, a node lost for real, the poller killed ins
 sbatch, and admission control counting elements.
 
 To make a burst ready in one round, the tests stop the poller, create the tasks, and start it
-again. The node-loss test kills a node: run it under `flock -x /tmp/cluster.lock`.
+again. The node-loss test kills a node: run it under `flock -x -o /tmp/cluster.lock`.
 """
 
 from __future__ import annotations
