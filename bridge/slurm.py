@@ -20,7 +20,10 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
   ``--starttime`` is given.
 - sacct prints one line per job and one per step (``N.batch``, ``N.extern``, ``N.0``). MaxRSS is
   on the steps only; a cancelled or timed-out job has ExitCode ``0:0`` on the job line and the
-  signal (``0:15``) on its batch step.
+  signal (``0:15``) on its batch step. That signal comes a moment after the job line says
+  CANCELLED: until slurmd reports the step's end (after the script's own TERM trap, up to
+  KillWait), the batch step's line says ``CANCELLED`` ``0:0`` with no MaxRSS, while squeue says
+  COMPLETING.
 - States come as "CANCELLED by 0"; squeue prints "(null)" for no comment; times are "Unknown",
   "None", "N/A" or "NONE" when not set. A job cancelled while pending gets a start time equal to
   its end time in squeue.

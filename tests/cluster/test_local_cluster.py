@@ -275,11 +275,16 @@ def test_client_cancel(client: SlurmClient, shared_tmp_path: Path) -> None:
     assert client.queue([running])[running].state == "RUNNING"
     assert client.queue([held])[held].reason == "JobHeldUser"
     client.cancel([running, held, "999999999"])  # unknown ids are ignored by scancel
+    # slurmdbd has the job line CANCELLED at once, and its batch step's line CANCELLED 0:0 until
+    # slurmd reports the step's end (its signal, its MaxRSS) a moment later: wait for that report.
     jobs = wait_for(
         lambda: (
-            (a := client.accounting([running, held])) and all(j.ended for j in a.values()) and a
+            (a := client.accounting([running, held]))
+            and all(j.ended for j in a.values())
+            and a[running].signal
+            and a
         ),
-        what="cancelled jobs in sacct",
+        what="cancelled jobs in sacct, the running one with its batch step's signal",
     )
     assert {j.state for j in jobs.values()} == {"CANCELLED"}
     assert jobs[running].signal == 15 and jobs[held].start_time is None
