@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +107,34 @@ def _reset_root(layout: TaskLayout) -> None:
 
 
 def stage_in(task_dir: Path, records_dir: Path) -> int:
-    layout = TaskLayout(task_dir)
+    """`python -m bridge.job stage-in`: STAGE_OK, or STAGE_FAILED with reasons in system_logs."""
+    return _naming_unexpected_errors("staging inputs", _stage_in, task_dir, records_dir)
+
+
+def stage_out(task_dir: Path, records_dir: Path) -> int:
+    """`python -m bridge.job stage-out`: STAGE_OK, STAGE_MISSING_OUTPUTS, or STAGE_FAILED with
+    reasons in system_logs."""
+    return _naming_unexpected_errors("uploading outputs", _stage_out, task_dir, records_dir)
+
+
+def _naming_unexpected_errors(
+    what: str,
+    stage: Callable[[TaskLayout, RecordsWriter], int],
+    task_dir: Path,
+    records_dir: Path,
+) -> int:
+    """Run `stage`; an error no staging step expects (a defect, not the task's items) is named
+    in the task's system_logs before its traceback goes to the job's output file, so that the
+    task's logs say more than "staging failed"."""
     log = _RedactingWriter(records_dir)
+    try:
+        return stage(TaskLayout(task_dir), log)
+    except Exception as exc:
+        log.system_log(f"{what} stopped on an unexpected error: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _stage_in(layout: TaskLayout, log: RecordsWriter) -> int:
     loaded = _load(layout, log)
     if loaded is None:
         return STAGE_FAILED
@@ -250,9 +276,7 @@ def _make_mount_point(source: Path, dest: Path, kind: FileKind) -> None:
 # --------------------------------------------------------------------------- stage-out
 
 
-def stage_out(task_dir: Path, records_dir: Path) -> int:
-    layout = TaskLayout(task_dir)
-    log = _RedactingWriter(records_dir)
+def _stage_out(layout: TaskLayout, log: RecordsWriter) -> int:
     loaded = _load(layout, log)
     if loaded is None:
         return STAGE_FAILED

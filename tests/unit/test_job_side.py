@@ -26,6 +26,8 @@ from bridge.job.stage import (
     STAGE_FAILED,
     STAGE_MISSING_OUTPUTS,
     STAGE_OK,
+    StageIn,
+    StageOut,
     stage_in,
     stage_out,
 )
@@ -772,10 +774,11 @@ def run_job(
     *,
     args: Sequence[str] = (),
     fence: int | None = None,
+    python: str = sys.executable,
     **storage: Any,
 ) -> tuple[int, Any]:
     """Render the task and run its job script with `args` (the task directory fenced at lease
-    epoch `fence` first); its exit code and records."""
+    epoch `fence` first; `python` the job side's interpreter); its exit code and records."""
     tmp_path.mkdir(exist_ok=True)
     runtime = tmp_path / "apptainer"
     runtime.write_text(FAKE_RUNTIME)
@@ -787,6 +790,7 @@ def run_job(
             "state_dir": str(tmp_path / "state"),
             "container": {"runtime": str(runtime), "allow_root": True, "umask": container_umask},
             "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
+            "job": {"python": python},
         }
     )
     task = {"id": "job-1", **task}
@@ -939,6 +943,70 @@ def test_job_script_staging_failure_is_a_system_error_before_any_executor(
     assert "sftp://host/x" in records.system_logs[0]
     assert "not supported by this deployment yet" in records.system_logs[0]
     assert records.system_logs[-1] == "staging inputs failed; no executor ran"
+
+
+def python_killed_in(tmp_path: Path, subcommand: str) -> str:
+    """A job-side interpreter whose `subcommand` is killed by SIGKILL (as the out-of-memory
+    killer would) before it writes anything."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" {subcommand} "*) kill -9 $$ ;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.parametrize(
+    ("subcommand", "system_logs"),
+    [
+        (
+            "stage-in",
+            [
+                "the stage-in process was killed by signal 9",
+                "staging inputs failed; no executor ran",
+            ],
+        ),
+        ("stage-out", ["the stage-out process was killed by signal 9"]),
+    ],
+)
+def test_job_script_names_a_staging_process_killed_by_a_signal(
+    tmp_path: Path, subcommand: str, system_logs: list[str]
+) -> None:
+    """A staging process that dies without writing its own reason still leaves one."""
+    task = {
+        "inputs": [{"path": "/in/x", "content": "x"}],
+        "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
+        "executors": [sh("true")],
+    }
+    tmp_path.mkdir(exist_ok=True)
+    code, records = run_job(tmp_path, task, python=python_killed_in(tmp_path, subcommand))
+    assert (code, records.outcome) == (1, "system_error")
+    assert records.system_logs == system_logs
+
+
+@pytest.mark.parametrize(("stage", "cls"), [("in", StageIn), ("out", StageOut)])
+def test_an_unexpected_error_while_staging_is_named_in_the_tasks_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str, cls: type
+) -> None:
+    def defect(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("no handler near https://someone:secret@store.example/x")
+
+    monkeypatch.setattr(cls, "stage", defect)
+    task = Task(
+        tmp_path,
+        {
+            "inputs": [{"path": "/in/x", "content": "x"}],
+            "outputs": [{"path": "/in/x", "url": str(tmp_path / "shared" / "x")}],
+        },
+    )
+    with pytest.raises(RuntimeError):  # its traceback goes on to the job's output file
+        task.stage_in() if stage == "in" else task.stage_out()
+    what = "staging inputs" if stage == "in" else "uploading outputs"
+    assert task.read().system_logs == [
+        f"{what} stopped on an unexpected error: RuntimeError: no handler near "
+        "https://***@store.example/x"
+    ]
 
 
 def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Path) -> None:
