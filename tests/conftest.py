@@ -13,6 +13,7 @@ from bridge.config import Config, load_config
 from bridge.store import MODELS, Store
 
 pytest_plugins = [
+    "tests.fixtures.diagnostics",  # first: the others import it
     "tests.fixtures.postgres",
     "tests.fixtures.cluster",
     "tests.fixtures.service",

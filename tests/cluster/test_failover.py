@@ -44,6 +44,7 @@ from tests.cluster.test_engines import (
 )
 from tests.cluster.test_reliability import assert_one_job_per_attempt
 from tests.conftest import _fresh_store
+from tests.fixtures.diagnostics import failed_so_far, print_job_outputs
 from tests.fixtures.engines import Engine
 from tests.fixtures.nginx import private_nginx
 from tests.fixtures.service import TERMINAL, TesClient
@@ -331,7 +332,7 @@ BALANCER = """
 
 @pytest.fixture
 def make_site(
-    local_cluster: Any, postgres_url: str, tmp_path: Path
+    local_cluster: Any, postgres_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Site]]:
     sites: list[Site] = []
     balancers = ExitStack()
@@ -389,6 +390,8 @@ def make_site(
     yield make
     balancers.close()
     for site in sites:
+        if failed_so_far(request):
+            print_job_outputs(site.shared)
         for node in site.nodes.values():
             node.stop()
         if site.api is not None:
