@@ -79,6 +79,7 @@ setup(
             "types-peewee",
             "types-gunicorn",
             "types-PyYAML",
+            "types-jsonschema",
             "boto3-stubs[s3]",
             # The wings' import rules ([tool.importlinter] in pyproject.toml, ARCHITECTURE.md).
             "import-linter>=2.1",

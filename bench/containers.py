@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import scratch, table, write_result
 
@@ -132,7 +133,7 @@ def main() -> dict[str, object]:
         else "not measured"
     )
     mib = {name: size / 2**20 for name, size in disk.items()}
-    rows = [
+    rows: list[list[Any]] = [
         ["SIF (squashfuse)", med(starts["sif"]), med(reads["sif"]["cold"]),
          med(reads["sif"]["warm"]), mib["alpine.sif"], mib["big.sif"]],
         ["sandbox (unpacked once)", med(starts["sandbox"]), med(reads["sandbox"]["cold"]),

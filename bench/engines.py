@@ -160,9 +160,11 @@ def main() -> dict[str, Any]:
     sbatch.chmod(0o755)
     use_stand_in_slurm(root, job_ids)
     slurm = {tool: str(FAKE / tool) for tool in ("squeue", "sacct", "scancel")}
-    config = Config(state_dir=root / "state", database=url, slurm={**slurm, "sbatch": str(sbatch)})
+    config = Config.model_validate(
+        {"state_dir": root / "state", "database": url, "slurm": {**slurm, "sbatch": str(sbatch)}}
+    )
     poller: Poller = build_poller(config, store)
-    poller.submitter.images = StubImages()  # type: ignore[assignment]
+    poller.submitter.images = StubImages()
     poller.cleaner.last_cleanup = time.time()
     idle = [poller.cycle().seconds for _ in range(IDLE_CYCLES)]
 

@@ -23,6 +23,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from bench.common import (
     REPO,
@@ -69,7 +70,7 @@ def submit_held(count: int) -> list[str]:
         return list(pool.map(one, range(count)))
 
 
-def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
+def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, Any]:
     from bridge.config import Config
     from bridge.poller import build_poller
     from bridge.store import Store
@@ -78,11 +79,13 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
     url = f"sqlite:///{root}/tasks.db"
     fill_store(url, max(STORED, len(job_ids)), active_job_ids=job_ids)
     log = use_stand_in_slurm(root, job_ids)
-    config = Config(state_dir=root / "state", database=url, slurm=wrappers(root, log, real))
+    config = Config.model_validate(
+        {"state_dir": root / "state", "database": url, "slurm": wrappers(root, log, real)}
+    )
     store = Store.from_url(url)
     poller = build_poller(config, store)
     poller.cleaner.last_cleanup = time.time()  # the hourly directory cleanup is not part of a cycle
-    cycles = []
+    cycles: list[dict[str, Any]] = []
     for _ in range(CYCLES + 1):
         before = len(log.read_text().splitlines())
         started = time.perf_counter()
@@ -107,8 +110,8 @@ def run_case(label: str, job_ids: list[str], real: bool) -> dict[str, object]:
     }
 
 
-def main() -> dict[str, object]:
-    results: dict[str, object] = {}
+def main() -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
     real_counts = [int(n) for n in os.environ.get("BENCH_POLL_REAL_JOBS", "1000").split(",") if n]
     for count in real_counts if shutil.which("sbatch") else []:
         held: list[str] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -40,7 +41,7 @@ TASK = {
 }
 
 
-def per_call_us(fn, rounds: int = 5, number: int = 2000) -> float:
+def per_call_us(fn: Callable[[], object], rounds: int = 5, number: int = 2000) -> float:
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
