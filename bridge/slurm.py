@@ -24,7 +24,11 @@ Slurm quirks this module handles (seen on Slurm 22.05; real output in tests/data
   CANCELLED: until slurmd reports the step's end (after the script's own TERM trap, up to
   KillWait), the batch step's line says ``CANCELLED`` ``0:0`` with no MaxRSS, while squeue says
   COMPLETING.
-- States come as "CANCELLED by 0"; squeue prints "(null)" for no comment; times are "Unknown",
+- States come as "CANCELLED by 0" (sacct: the uid that asked, for every scancel, of a job or a
+  whole array); a job Slurm cancels itself has plain "CANCELLED" in sacct: when a slurmctld
+  restarted from an older state gives out a running job's id again, the node reports the
+  duplicate and Slurm kills the new job, every element of an array that has the id. squeue
+  says "CANCELLED" either way; squeue prints "(null)" for no comment; times are "Unknown",
   "None", "N/A" or "NONE" when not set. A job cancelled while pending gets a start time equal to
   its end time in squeue.
 - scancel of an unknown or already finished job exits 0 and prints nothing.
@@ -412,6 +416,10 @@ class JobInfo:
     #: Largest MaxRSS of the job's steps (sacct only).
     max_rss_bytes: int | None
     comment: str | None
+    #: Who cancelled a CANCELLED job, from sacct ("CANCELLED by 1000": "1000"); "" when sacct
+    #: names no one: Slurm ended the job itself (e.g. slurmd found its id a duplicate). None when
+    #: not known: squeue does not say, and another state has no canceller.
+    canceled_by: str | None = None
 
     @property
     def tes_state(self) -> str:
@@ -559,6 +567,9 @@ def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
     state = base_state(state_text)
     node_name = _opt(node)
     ended = state in ENDED_STATES
+    canceled_by = None
+    if state == "CANCELLED":
+        canceled_by = state_text.split(" by ", 1)[1].strip() if " by " in state_text else ""
     exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
     return JobInfo(
         job_id=job_id,
@@ -575,6 +586,7 @@ def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
         elapsed_seconds=int(elapsed) if elapsed.strip().isdigit() else None,
         max_rss_bytes=parse_size(rss),
         comment=_opt(comment),
+        canceled_by=canceled_by,
     )
 
 

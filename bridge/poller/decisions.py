@@ -87,6 +87,11 @@ def decide(
         # system's failure, submitted again) from one that failed. The next cycles read sacct;
         # once the job leaves squeue without it, the missing-job grace above decides.
         return Decision(current)
+    if job.state == "CANCELLED" and job.canceled_by is None:
+        # squeue's word alone: only sacct names who cancelled the job, and one Slurm cancelled
+        # itself is lost, not canceled (_lost_because). The same cycle asks sacct for jobs that
+        # squeue lists as ended; this waits only while slurmdbd is a moment behind.
+        return Decision(current)
     if job.state == "PREEMPTED" and on_preemption == "preempted":
         return _preempted(job)
     return _decide_ended(job, records, attempt, retries, time_limit)
@@ -161,15 +166,25 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
         # processes killed as it failed, or an operator's kill.
         on = f" on {job.node}" if job.node else ""
         return f": its script was killed{on} before it could record an outcome"
+    return _ended_by_an_id_given_out_twice(job, records)
+
+
+def _ended_by_an_id_given_out_twice(job: JobInfo, records: JobRecords) -> str | None:
+    """Why Slurm itself ended the job, as words for its line, after a slurmctld killed before
+    it saved its state gave the id of a job it forgot, still running on a node, to a new one;
+    None when that is not what ended it."""
     if job.state == "CANCELLED" and job.node and records.phase is None:
-        # Slurm itself killed the job as it launched it, before its script started (a node
-        # that reports the id as a duplicate, after a slurmctld killed before it saved its
-        # state reused it): lost through no fault of the task, nor canceled by anyone.
+        # Slurm itself killed the job as it launched it, before its script started (the node
+        # reported the id as a duplicate): lost through no fault of the task, nor canceled.
         return f" on {job.node} before its script started"
+    if job.state == "CANCELLED" and job.canceled_by == "":
+        # No one asked (sacct names no canceller): Slurm killed the job as it ran, when the id
+        # was reported as a duplicate on its node, an array's every element with it.
+        on = f" on {job.node}" if job.node else ""
+        return f"{on}: Slurm cancelled it itself, no one asked (a job id given out twice?)"
     if job.state == "COMPLETED" and job.node and not records.started:
         # The script records its start before anything else (or exits with the no-records
-        # code): this end is another job's. A slurmctld killed before it saved its state gave
-        # the id out again, and the orphan still running under it on the node ended as this job.
+        # code): this end is another job's, the orphan still running under the id on the node.
         return (
             f", yet its script never started on {job.node}: Slurm gave the id of a job it had "
             "forgotten to this one, and that job's end was taken for this one's"

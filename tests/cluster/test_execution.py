@@ -288,6 +288,21 @@ def test_a_task_canceled_while_its_executor_runs_gets_its_jobs_final_record(brid
     assert any("ended in state CANCELLED" in line for line in last["system_logs"]), last
 
 
+def test_a_job_cancelled_in_slurm_by_an_operator_ends_its_task_canceled(bridge_service):
+    """An operator's scancel ("CANCELLED by 0" in sacct) is a cancel: the task ends CANCELED,
+    not submitted again as a job Slurm cancelled itself would be (plain "CANCELLED")."""
+    task_id = bridge_service.create({"executors": [executor("sleep", "300")]})
+    task = bridge_service.wait(task_id, states={"RUNNING"}, timeout=120)
+    job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    subprocess.run(["scancel", job_id], check=True, timeout=30)
+    task = bridge_service.wait(task_id, timeout=90)
+    assert task["state"] == "CANCELED", task
+    last = bridge_service.get(task_id, "FULL")["logs"][-1]
+    assert f"Slurm job {job_id} ended in state CANCELLED" in " ".join(last["system_logs"]), last
+    assert "canceled outside tes-bridge" in " ".join(last["system_logs"]), last
+    assert len(bridge_service.get(task_id, "FULL")["logs"]) == 1  # not submitted again
+
+
 def test_cancel_right_after_create(bridge_service):
     task_id = bridge_service.create({"executors": [executor("sleep", "60")]})
     bridge_service.cancel(task_id)

@@ -176,7 +176,8 @@ class FakeSlurm:
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         self._check("scancel")
         for job_id in job_ids:
-            self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED")
+            # As sacct names the uid that ran scancel ("CANCELLED by 0").
+            self.jobs[job_id] = replace(self.jobs[job_id], state="CANCELLED", canceled_by="0")
 
 
 # mypy checks here that the fake has every method of the protocol, with its signature.

@@ -21,8 +21,9 @@ from bridge.job.layout import LEASE_FENCE
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.poller.attempt import LOST_JOBS_KEY, Condition, ConditionKind
-from bridge.poller.decisions import MISSING_JOB_GRACE
+from bridge.poller.decisions import MISSING_JOB_GRACE, Decision
 from bridge.poller.follow import FINAL_FACTS_GRACE
+from bridge.slurm import parse_sacct
 from bridge.store import Store
 from tests.fakes.slurm import FakeSlurm, job
 
@@ -196,8 +197,9 @@ def test_a_preempted_job_that_recorded_its_outcome_keeps_it():
     ],
 )
 def test_jobs_that_end_without_an_outcome(slurm_state, phase, state, words):
+    canceled_by = "1000" if slurm_state == "CANCELLED" else None  # sacct: "CANCELLED by 1000"
     decision = decide(
-        job=job(state=slurm_state, exit_code=1),
+        job=job(state=slurm_state, exit_code=1, canceled_by=canceled_by),
         records=records(phase=phase),
         attempt=1,
         retries=0,
@@ -415,19 +417,46 @@ def test_a_job_completed_whose_script_never_started_is_submitted_again():
 def test_a_job_slurm_killed_as_it_launched_it_is_submitted_again_not_canceled():
     """A node that reports a job id Slurm reused (after a slurmctld killed -9 lost its state)
     as a duplicate: Slurm cancels the new job at launch, before its script starts."""
-    killed = job(state="CANCELLED", node="node1", exit_code=0, signal=0)
+    killed = job(state="CANCELLED", node="node1", exit_code=0, signal=0, canceled_by="")
     lost = decide(job=killed, records=records(), attempt=1, retries=2, current=State.INITIALIZING)
     assert lost.state is State.QUEUED and lost.retry
     assert "before its script started; submitting it again" in lost.messages[0]
     spent = decide(job=killed, records=records(), attempt=3, retries=2, current=State.QUEUED)
     assert spent.state is State.SYSTEM_ERROR
-    # Canceled while pending (no node), or once its script ran: a cancel, final.
+    # Canceled by someone while pending (no node), or once its script ran: a cancel, final.
+    killed = replace(killed, canceled_by="1000")
     pending = replace(killed, node=None)
     assert decide(job=pending, records=records(), attempt=1, retries=2,
                   current=State.QUEUED).state is State.CANCELED  # fmt: skip
     ran = decide(job=killed, records=records(phase="running 0"), attempt=1, retries=2,
                  current=State.RUNNING)  # fmt: skip
     assert ran.state is State.CANCELED
+
+
+def test_a_running_job_slurm_cancelled_itself_is_submitted_again_not_canceled():
+    """slurmctld restarted from an older state gives a running job's id out again (to a new
+    array): the node reports the duplicate and Slurm kills the id, every running element of
+    the array with it. sacct says plain "CANCELLED" (no one asked) for them
+    (tests/data/slurm/sacct-cancelled-by-slurm.txt); a scancel says "CANCELLED by UID"."""
+    element = parse_sacct((DATA / "sacct-cancelled-by-slurm.txt").read_text())["96434_21"]
+    assert (element.state, element.canceled_by, element.node) == ("CANCELLED", "", "node1")
+    running = records(phase="running 0")
+    lost = decide(job=element, records=running, attempt=1, retries=2, current=State.RUNNING)
+    assert lost.state is State.QUEUED and lost.retry
+    assert lost.messages == [
+        "Slurm job 96434_21 ended in state CANCELLED (exit code 15) on node1: Slurm cancelled "
+        "it itself, no one asked (a job id given out twice?); submitting it again"
+    ]
+    spent = decide(job=element, records=running, attempt=3, retries=2, current=State.RUNNING)
+    assert spent.state is State.SYSTEM_ERROR and "no retries left (2)" in spent.messages[0]
+    # Someone's scancel: a cancel, final.
+    asked = replace(element, canceled_by="1000")
+    assert decide(job=asked, records=running, attempt=1, retries=2,
+                  current=State.RUNNING).state is State.CANCELED  # fmt: skip
+    # squeue's word alone names no one: wait for sacct's.
+    queued = replace(element, canceled_by=None)
+    assert decide(job=queued, records=running, attempt=1, retries=2,
+                  current=State.RUNNING) == Decision(State.RUNNING)  # fmt: skip
 
 
 def test_a_job_id_slurm_reused_for_another_job_is_not_taken_for_the_tasks_job(env):

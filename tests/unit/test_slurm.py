@@ -217,11 +217,21 @@ def test_sacct_cancelled_job_gets_its_signal_from_the_batch_step() -> None:
     jobs = parse_sacct(data("sacct-ended.txt"))
     cancelled = by_name(jobs, "tes-running")
     assert cancelled.state == "CANCELLED"  # from "CANCELLED by 0"
+    assert cancelled.canceled_by == "0"
     assert (cancelled.exit_code, cancelled.signal) == (0, 15)
     timeout = by_name(jobs, "tes-timeout")
     assert (timeout.state, timeout.signal) == ("TIMEOUT", 15)
     assert timeout.elapsed_seconds is not None and timeout.elapsed_seconds >= 60  # --time=1
     assert timeout.max_rss_bytes is not None and timeout.max_rss_bytes % 1024 == 0
+
+
+def test_sacct_names_no_canceller_of_a_job_slurm_cancelled_itself() -> None:
+    jobs = parse_sacct(data("sacct-cancelled-by-slurm.txt"))
+    assert (jobs["96434_21"].state, jobs["96434_21"].canceled_by) == ("CANCELLED", "")
+    assert (jobs["96434_21"].exit_code, jobs["96434_21"].node) == (15, "node1")
+    assert jobs["96434_22"].canceled_by is None  # COMPLETED: no one cancelled it
+    # squeue says CANCELLED, and names no one: not known.
+    assert all(j.canceled_by is None for j in parse_squeue(data("squeue-cancelled.txt")).values())
 
 
 def test_sacct_memory_overrun_is_failed_with_sigkill_and_its_max_rss() -> None:

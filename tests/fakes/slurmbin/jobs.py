@@ -109,7 +109,8 @@ def sacct_lines(job: Job, now: float) -> str:
     start = _stamp(job.submitted)
     end = _stamp(job.end()) if state != "RUNNING" else "Unknown"
     code = "0:15" if state == "CANCELLED" else "0:0"
+    said = "CANCELLED by 0" if state == "CANCELLED" else state  # sacct names who cancelled
     return (
-        f"{job.job_id}|{job.name}|{state}|0:0|None|n1|main|{start}|{end}|1||(null)\n"
+        f"{job.job_id}|{job.name}|{said}|0:0|None|n1|main|{start}|{end}|1||(null)\n"
         f"{job.job_id}.batch|batch|{state}|{code}||n1||{start}|{end}|1|1024K|\n"
     )
