@@ -805,6 +805,16 @@ find_other_slurmds() {
   done
 }
 
+# Whether the running slurmd $1 sees this checkout, whose Python its jobs run. A node started
+# from another checkout holds only that one's /tmp path aside (node_namespace): a `mktemp -d`
+# clone used with a cluster another checkout brought up would be missing on the node.
+node_sees_checkout() {
+  local pid
+  pid=$(daemon_pid "$1") || return 1
+  command -v nsenter >/dev/null || return 0
+  nsenter --mount --target "$pid" -- test -e "$REPO/setup.py"
+}
+
 start_daemons() {
   local name i
   find_other_slurmds
@@ -817,7 +827,12 @@ start_daemons() {
   for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
     name=${DAEMONS[i]}
     if running "$name"; then
-      continue
+      if [[ $name == slurmd-* ]] && ! node_sees_checkout "$name"; then
+        log "$name was started from another checkout and does not see this one; restarting it"
+        stop_daemon "$name"
+      else
+        continue
+      fi
     fi
     rm -f "${PIDFILE[$name]}"
     log "starting $name"
