@@ -567,9 +567,8 @@ def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
     state = base_state(state_text)
     node_name = _opt(node)
     ended = state in ENDED_STATES
-    canceled_by = None
-    if state == "CANCELLED":
-        canceled_by = state_text.split(" by ", 1)[1].strip() if " by " in state_text else ""
+    # "CANCELLED by 1000" -> "1000"; plain "CANCELLED" -> "" (no one asked).
+    canceled_by = state_text.partition(" by ")[2].strip() if state == "CANCELLED" else None
     exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
     return JobInfo(
         job_id=job_id,

@@ -979,7 +979,6 @@ def test_job_script_names_a_staging_process_killed_by_a_signal(
         "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
         "executors": [sh("true")],
     }
-    tmp_path.mkdir(exist_ok=True)
     code, records = run_job(tmp_path, task, python=python_killed_in(tmp_path, subcommand))
     assert (code, records.outcome) == (1, "system_error")
     assert records.system_logs == system_logs
