@@ -10,6 +10,18 @@
 #   deploy/local-cluster.sh add-user NAME..  give users made after `up` an association (Slurm
 #                                            refuses jobs of users without one, as at a site)
 #
+# Slurm release (LOCAL_CLUSTER_SLURM): 22.05 is Debian 12's own packages. 24.11 (Debian 13) and
+# 26.05 (Debian unstable; its release then, if unstable has moved on) are unpacked from Debian's
+# binary packages into STATE/cache/slurm/<release> (mmdebstrap --variant=extract through a private
+# apt list: the machine's apt sources are not touched), their programs pointed at the glibc and
+# libraries unpacked with them (patchelf), so the daemons and commands of that release run on this
+# Debian 12 while jobs run on the nodes as before. The first `up` of a release downloads about
+# 90 MB and takes 15-30 s; later ones reuse the cache. Each release keeps its own controller
+# state, slurmd spool and accounting database (a release never reads another's), and its client
+# commands are linked into /usr/local/bin (removed again on a switch back to 22.05). On 24.11 and
+# later, slurmctld limits each user's RPC rate (SlurmctldParameters=rl_enable, its defaults), as a
+# careful site's does; root and SlurmUser are exempt.
+#
 # With one node, this machine is the login node and the compute node (node name: the host name).
 # With N >= 2, nodes node1..nodeN are each their own slurmd (Slurm's multiple-slurmd mode, one
 # port per node) in its own mount namespace, seeing what a site's compute node sees: its own /tmp
@@ -20,6 +32,7 @@
 #
 # Run as root on Debian 12. Daemons are started directly (no systemd) and tracked by the pid files
 # in one state directory, so `down` stops exactly what `up` started. Settings (environment):
+#   LOCAL_CLUSTER_SLURM      Slurm release: 22.05, 24.11 or 26.05 (as last time, else 22.05)
 #   LOCAL_CLUSTER_DIR        state, logs, pid files, caches   (/var/lib/tes-bridge/local-cluster)
 #   LOCAL_CLUSTER_SLURM_ETC  where slurm.conf/slurmdbd.conf go (/etc/slurm; other paths need
 #                            SLURM_CONF=<dir>/slurm.conf for the Slurm commands)
@@ -61,6 +74,15 @@ IMAGES_SRC=$REPO/deploy/images
 NODE_READONLY=${LOCAL_CLUSTER_NODE_READONLY:-/usr /opt $REPO}
 CGROUP_WANTED=${LOCAL_CLUSTER_CGROUP:-auto}
 FAKE_GPUS=${LOCAL_CLUSTER_GPUS:-2}
+# The Slurm releases this script can run, and the Debian suite whose binary packages have each
+# (22.05: this machine's own Debian 12).
+declare -A SLURM_SUITE=([22.05]=bookworm [24.11]=trixie [26.05]=sid)
+# Bump when the way a release's programs are unpacked or patched changes, so caches are rebuilt.
+SLURM_TREE_RECIPE=1
+# Client commands of an unpacked release linked into this directory (before /usr/bin on PATH).
+SLURM_LINK_DIR=/usr/local/bin
+SLURM_CLIENT_COMMANDS=(sacct sacctmgr salloc sattach sbatch sbcast scancel scontrol scrontab sdiag
+  sinfo sprio squeue sreport srun sshare sstat strigger)
 # Bump when the way images are built changes, so cached images are rebuilt.
 IMAGE_RECIPE_VERSION=1
 
@@ -84,6 +106,7 @@ MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
 SHARED=$STATE_DIR/shared
 NODES_DIR=$STATE_DIR/nodes
 NODE_COUNT_FILE=$STATE_DIR/nodes.count
+SLURM_RELEASE_FILE=$STATE_DIR/slurm.release
 # The daemons live in sbin, which a non-login root shell (CI, cron) may lack on its PATH.
 export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
 export SLURM_CONF=$SLURM_CONF_FILE
@@ -142,6 +165,39 @@ configured_nodes() {
   [[ -s $NODE_COUNT_FILE ]] && n=$(<"$NODE_COUNT_FILE")
   [[ $n =~ ^[0-9]+$ ]] && ((n >= 1)) || n=1
   echo "$n"
+}
+
+# The Slurm release of the running configuration (22.05 when none was chosen yet).
+configured_release() {
+  local release=22.05
+  [[ -s $SLURM_RELEASE_FILE ]] && release=$(<"$SLURM_RELEASE_FILE")
+  [[ -n ${SLURM_SUITE[$release]:-} ]] || release=22.05
+  echo "$release"
+}
+
+# Chooses Slurm release $1: where its programs are, and the paths of its own state. Exported, so
+# that the compute nodes' namespaces (`_node`) run the same release.
+use_release() {
+  SLURM_RELEASE=$1
+  [[ -n ${SLURM_SUITE[$SLURM_RELEASE]:-} ]] ||
+    die "LOCAL_CLUSTER_SLURM must be one of: ${!SLURM_SUITE[*]} (not '$SLURM_RELEASE')"
+  export LOCAL_CLUSTER_SLURM=$SLURM_RELEASE
+  if [[ $SLURM_RELEASE == 22.05 ]]; then
+    SLURM_TREE="" SLURM_BIN="" SLURM_PLUGIN_DIR="" SLURMSTEPD=""
+    SLURMCTLD_STATE=$STATE_DIR/slurmctld SLURMD_SPOOL=$STATE_DIR/slurmd ACCOUNTING_DB=slurm_acct_db
+    # Debian's own commands, whatever another release left linked in $SLURM_LINK_DIR.
+    export PATH=/usr/bin:/usr/sbin:$PATH
+    return 0
+  fi
+  SLURM_TREE=$CACHE/slurm/$SLURM_RELEASE
+  SLURM_BIN=$SLURM_TREE/bin
+  SLURM_PLUGIN_DIR=$SLURM_TREE/root/usr/lib/x86_64-linux-gnu/slurm-wlm
+  # slurmd runs the slurmstepd of its own build's prefix (/usr/sbin) unless told otherwise.
+  SLURMSTEPD=$SLURM_BIN/slurmstepd
+  SLURMCTLD_STATE=$STATE_DIR/slurmctld-$SLURM_RELEASE
+  SLURMD_SPOOL=$STATE_DIR/slurmd-$SLURM_RELEASE
+  ACCOUNTING_DB=slurm_acct_db_${SLURM_RELEASE/./_}
+  export PATH=$SLURM_BIN:$PATH
 }
 
 log() { ((QUIET)) || printf '[%3ds] %s\n' "$((SECONDS - T0))" "$*"; }
@@ -282,6 +338,80 @@ install_packages() {
   log "Debian packages installed"
 }
 
+# --- Slurm releases other than Debian 12's -----------------------------------------------------
+
+# The programs of Slurm $SLURM_RELEASE with the libraries they need, unpacked once into
+# $SLURM_TREE/root from Debian's binary packages (see the head of this file); $SLURM_BIN holds
+# them under their plain names.
+install_slurm_release() {
+  [[ -n $SLURM_TREE ]] || return 0
+  local stamp=$SLURM_TREE/installed
+  [[ -s $stamp && $(head -n 1 "$stamp") == "recipe $SLURM_TREE_RECIPE" ]] && return 0
+  local suite=${SLURM_SUITE[$SLURM_RELEASE]} started=$SECONDS new=$SLURM_TREE.new
+  local logfile=$LOGS/slurm-$SLURM_RELEASE-install.log
+  log "unpacking Slurm $SLURM_RELEASE from Debian $suite into $SLURM_TREE"
+  rm -rf "$new"
+  mkdir -p "$new/bin"
+  # extract: the packages and their dependencies unpacked, nothing configured or run. The
+  # mirror may be a snapshot whose Release file is past its Valid-Until date.
+  mmdebstrap --variant=extract --include=slurmctld,slurmd,slurmdbd,slurm-client \
+    --aptopt='Acquire::Check-Valid-Until "false"' --aptopt='Acquire::Retries "3"' \
+    --skip=check/signed-by "$suite" "$new/root" "$(debian_mirror)" >"$logfile" 2>&1 ||
+    { tail -n 20 "$logfile" >&2; die "could not unpack Slurm from Debian $suite (log: $logfile)"; }
+  # The programs load the unpacked glibc and libraries (their final paths, after the move below);
+  # --force-rpath: an RPATH, unlike a RUNPATH, also serves the libraries' and plugins' own needs.
+  local lib=$SLURM_TREE/root/usr/lib/x86_64-linux-gnu new_lib=$new/root/usr/lib/x86_64-linux-gnu
+  local rpath=$lib/slurm-wlm:$lib name file
+  for name in "${SLURM_CLIENT_COMMANDS[@]}" slurmctld slurmd slurmstepd slurmdbd; do
+    for file in "$new/root/usr/bin/$name" "$new/root/usr/sbin/$name-wlm" "$new/root/usr/sbin/$name" ""; do
+      [[ -f $file ]] && break
+    done
+    [[ -n $file ]] || continue
+    patchelf --force-rpath --set-interpreter "$lib/ld-linux-x86-64.so.2" --set-rpath "$rpath" "$file"
+    ln -s "$SLURM_TREE/root${file#"$new/root"}" "$new/bin/$name"
+  done
+  for file in "$new_lib"/slurm-wlm/*.so; do
+    patchelf --force-rpath --set-rpath "$rpath" "$file"
+  done
+  [[ -L $new/bin/slurmctld && -L $new/bin/slurmstepd && -L $new/bin/sbatch ]] ||
+    die "the packages of Debian $suite lack Slurm's programs (see $logfile)"
+  rm -rf "$SLURM_TREE"
+  mv "$new" "$SLURM_TREE"
+  local version
+  version=$("$SLURM_BIN/slurmctld" -V 2>&1) ||
+    die "the unpacked slurmctld does not run: $version"
+  [[ $version == *" $SLURM_RELEASE."* ]] ||
+    log "note: Debian $suite now has $version, not $SLURM_RELEASE; using it as release $SLURM_RELEASE"
+  printf 'recipe %s\n%s\n' "$SLURM_TREE_RECIPE" "$version" >"$stamp"
+  log "Slurm $SLURM_RELEASE ($version) unpacked in $((SECONDS - started)) s"
+}
+
+# The client commands of an unpacked release, linked into $SLURM_LINK_DIR for users, services
+# and tests; on 22.05, the links an unpacked release left there are removed. A file there that
+# is not such a link is never touched.
+link_client_commands() {
+  local name link
+  for name in "${SLURM_CLIENT_COMMANDS[@]}"; do
+    link=$SLURM_LINK_DIR/$name
+    if [[ -e $link || -L $link ]] && ! [[ -L $link && $(readlink "$link") == "$CACHE/slurm/"* ]]; then
+      [[ -z $SLURM_TREE ]] || log "warning: $link is not this script's link; left as it is"
+      continue
+    fi
+    if [[ -n $SLURM_TREE && -e $SLURM_BIN/$name ]]; then
+      ln -sfn "$SLURM_BIN/$name" "$link"
+    else
+      rm -f "$link"
+    fi
+  done
+}
+
+# slurm.conf lines of an unpacked release: its plugins, and each user's RPC rate limited with
+# slurmctld's defaults (a bucket of 30, 2 more a second), as at a careful site.
+release_lines() {
+  [[ -n $SLURM_TREE ]] || return 0
+  printf '%s\n' "PluginDir=$SLURM_PLUGIN_DIR" "SlurmctldParameters=rl_enable"
+}
+
 # --- configuration files ------------------------------------------------------------------------
 
 # write_if_changed FILE MODE CONTENT: returns 0 when the file changed.
@@ -335,11 +465,11 @@ node_hardware() {
 
 slurmd_paths() {
   if ((NODE_COUNT == 1)); then
-    printf '%s\n' "SlurmdPort=$SLURMD_PORT" "SlurmdSpoolDir=$STATE_DIR/slurmd" \
+    printf '%s\n' "SlurmdPort=$SLURMD_PORT" "SlurmdSpoolDir=$SLURMD_SPOOL" \
       "SlurmdPidFile=${PIDFILE[slurmd]}" "SlurmdLogFile=${LOGFILE[slurmd]}"
   else
     # %n: the node's name; each slurmd keeps its own spool, pid file and log.
-    printf '%s\n' "SlurmdSpoolDir=$STATE_DIR/slurmd/%n" "SlurmdPidFile=$RUN/slurmd-%n.pid" \
+    printf '%s\n' "SlurmdSpoolDir=$SLURMD_SPOOL/%n" "SlurmdPidFile=$RUN/slurmd-%n.pid" \
       "SlurmdLogFile=$LOGS/slurmd-%n.log"
     # Notice a killed slurmd within seconds (default 300 s): its jobs end NODE_FAIL and requeue.
     printf '%s\n' "SlurmdTimeout=10"
@@ -365,8 +495,10 @@ slurm_conf() {
     topo=" SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS"
   cat <<EOF
 $MARKER
-# Test cluster with $NODE_COUNT compute node(s); state, logs and pid files live in $STATE_DIR.
+# Test cluster with $NODE_COUNT compute node(s), Slurm $SLURM_RELEASE; state, logs and pid files
+# live in $STATE_DIR.
 ClusterName=$CLUSTER_NAME
+$(release_lines)
 SlurmctldHost=$NODE(127.0.0.1)
 SlurmctldPort=$SLURMCTLD_PORT
 SlurmUser=root
@@ -377,7 +509,7 @@ CredType=cred/munge
 MpiDefault=none
 $(confinement_lines)
 ReturnToService=2
-StateSaveLocation=$STATE_DIR/slurmctld
+StateSaveLocation=$SLURMCTLD_STATE
 SlurmctldPidFile=${PIDFILE[slurmctld]}
 SlurmctldLogFile=${LOGFILE[slurmctld]}
 $(slurmd_paths)
@@ -525,7 +657,8 @@ StorageHost=127.0.0.1
 StoragePort=$MYSQL_PORT
 StorageUser=slurm
 StoragePass=$(<"$STATE_DIR/mysql/slurm.password")
-StorageLoc=slurm_acct_db
+StorageLoc=$ACCOUNTING_DB
+$([[ -z $SLURM_TREE ]] || echo "PluginDir=$SLURM_PLUGIN_DIR")
 EOF
 }
 
@@ -564,7 +697,7 @@ EOF
 }
 
 prepare_dirs() {
-  mkdir -p "$STATE_DIR" "$RUN" "$LOGS" "$CACHE" "$STATE_DIR/slurmctld" "$STATE_DIR/slurmd" \
+  mkdir -p "$STATE_DIR" "$RUN" "$LOGS" "$CACHE" "$SLURMCTLD_STATE" "$SLURMD_SPOOL" \
     "$STATE_DIR/mysql" "$STATE_DIR/registry/data" "$APPTAINER_CACHEDIR"
   chmod 755 "$STATE_DIR" "$RUN" "$LOGS"
   install -d -m 755 -o munge -g munge "$RUN/munge" "$STATE_DIR/munge"
@@ -578,7 +711,7 @@ prepare_dirs() {
   if ((NODE_COUNT >= 2)); then
     local node
     for node in "${NODES[@]}"; do
-      install -d -m 755 "$NODES_DIR/$node" "$STATE_DIR/slurmd/$node"
+      install -d -m 755 "$NODES_DIR/$node" "$SLURMD_SPOOL/$node"
       install -d -m 1777 "$NODES_DIR/$node/tmp" "$NODES_DIR/$node/var-tmp" "$NODES_DIR/$node/scratch"
     done
   fi
@@ -649,16 +782,21 @@ start_mysqld() {
   setsid /usr/sbin/mariadbd --defaults-file="$STATE_DIR/mysql/my.cnf" \
     </dev/null >>"$LOGS/mysqld.out" 2>&1 &
   wait_for 60 mysqladmin --socket="$MYSQL_SOCKET" ping || daemon_failed mysqld "did not start"
+}
+
+# The release's accounting database (each release has its own: slurmdbd converts a database to
+# its own schema, and an older release cannot read it back) and slurmdbd's account for it.
+ensure_accounting_db() {
   local pw
   pw=$(<"$STATE_DIR/mysql/slurm.password")
-  local sql="CREATE DATABASE IF NOT EXISTS slurm_acct_db;" host
+  local sql="CREATE DATABASE IF NOT EXISTS $ACCOUNTING_DB;" host
   for host in 127.0.0.1 localhost; do
     sql+=" CREATE USER IF NOT EXISTS 'slurm'@'$host' IDENTIFIED BY '$pw';"
     sql+=" ALTER USER 'slurm'@'$host' IDENTIFIED BY '$pw';"
-    sql+=" GRANT ALL ON slurm_acct_db.* TO 'slurm'@'$host';"
+    sql+=" GRANT ALL ON $ACCOUNTING_DB.* TO 'slurm'@'$host';"
   done
   mariadb --socket="$MYSQL_SOCKET" -uroot <<<"$sql" >>"$LOGS/mysqld.out" 2>&1 ||
-    daemon_failed mysqld "could not create the accounting database"
+    daemon_failed mysqld "could not create the accounting database $ACCOUNTING_DB"
 }
 
 cluster_registered() {
@@ -666,6 +804,7 @@ cluster_registered() {
 }
 
 start_slurmdbd() {
+  ensure_accounting_db
   slurmdbd </dev/null >>"$LOGS/slurmdbd.out" 2>&1 || daemon_failed slurmdbd "exited at start"
   wait_for 30 sacctmgr -n show cluster || daemon_failed slurmdbd "does not answer sacctmgr"
   if ! cluster_registered; then
@@ -721,7 +860,8 @@ start_slurmctld() {
 }
 
 start_slurmd() {
-  slurmd </dev/null >>"$LOGS/slurmd.out" 2>&1 || daemon_failed slurmd "exited at start"
+  slurmd ${SLURMSTEPD:+-d "$SLURMSTEPD"} </dev/null >>"$LOGS/slurmd.out" 2>&1 ||
+    daemon_failed slurmd "exited at start"
 }
 
 # The shared filesystem as a mount of its own, shared: what is mounted under it later (as an
@@ -773,13 +913,13 @@ node_namespace() {
   done
   # The controller's state, the accounting database, the munge key and the other nodes'
   # directories are the login node's (or another host's) own.
-  for path in "$STATE_DIR/slurmctld" "$STATE_DIR/mysql" "$STATE_DIR/munge" "$STATE_DIR/registry"; do
+  for path in "$SLURMCTLD_STATE" "$STATE_DIR/mysql" "$STATE_DIR/munge" "$STATE_DIR/registry"; do
     [[ -d $path ]] && mount -t tmpfs -o size=1m,mode=700 tmpfs "$path"
   done
   for path in "$NODES_DIR"/*; do
     [[ $path == "$dir" ]] || mount -t tmpfs -o size=1m,mode=700 tmpfs "$path"
   done
-  exec slurmd -N "$node"
+  exec slurmd ${SLURMSTEPD:+-d "$SLURMSTEPD"} -N "$node"
 }
 
 start_registry() {
@@ -1085,6 +1225,8 @@ write_env_file() {
   cat >"$STATE_DIR/cluster.env.tmp" <<EOF
 LOCAL_CLUSTER_DIR=$STATE_DIR
 SLURM_CONF=$SLURM_CONF_FILE
+LOCAL_CLUSTER_SLURM=$SLURM_RELEASE
+LOCAL_CLUSTER_SLURM_VERSION=$(sinfo -V | awk '{print $2}')
 LOCAL_CLUSTER_PARTITION=$PARTITION
 LOCAL_CLUSTER_PREEMPTIBLE_PARTITION=$PREEMPTIBLE_PARTITION
 LOCAL_CLUSTER_NODE=${NODES[0]}
@@ -1113,8 +1255,12 @@ cmd_up() {
   mkdir -p "$LOGS"
   use_nodes "${WANT_NODES:-$(configured_nodes)}"
   install_packages
+  install_slurm_release
   prepare_dirs
   write_configs
+  # From here on the daemons are this release's: `down` and `status` use its commands.
+  echo "$SLURM_RELEASE" >"$SLURM_RELEASE_FILE"
+  link_client_commands
   start_daemons
   ensure_accounting
   install_apptainer
@@ -1130,7 +1276,7 @@ cmd_up() {
   ((QUIET)) && return 0
   cat <<EOF
 [$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
-  Slurm:     $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION' (preemptible: '$PREEMPTIBLE_PARTITION')$extra
+  Slurm:     $(sinfo -V) ($SLURM_RELEASE): $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION' (preemptible: '$PREEMPTIBLE_PARTITION')$extra
              memory confined by cgroups: $CGROUP; fake GPUs per node: $FAKE_GPUS (gpu:fake)
   Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
              e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD
@@ -1214,6 +1360,11 @@ usage() {
 main() {
   local cmd=${1:-}
   shift || true
+  # `up` (and a node it starts) runs the release asked for; the other commands the running one.
+  case $cmd in
+  up | _node) use_release "${LOCAL_CLUSTER_SLURM:-$(configured_release)}" ;;
+  *) use_release "$(configured_release)" ;;
+  esac
   case $cmd in
   up)
     while (($#)); do
