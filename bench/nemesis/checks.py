@@ -89,15 +89,28 @@ def ran_twice(
     completed = [j for j in jobs if j["state"] == "COMPLETED"]
     if len(completed) > 1:
         return f"{len(completed)} COMPLETED runs: {jobs}"
+    unnamed = _unnamed(task, jobs)
+    if unnamed:
+        return f"jobs {unnamed} not in its logs: {jobs}"
+    return _one_after_another(jobs, node_kills)
+
+
+def _unnamed(task: dict[str, Any], jobs: list[dict[str, str]]) -> list[str]:
+    """The runs the task's logs do not name."""
     # A duplicate of an interrupted submission, canceled before it ran, may go unnamed.
-    unnamed = [
+    return [
         j["id"]
         for j in jobs
         if j["id"] not in named_jobs(task)
         and not (j["state"] == "CANCELLED" and j["node"] in ("", "None assigned"))
     ]
-    if unnamed:
-        return f"jobs {unnamed} not in its logs: {jobs}"
+
+
+def _one_after_another(
+    jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]]
+) -> str | None:
+    """Why the runs did not follow one another, each after the one before ended and none
+    after one that completed, or None."""
     ordered = sorted(
         jobs, key=lambda j: j["start"] if j["start"] not in ("", "None", "Unknown") else "~"
     )
@@ -138,6 +151,43 @@ def in_windows(call: Call, windows: list[list[float]]) -> bool:
     return any(call.start <= end and call.end >= start for start, end in windows)
 
 
+def _lost(api: str, created: list[Task], listed: dict[str, dict[str, Any]]) -> list[str | None]:
+    """The acknowledged tasks the listing lacks, or that cannot be retrieved."""
+    lost = [t.id for t in created if t.id not in listed]
+    for acknowledged in created:
+        got = requests.get(f"{api}/tasks/{acknowledged.id}", params={"view": "MINIMAL"}, timeout=30)
+        if got.status_code != 200 and acknowledged.id not in lost:
+            lost.append(acknowledged.id)
+    return lost
+
+
+def _judge(
+    task: dict[str, Any],
+    mine: list[dict[str, str]],
+    plan: Task | None,
+    retries: int,
+    node_kills: Sequence[tuple[str, str]],
+    found: dict[str, list[Any]],
+) -> None:
+    """One listed task's faults, each added to its list in `found`."""
+    expected = plan.expected if plan else "COMPLETE"
+    summary = {"id": task["id"], "name": task.get("name"), "state": task["state"]}
+    if task["state"] not in TERMINAL:
+        found["not_final"].append(summary)
+        return
+    why = ran_twice(task, mine, node_kills)
+    if why:
+        found["twice"].append({**summary, "why": why})
+    if task["state"] != expected and not failure_explained(task, mine, retries):
+        system_logs = [x for e in task.get("logs") or [] for x in e.get("system_logs", [])]
+        found["falsely_failed"].append(
+            {**summary, "expected": expected, "jobs": mine, "system_logs": system_logs[-8:]}
+        )
+    bad = output_wrong(task, plan) if plan else None
+    if bad:
+        found["wrong_outputs"].append({**summary, "why": bad})
+
+
 def check(
     api: str,
     planned: dict[str, Task],
@@ -149,36 +199,17 @@ def check(
     """Every task final, listed, retrievable, run once, in the state its own command explains
     and with the right outputs; the Snakemake tasks (not planned here) must complete."""
     tasks = list_all(api)
-    listed = {t["id"]: t for t in tasks}
-    lost = [t.id for t in created if t.id not in listed]
-    for acknowledged in created:
-        got = requests.get(f"{api}/tasks/{acknowledged.id}", params={"view": "MINIMAL"}, timeout=30)
-        if got.status_code != 200 and acknowledged.id not in lost:
-            lost.append(acknowledged.id)
+    lost = _lost(api, created, {t["id"]: t for t in tasks})
     jobs = sacct_jobs(since, {f"tes-{t['id']}" for t in tasks})
-    not_final, twice, falsely_failed, wrong = [], [], [], []
+    found: dict[str, list[Any]] = {
+        "lost": lost, "not_final": [], "twice": [], "falsely_failed": [], "wrong_outputs": []
+    }  # fmt: skip
     by_kind: dict[str, int] = {}
     for task in tasks:
-        mine = jobs.get(f"tes-{task['id']}", [])
         plan = planned.get(task.get("name", ""))
         kind = plan.kind if plan else ("warm-up" if task.get("name") == "warm-up" else "workflow")
         by_kind[kind] = by_kind.get(kind, 0) + 1
-        expected = plan.expected if plan else "COMPLETE"
-        summary = {"id": task["id"], "name": task.get("name"), "state": task["state"]}
-        if task["state"] not in TERMINAL:
-            not_final.append(summary)
-            continue
-        why = ran_twice(task, mine, node_kills)
-        if why:
-            twice.append({**summary, "why": why})
-        if task["state"] != expected and not failure_explained(task, mine, retries):
-            system_logs = [x for e in task.get("logs") or [] for x in e.get("system_logs", [])]
-            falsely_failed.append(
-                {**summary, "expected": expected, "jobs": mine, "system_logs": system_logs[-8:]}
-            )
-        bad = output_wrong(task, plan) if plan else None
-        if bad:
-            wrong.append({**summary, "why": bad})
+        _judge(task, jobs.get(f"tes-{task['id']}", []), plan, retries, node_kills, found)
     names = [t.get("name") for t in tasks if t.get("name", "").startswith("nemesis-")]
     return {
         "tasks": len(tasks),
@@ -186,18 +217,8 @@ def check(
         "acknowledged": len(created),
         "created_twice_by_client_retries": len(names) - len(set(names)),
         "slurm_jobs": sum(len(js) for js in jobs.values()),
-        "lost": len(lost),
-        "not_final": len(not_final),
-        "twice": len(twice),
-        "falsely_failed": len(falsely_failed),
-        "wrong_outputs": len(wrong),
-        "details": {
-            "lost": lost[:20],
-            "not_final": not_final[:20],
-            "twice": twice[:20],
-            "falsely_failed": falsely_failed[:20],
-            "wrong_outputs": wrong[:20],
-        },
+        **{name: len(items) for name, items in found.items()},
+        "details": {name: items[:20] for name, items in found.items()},
     }
 
 
@@ -213,9 +234,14 @@ def api_figures(
         "five_xx": sum(1 for c in calls if c.status >= 500),
         "five_xx_while_up": len(five_xx),
         "no_answer_while_up": len(errors),
-        "p50_ms_while_up": round(1000 * percentile(answered, 50), 1) if answered else None,
-        "p99_ms_while_up": round(1000 * percentile(answered, 99), 1) if answered else None,
-        "max_ms_while_up": round(1000 * max(answered), 1) if answered else None,
+        "p50_ms_while_up": _ms(answered, 50),
+        "p99_ms_while_up": _ms(answered, 99),
+        "max_ms_while_up": _ms(answered, 100),
         "down_seconds": round(sum(end - start for start, end in down), 1),
         "examples_while_up": [c.__dict__ for c in (five_xx + errors)[:10]],
     }
+
+
+def _ms(seconds: list[float], pct: float) -> float | None:
+    """The `pct` percentile of `seconds` in ms (100: the largest), or None when there are none."""
+    return round(1000 * percentile(seconds, pct), 1) if seconds else None

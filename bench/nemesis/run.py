@@ -164,40 +164,13 @@ def run_nemesis(
         stack.callback(nemesis.end)  # first of all: every fault undone, whatever happens
         load = Load(bridge.api, recorder, tasks, seconds)
         samples: list[dict[str, Any]] = []
-        threads = [
-            threading.Thread(target=load.create_all, daemon=True),
-            threading.Thread(target=load.poll, args=(seed,), daemon=True),
-            threading.Thread(target=load.poll, args=(seed + 2,), daemon=True),
-            threading.Thread(
-                target=sample_poller, args=(bridge, t0, samples, load.stopping), daemon=True
-            ),
-        ]
+        threads = _load_threads(load, seed, bridge, t0, samples)
         if engine:
-            threads.append(
-                threading.Thread(
-                    target=engine.loop,
-                    daemon=True,
-                    args=(
-                        f"http://{bind}",
-                        shared / "data",
-                        # No workflow starts in the last 3 minutes (one takes about that long):
-                        # the drain does not wait for a late one.
-                        lambda: now() > t0 + seconds - 180,
-                        t0 + seconds + drain_timeout,
-                    ),
-                )
-            )
+            until = t0 + seconds + drain_timeout
+            threads.append(_workflow_thread(engine, f"http://{bind}", shared, t0 + seconds, until))
         for thread in threads:
             thread.start()
-        strikes = 0
-        while True:
-            strikes += 1
-            at = t0 + strikes * interval
-            if at >= t0 + seconds:
-                break
-            time.sleep(max(0.0, at - now()))
-            nemesis.strike()
-            print(f"  {nemesis.elapsed():6.0f} s  {nemesis.faults[-1].kind}", flush=True)
+        _strike(nemesis, t0, seconds, interval)
         time.sleep(max(0.0, t0 + seconds - now()))
         nemesis.end()
         threads[0].join(timeout=drain_timeout)
@@ -216,14 +189,70 @@ def run_nemesis(
         )
         figures["created_unanswered_retries"] = load.create_failures
         api = api_figures(recorder.calls, nemesis.down, nemesis.worker_windows)
+    result = {"store": store, "seed": seed, "minutes": minutes, "planned_tasks": count}
+    return _summary(result, figures, api, nemesis, samples, engine, warm)
+
+
+def _load_threads(
+    load: Load, seed: int, bridge: Bridge, t0: float, samples: list[dict[str, Any]]
+) -> list[threading.Thread]:
+    """The creates (first), two pollers of the API and the poller's sampler."""
+    return [
+        threading.Thread(target=load.create_all, daemon=True),
+        threading.Thread(target=load.poll, args=(seed,), daemon=True),
+        threading.Thread(target=load.poll, args=(seed + 2,), daemon=True),
+        threading.Thread(
+            target=sample_poller, args=(bridge, t0, samples, load.stopping), daemon=True
+        ),
+    ]
+
+
+def _workflow_thread(
+    engine: Workflow, api_url: str, shared: Path, end: float, deadline: float
+) -> threading.Thread:
+    """The workflow again and again until 3 minutes before `end`."""
+    return threading.Thread(
+        target=engine.loop,
+        daemon=True,
+        args=(
+            api_url,
+            shared / "data",
+            # No workflow starts in the last 3 minutes (one takes about that long):
+            # the drain does not wait for a late one.
+            lambda: now() > end - 180,
+            deadline,
+        ),
+    )
+
+
+def _strike(nemesis: Nemesis, t0: float, seconds: float, interval: float) -> None:
+    """A fault every `interval` seconds until the run's end."""
+    strikes = 0
+    while True:
+        strikes += 1
+        at = t0 + strikes * interval
+        if at >= t0 + seconds:
+            break
+        time.sleep(max(0.0, at - now()))
+        nemesis.strike()
+        print(f"  {nemesis.elapsed():6.0f} s  {nemesis.faults[-1].kind}", flush=True)
+
+
+def _summary(
+    result: dict[str, Any],
+    figures: dict[str, Any],
+    api: dict[str, Any],
+    nemesis: Nemesis,
+    samples: list[dict[str, Any]],
+    engine: Workflow | None,
+    warm: str,
+) -> dict[str, Any]:
+    """The run's figures: `result` (what was asked), the checks', the API's and the faults'."""
     counts: dict[str, int] = {}
     for fault in nemesis.faults:
         counts[fault.kind] = counts.get(fault.kind, 0) + 1
     return {
-        "store": store,
-        "seed": seed,
-        "minutes": minutes,
-        "planned_tasks": count,
+        **result,
         **{k: v for k, v in figures.items() if k != "details"},
         "five_xx_while_up": api["five_xx_while_up"],
         "p99_ms_while_up": api["p99_ms_while_up"],
