@@ -134,7 +134,7 @@ def explain(result: subprocess.CompletedProcess[str], quickstart: TesClient) -> 
     return f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}\n{json.dumps(failed)[-5000:]}"
 
 
-#: The workflow the Snakemake tests run (and bench/nemesis.py, again and again): seed, scale
+#: The workflow the Snakemake tests run (and bench/nemesis/, again and again): seed, scale
 #: by 1, 2 and 3, total.
 SNAKEFILE = (Path(__file__).parents[1] / "data" / "engines" / "Snakefile").read_text()
 

@@ -1,4 +1,4 @@
-"""The nemesis of bench/nemesis.py, shortened: 5 minutes, 300 tasks on SQLite, a fault every
+"""The nemesis of bench/nemesis/, shortened: 5 minutes, 300 tasks on SQLite, a fault every
 30 s (kill -9 of the poller, an API worker, gunicorn's master, slurmctld; a node lost; the
 registry stalled; the work filesystem full), then the checks against sacct and the API.
 

@@ -1,4 +1,4 @@
-"""The nemesis's own judgement of "run twice" (bench/nemesis.py), on sacct records it met."""
+"""The nemesis's own judgement of "run twice" (bench/nemesis/checks.py), on sacct records it met."""
 
 from __future__ import annotations
 

@@ -1391,7 +1391,9 @@ def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
 
     poller, store, slurm, _ = env
     tasks = [store.create_task(ECHO) for _ in range(3)]
-    real = __import__("bridge.poller.submit", fromlist=["prepare_task_dir"]).prepare_task_dir
+    real = __import__(
+        "bridge.poller.submit.prepare", fromlist=["prepare_task_dir"]
+    ).prepare_task_dir
     full = True
 
     def prepare(*args, **kwargs):
@@ -1399,7 +1401,7 @@ def test_full_work_filesystem_keeps_tasks_queued_and_retries(env, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", prepare)
+    monkeypatch.setattr("bridge.poller.submit.prepare.prepare_task_dir", prepare)
     now = [1000.0]
     poller.clock = lambda: now[0]
     for _ in range(3):
@@ -1436,7 +1438,9 @@ def test_a_job_started_on_a_full_work_filesystem_runs_again_once_space_is_back(e
     slurm.jobs[first] = replace(
         slurm.jobs[first], state="FAILED", exit_code=NO_RECORDS_EXIT_CODE, signal=0, reason=None
     )
-    real = __import__("bridge.poller.submit", fromlist=["prepare_task_dir"]).prepare_task_dir
+    real = __import__(
+        "bridge.poller.submit.prepare", fromlist=["prepare_task_dir"]
+    ).prepare_task_dir
     full = True
 
     def prepare(*args, **kwargs):
@@ -1444,7 +1448,7 @@ def test_a_job_started_on_a_full_work_filesystem_runs_again_once_space_is_back(e
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", prepare)
+    monkeypatch.setattr("bridge.poller.submit.prepare.prepare_task_dir", prepare)
     for _ in range(3):  # the loss is noticed; the new job waits while the filesystem is full
         poller.cycle()
         now[0] += 400
@@ -1579,7 +1583,7 @@ def test_back_off_grows_while_the_work_filesystem_stays_full_even_as_slurm_answe
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("bridge.poller.submit.prepare_task_dir", full)
+    monkeypatch.setattr("bridge.poller.submit.prepare.prepare_task_dir", full)
     now = [1000.0]
     poller.clock = lambda: now[0]
     delays = []
@@ -1620,15 +1624,15 @@ def test_a_full_database_while_submitting_postpones_and_never_fails_the_task(env
 
     poller, store, slurm, _ = env
     task_id = store.create_task(ECHO).id
-    submit = poller.submitter._submit
+    submit = poller.submitter.sbatch.submit_one
 
     def full(task, stats):
         raise peewee.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(poller.submitter, "_submit", full)
+    monkeypatch.setattr(poller.submitter.sbatch, "submit_one", full)
     poller.cycle()
     assert store.get_task(task_id).state == State.QUEUED.value
-    monkeypatch.setattr(poller.submitter, "_submit", submit)
+    monkeypatch.setattr(poller.submitter.sbatch, "submit_one", submit)
     poller.cycle()
     record = store.get_task(task_id)
     assert record.job_id is not None and record.state == State.QUEUED.value

@@ -1,0 +1,247 @@
+"""The checks at the end, against sacct and the API: none lost, none run twice, none falsely
+failed, the outputs right, the API's errors and latency outside the faults' windows."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import requests
+
+from bench.common import (
+    list_tasks,
+    percentile,
+)
+from bench.nemesis.cluster import slurm_env, wait_until
+from bench.nemesis.workload import TERMINAL, Call, Task
+
+
+def list_all(api: str, view: str = "FULL") -> list[dict[str, Any]]:
+    return list_tasks(api, {"view": view, "page_size": "256"})
+
+
+def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
+    """The Slurm jobs named `names`, every run of each (-D), once none is in the queue any
+    more (sacct keeps a job that slurmctld forgot, killed -9, as RUNNING for ever)."""
+
+    def queued() -> bool:
+        out = subprocess.run(["squeue", "-h", "-o", "%j"], env=slurm_env(), capture_output=True,
+                             text=True, check=False).stdout  # fmt: skip
+        return bool(set(out.split()) & names)
+
+    wait_until(lambda: not queued(), 180, 2)
+    time.sleep(5)  # slurmdbd records a job's end a moment after it leaves the queue
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-D", "-P", "--allusers", "-S", since, "-o",
+         "JobID,JobName,State,ExitCode,NodeList,Start,End"],
+        env={**slurm_env(), "TZ": "UTC", "SLURM_TIME_FORMAT": "standard"},
+        capture_output=True, text=True, check=False, timeout=120,
+    ).stdout  # fmt: skip
+    jobs: dict[str, list[dict[str, str]]] = {}
+    for line in out.splitlines():
+        job_id, name, state, code, node, start, end = line.split("|")
+        if name in names:
+            jobs.setdefault(name, []).append({"id": job_id, "state": state.split()[0],
+                "exit": code, "node": node, "start": start, "end": end})  # fmt: skip
+    return jobs
+
+
+def named_jobs(task: dict[str, Any]) -> set[str]:
+    """Every job id the task's logs[] name: each attempt's job and the jobs it lost."""
+    named = set()
+    for entry in task.get("logs") or []:
+        metadata = entry.get("metadata") or {}
+        if metadata.get("slurm_job_id"):
+            named.add(str(metadata["slurm_job_id"]))
+        named |= {j for j in metadata.get("slurm_lost_job_ids", "").split(",") if j}
+    return named
+
+
+def ended_by_node_kill(
+    job: dict[str, str], node_kills: Sequence[tuple[str, str]]
+) -> dict[str, str]:
+    """The job with its end at the first kill of its node's processes while it ran: Slurm
+    records the end of such a job only when it notices (NODE_FAIL after SlurmdTimeout, or
+    much later when a slurmctld killed -9 came back from an older state and still had it
+    running), though nothing of it ran past the kill."""
+    start, end = job["start"], job["end"]
+    for node, killed_at in sorted(node_kills, key=lambda kill: kill[1]):
+        if (
+            node == job["node"]
+            and start <= killed_at
+            and (end in ("", "Unknown") or killed_at < end)
+        ):
+            return {**job, "end": killed_at}
+    return job
+
+
+def ran_twice(
+    task: dict[str, Any], jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]] = ()
+) -> str | None:
+    """Why the task ran more than once, or None: more than one COMPLETED run, a job its logs
+    do not name, a run that completed before another one started, or two runs at once
+    (a job's run ends at the latest when the nemesis killed its node's processes)."""
+    # A job slurmctld forgot before it started stays PENDING in sacct for ever: not a run.
+    jobs = [j for j in jobs if j["start"] not in ("", "None", "Unknown")]
+    completed = [j for j in jobs if j["state"] == "COMPLETED"]
+    if len(completed) > 1:
+        return f"{len(completed)} COMPLETED runs: {jobs}"
+    unnamed = _unnamed(task, jobs)
+    if unnamed:
+        return f"jobs {unnamed} not in its logs: {jobs}"
+    return _one_after_another(jobs, node_kills)
+
+
+def _unnamed(task: dict[str, Any], jobs: list[dict[str, str]]) -> list[str]:
+    """The runs the task's logs do not name."""
+    # A duplicate of an interrupted submission, canceled before it ran, may go unnamed.
+    return [
+        j["id"]
+        for j in jobs
+        if j["id"] not in named_jobs(task)
+        and not (j["state"] == "CANCELLED" and j["node"] in ("", "None assigned"))
+    ]
+
+
+def _one_after_another(
+    jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]]
+) -> str | None:
+    """Why the runs did not follow one another, each after the one before ended and none
+    after one that completed, or None."""
+    ordered = sorted(
+        jobs, key=lambda j: j["start"] if j["start"] not in ("", "None", "Unknown") else "~"
+    )
+    for before, after in itertools.pairwise(ordered):
+        before = ended_by_node_kill(before, node_kills)
+        if before["state"] == "COMPLETED":
+            return f"job {after['id']} after job {before['id']} COMPLETED: {jobs}"
+        started = after["start"] not in ("", "None", "Unknown")
+        if started and before["end"] not in ("", "Unknown") and after["start"] < before["end"]:
+            return f"jobs {before['id']} and {after['id']} ran at once: {jobs}"
+    return None
+
+
+def failure_explained(task: dict[str, Any], jobs: list[dict[str, str]], retries: int) -> bool:
+    """A SYSTEM_ERROR the task's own doing does not explain is still no false failure when
+    its retry budget went on real node losses."""
+    lost = [j for j in jobs if j["state"] in ("NODE_FAIL", "BOOT_FAIL")]
+    return task["state"] == "SYSTEM_ERROR" and len(lost) > retries
+
+
+def output_wrong(task: dict[str, Any], planned: Task) -> str | None:
+    if task["state"] != "COMPLETE" or planned.stdout is None:
+        return None
+    try:
+        stdout = task["logs"][-1]["logs"][0].get("stdout")
+    except (KeyError, IndexError):
+        stdout = None
+    if stdout != planned.stdout:
+        return f"stdout {stdout!r}, not {planned.stdout!r}"
+    for path, content in planned.files.items():
+        found = path.read_text() if path.exists() else None
+        if found != content:
+            return f"{path}: {found!r}, not {content!r}"
+    return None
+
+
+def in_windows(call: Call, windows: list[list[float]]) -> bool:
+    return any(call.start <= end and call.end >= start for start, end in windows)
+
+
+def _lost(api: str, created: list[Task], listed: dict[str, dict[str, Any]]) -> list[str | None]:
+    """The acknowledged tasks the listing lacks, or that cannot be retrieved."""
+    lost = [t.id for t in created if t.id not in listed]
+    for acknowledged in created:
+        got = requests.get(f"{api}/tasks/{acknowledged.id}", params={"view": "MINIMAL"}, timeout=30)
+        if got.status_code != 200 and acknowledged.id not in lost:
+            lost.append(acknowledged.id)
+    return lost
+
+
+def _judge(
+    task: dict[str, Any],
+    mine: list[dict[str, str]],
+    plan: Task | None,
+    retries: int,
+    node_kills: Sequence[tuple[str, str]],
+    found: dict[str, list[Any]],
+) -> None:
+    """One listed task's faults, each added to its list in `found`."""
+    expected = plan.expected if plan else "COMPLETE"
+    summary = {"id": task["id"], "name": task.get("name"), "state": task["state"]}
+    if task["state"] not in TERMINAL:
+        found["not_final"].append(summary)
+        return
+    why = ran_twice(task, mine, node_kills)
+    if why:
+        found["twice"].append({**summary, "why": why})
+    if task["state"] != expected and not failure_explained(task, mine, retries):
+        system_logs = [x for e in task.get("logs") or [] for x in e.get("system_logs", [])]
+        found["falsely_failed"].append(
+            {**summary, "expected": expected, "jobs": mine, "system_logs": system_logs[-8:]}
+        )
+    bad = output_wrong(task, plan) if plan else None
+    if bad:
+        found["wrong_outputs"].append({**summary, "why": bad})
+
+
+def check(
+    api: str,
+    planned: dict[str, Task],
+    created: list[Task],
+    since: str,
+    retries: int,
+    node_kills: Sequence[tuple[str, str]],
+) -> dict[str, Any]:
+    """Every task final, listed, retrievable, run once, in the state its own command explains
+    and with the right outputs; the Snakemake tasks (not planned here) must complete."""
+    tasks = list_all(api)
+    lost = _lost(api, created, {t["id"]: t for t in tasks})
+    jobs = sacct_jobs(since, {f"tes-{t['id']}" for t in tasks})
+    found: dict[str, list[Any]] = {
+        "lost": lost, "not_final": [], "twice": [], "falsely_failed": [], "wrong_outputs": []
+    }  # fmt: skip
+    by_kind: dict[str, int] = {}
+    for task in tasks:
+        plan = planned.get(task.get("name", ""))
+        kind = plan.kind if plan else ("warm-up" if task.get("name") == "warm-up" else "workflow")
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+        _judge(task, jobs.get(f"tes-{task['id']}", []), plan, retries, node_kills, found)
+    names = [t.get("name") for t in tasks if t.get("name", "").startswith("nemesis-")]
+    return {
+        "tasks": len(tasks),
+        "by_kind": by_kind,
+        "acknowledged": len(created),
+        "created_twice_by_client_retries": len(names) - len(set(names)),
+        "slurm_jobs": sum(len(js) for js in jobs.values()),
+        **{name: len(items) for name, items in found.items()},
+        "details": {name: items[:20] for name, items in found.items()},
+    }
+
+
+def api_figures(
+    calls: list[Call], down: list[list[float]], worker: list[list[float]]
+) -> dict[str, Any]:
+    five_xx = [c for c in calls if c.status >= 500 and not in_windows(c, down)]
+    up = [c for c in calls if not in_windows(c, down + worker)]
+    errors = [c for c in up if c.status == 0]
+    answered = [c.end - c.start for c in up if c.status]
+    return {
+        "requests": len(calls),
+        "five_xx": sum(1 for c in calls if c.status >= 500),
+        "five_xx_while_up": len(five_xx),
+        "no_answer_while_up": len(errors),
+        "p50_ms_while_up": _ms(answered, 50),
+        "p99_ms_while_up": _ms(answered, 99),
+        "max_ms_while_up": _ms(answered, 100),
+        "down_seconds": round(sum(end - start for start, end in down), 1),
+        "examples_while_up": [c.__dict__ for c in (five_xx + errors)[:10]],
+    }
+
+
+def _ms(seconds: list[float], pct: float) -> float | None:
+    """The `pct` percentile of `seconds` in ms (100: the largest), or None when there are none."""
+    return round(1000 * percentile(seconds, pct), 1) if seconds else None

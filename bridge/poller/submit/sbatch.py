@@ -1,0 +1,198 @@
+"""The submission itself: one sbatch per unit of the round (a task alone, or an array), within
+the Slurm call budget, each task marked as submitting before its sbatch runs (so that after a
+crash its job is looked up by name, not submitted twice) and its job given the fence token."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from bridge.core.naming import LEASE_EPOCH_ARG, array_job_name, job_name
+from bridge.poller.arrays import ArrayPlanner, Ready, marked_logs
+from bridge.poller.attempt import Condition, ConditionKind
+from bridge.poller.context import CycleStats, PollerContext
+from bridge.poller.owners import OwnerRunner
+from bridge.poller.submit.failures import SbatchFailures
+from bridge.poller.submit.outcome import Backoff, Outcomes
+from bridge.poller.submit.record import Recorder
+from bridge.slurm import Outage, SlurmError, SlurmRejected, SlurmUnavailable
+from bridge.store import TaskRecord
+
+log = logging.getLogger("bridge.poller")
+
+#: Slurm calls that submissions leave in the budget for the rest of the cycle: its squeue (two
+#: RPCs), sacct and scancel. Tasks the budget does not let go stay QUEUED for the next cycle.
+BUDGET_RESERVE = 4
+
+
+class Sbatch:
+    """Runs the round's sbatches; a failed one fails its tasks or makes them wait
+    (`SbatchFailures`), a successful one has its job ids stored (`Recorder`)."""
+
+    def __init__(
+        self,
+        ctx: PollerContext,
+        owners: OwnerRunner | None,
+        backoff: Backoff,
+        arrays: ArrayPlanner,
+        outcomes: Outcomes,
+        failures: SbatchFailures,
+        recorder: Recorder,
+    ) -> None:
+        self.ctx = ctx
+        #: Site mode: jobs are submitted as the task's owner, with the owner's account.
+        self.owners = owners
+        self.backoff = backoff
+        self.arrays = arrays
+        self.outcomes = outcomes
+        self.failures = failures
+        self.recorder = recorder
+
+    def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
+        """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
+        stops the round (the back-off it starts)."""
+        paused_until = self.backoff.paused_until
+        # While the budget sets the pace, a round lasts one poll interval at most: the follow
+        # and the cancels of this cycle come in between.
+        until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
+        for index, unit in enumerate(units):
+            if self.backoff.paused_until > paused_until and self.backoff.paused:
+                waiting = [r.task for later in units[index:] for r in later]
+                self.outcomes.tell_waiting(waiting, self.backoff.reason)
+                break
+            if self._budget_spent(until):
+                break  # the Slurm call budget is spent for now: the rest go next cycle
+            try:
+                if len(unit) == 1:
+                    stats.submitted += self.submit_one(unit[0], stats)
+                else:
+                    stats.submitted += self.submit_array(unit, stats)
+            except Exception as exc:  # one broken submission must not stop the others
+                if self.outcomes.unexpected(exc, [r.task for r in unit]):
+                    break
+
+    def _budget_spent(self, until: float) -> bool:
+        """Whether this round stops for the call budget: it would leave fewer than
+        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
+        budget = self.ctx.slurm.budget
+        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+            return True
+        if budget.rate and self.ctx.clock() > until:
+            budget.note_wait("sbatch")
+            return True
+        return False
+
+    def submit_one(self, ready: Ready, stats: CycleStats) -> int:
+        """One sbatch for one task; 1 when it was submitted."""
+        task = ready.task
+        attempt = task.attempt + 1
+        # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
+        logs = marked_logs(task, attempt, None)  # an earlier try's array marks go
+        if not self.ctx.store.mark_submitting(
+            task.id, attempt=attempt, now=self.ctx.clock(), logs=logs
+        ):
+            return 0  # canceled meanwhile
+        if logs is not None:
+            task.logs = logs
+        job_id = self._sbatch(task, attempt, ready, stats)
+        if job_id is None:
+            return 0
+        self.backoff.failures = 0
+        self.recorder.record(task, attempt, job_id, ready.prepared, stats)
+        log.info("submitted task %s as Slurm job %s", task.id, job_id)
+        return 1
+
+    def submit_array(self, unit: list[Ready], stats: CycleStats) -> int:
+        """One `sbatch --array` for tasks of one shape; how many were submitted."""
+        name = array_job_name(secrets.token_hex(6))
+        members = self._mark_array(unit, name)
+        if not members:
+            return 0
+        try:
+            script = self.arrays.write_script(members, name)
+        except OSError as exc:
+            self._unmark(members, exc)
+            return 0
+        try:
+            self.ctx.check_lease()  # a poller that lost its lease submits nothing
+            stats.slurm_calls += 1
+            array_id = self.ctx.slurm.submit(
+                script, job_name=name, extra_args=self._account(members[0]),
+                array_size=len(members), script_args=self._epoch_args(),
+            )  # fmt: skip
+        except SlurmRejected as exc:
+            message = self.failures.refusal(exc, members[0].prepared, stats)
+            for ready in members:
+                self.outcomes.fail(ready.task, message, attempt=ready.task.attempt + 1)
+            return 0
+        except SlurmError as exc:
+            if isinstance(exc, SlurmUnavailable) and exc.outage is Outage.LIMIT:
+                self.arrays.refused_for_a_limit(len(members))
+            delay = None
+            for ready in members:
+                attempt = ready.task.attempt + 1
+                delay = self.failures.wait_for_slurm(ready.task, attempt, exc, delay)
+            return 0
+        self.backoff.failures = 0
+        self.arrays.accepted(len(members))
+        for index, ready in enumerate(members):
+            task = ready.task
+            job_id = f"{array_id}_{index}"
+            self.recorder.record(task, task.attempt + 1, job_id, ready.prepared, stats, array_id)
+        log.info("submitted %d tasks as Slurm job array %s (%s)", len(members), array_id, name)
+        return len(members)
+
+    def _mark_array(self, unit: list[Ready], name: str) -> list[Ready]:
+        """Each task marked as submitting with its element (its index among the marked ones),
+        before sbatch runs; the tasks canceled meanwhile are left out."""
+        members: list[Ready] = []
+        now = self.ctx.clock()
+        for ready in unit:
+            task = ready.task
+            attempt = task.attempt + 1
+            logs = marked_logs(task, attempt, (name, len(members)))
+            if self.ctx.store.mark_submitting(task.id, attempt=attempt, now=now, logs=logs):
+                if logs is not None:
+                    task.logs = logs
+                members.append(ready)
+        return members
+
+    def _unmark(self, members: list[Ready], exc: OSError) -> None:
+        """The array's script could not be written: no sbatch ran, the tasks wait."""
+        log.warning("cannot write the script of a job array: %s", exc)
+        reason = Condition(
+            ConditionKind.TASK_DIR_UNWRITABLE,
+            f"waiting: cannot prepare the task directory ({exc})",
+        )
+        delay = None
+        for ready in members:
+            self.ctx.store.forget_submission(ready.task.id, attempt=ready.task.attempt)
+            delay = self.outcomes.wait(ready.task, ready.task.attempt + 1, reason, delay=delay)
+
+    def _epoch_args(self) -> list[str]:
+        """Each job gets its submission's fence token (PollerContext.fence_token): a job
+        submitted by a leader that had lost its lease, or by an sbatch that timed out and
+        was acted on late, stands down where recovery fenced the task since (recover.py)."""
+        return [f"{LEASE_EPOCH_ARG}{self.ctx.fence_token()}"]
+
+    def _account(self, ready: Ready) -> list[str]:
+        return self.owners.account_args(ready.owner, ready.document) if self.owners else []
+
+    def _sbatch(
+        self, task: TaskRecord, attempt: int, ready: Ready, stats: CycleStats
+    ) -> str | None:
+        """The job id, or None when sbatch failed (the task then failed or waits)."""
+        try:
+            self.ctx.check_lease()  # a poller that lost its lease submits nothing
+            stats.slurm_calls += 1
+            return self.ctx.slurm.submit(
+                ready.prepared.script, job_name=job_name(task.id), comment=task.id,
+                extra_args=self._account(ready), as_user=ready.owner,
+                script_args=self._epoch_args(),
+            )  # fmt: skip
+        except SlurmRejected as exc:
+            message = self.failures.refusal(exc, ready.prepared, stats)
+            self.outcomes.fail(task, message, attempt=attempt)
+        except SlurmError as exc:
+            self.failures.wait_for_slurm(task, attempt, exc)
+        return None
