@@ -6,6 +6,12 @@
 # Without arguments it runs the whole suite, tests/cluster and the rest side by side (below);
 # with arguments, one pytest with them (e.g. `deploy/test.sh tests/cluster/test_hpc.py -x`).
 #
+# Slurm releases: the local cluster runs LOCAL_CLUSTER_SLURM (22.05, 24.11 or 26.05; as last
+# time, else 22.05), e.g. `LOCAL_CLUSTER_SLURM=26.05 deploy/test.sh`. With TEST_ALSO_ON_SLURM
+# (e.g. "24.11 26.05"), the whole suite is followed, on each of those releases in turn, by the
+# release subset of the cluster tests (`pytest -m releases tests/cluster`: tests/cluster/
+# conftest.py names it); the cluster is left on the first release at the end. CI sets it.
+#
 # It installs the system packages (PostgreSQL for the store tests; curl; nginx, logrotate and
 # systemd-analyze for the deploy/ files), brings up the local Slurm cluster with two compute
 # nodes, Apptainer and an image registry (deploy/local-cluster.sh up --nodes 2), creates a
@@ -43,6 +49,9 @@ dpkg -s chromium chromium-driver >/dev/null 2>&1 || { "${apt_get[@]}" update && 
 step "local Slurm cluster, Apptainer and registry"
 # Two compute nodes, each in its own mount namespace: tasks run as on separate hosts.
 deploy/local-cluster.sh up --nodes 2
+# The release it runs now (LOCAL_CLUSTER_SLURM, or the one it ran before).
+first_release=$(<"${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}/slurm.release")
+export LOCAL_CLUSTER_SLURM=$first_release
 
 step "Python environment (.venv)"
 python=${PYTHON:-python3}
@@ -82,4 +91,23 @@ step "pytest tests/unit tests/api (ran beside tests/cluster)"
 cat "$others_log"
 rm -f "$others_log"
 printf '\npytest: tests/cluster exit %d, tests/unit tests/api exit %d\n' "$cluster_status" "$others_status"
-((cluster_status == 0 && others_status == 0))
+summary="Slurm $first_release: tests/cluster exit $cluster_status, tests/unit tests/api exit $others_status"
+failed=$((cluster_status != 0 || others_status != 0))
+for release in ${TEST_ALSO_ON_SLURM:-}; do
+  [[ $release == "$first_release" ]] && continue
+  step "Slurm $release: the release subset of tests/cluster"
+  started=$SECONDS
+  release_status=0
+  LOCAL_CLUSTER_SLURM=$release deploy/local-cluster.sh up --nodes 2 || release_status=$?
+  if ((release_status == 0)); then
+    LOCAL_CLUSTER_SLURM=$release .venv/bin/python -m pytest --durations=10 -m releases \
+      tests/cluster || release_status=$?
+  fi
+  summary+=$'\n'"Slurm $release: release subset exit $release_status ($((SECONDS - started)) s)"
+  ((release_status == 0)) || failed=1
+done
+if [[ -n ${TEST_ALSO_ON_SLURM:-} ]]; then
+  deploy/local-cluster.sh up --quiet --nodes 2 || true  # back to $first_release (exported)
+  printf '\n%s\n' "$summary"
+fi
+((failed == 0))

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Captures real squeue/sacct/sbatch/scancel output from the local cluster into this directory and
-# writes README (one line per file: the exact command and its exit code). Needs a running
-# `deploy/local-cluster.sh up`; takes about three minutes (a job has to time out). It stops
-# slurmctld and slurmdbd for a moment, then restarts them with `up`.
+# Captures real squeue/sacct/sbatch/scancel output from the local cluster into the directory of
+# its Slurm release (e.g. 26.05/; the files directly in this directory are 22.05.8's, made
+# before the releases had directories) and writes README there (one line per file: the exact
+# command and its exit code). Needs a running `deploy/local-cluster.sh up` (any release,
+# LOCAL_CLUSTER_SLURM; two nodes for the node failure); takes about four minutes (a job has to
+# time out, a node to be declared down). It stops slurmctld, slurmdbd and a node's slurmd for a
+# moment, then restarts them with `up`.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
-cd "$here"
 export TZ=UTC
+version=$(sinfo -V | awk '{print $2}')
+release=$(cut -d. -f1-2 <<<"$version")
+mkdir -p "$here/$release"
+cd "$here/$release"
 
 # The formats bridge/slurm.py asks for (keep in step with SQUEUE_FORMAT and SACCT_FIELDS there).
 SQ_FMT='%i|%j|%T|%r|%N|%P|%S|%e|%M|%k'
@@ -15,7 +21,7 @@ SA_FMT='JobID,JobName,State,ExitCode,Reason,NodeList,Partition,Start,End,Elapsed
 
 rm -f ./*.txt ./*.stderr
 {
-  echo "Real output of Slurm 22.05.8 (Debian 12) on the local cluster, made by capture.sh with TZ=UTC."
+  echo "Real output of Slurm $version on the local cluster, made by ../capture.sh with TZ=UTC."
   echo "Each line: file: \`exact command\` (exit code). A .stderr file holds that command's stderr."
   echo "Job ids are those of the run that made the files; other jobs shared the cluster then."
   echo "Seen but not kept as a file: without EnforcePartLimits=ALL in slurm.conf,"
@@ -48,7 +54,10 @@ cap_until() {
     "$file" "${*@Q}" "${pattern@Q}" >>README
 }
 
-work=$(mktemp -d)
+# On the shared filesystem: with several nodes, the login node's /tmp is not theirs (22.05
+# fails a job whose output file it cannot open: JobLaunchFailure, signal 53).
+shared=$(sed -n 's/^LOCAL_CLUSTER_SHARED_DIR=//p' "${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}/cluster.env")
+work=$(mktemp -d -p "${shared:-/tmp}")
 trap 'rm -rf "$work"; "$repo/deploy/local-cluster.sh" up --quiet' EXIT
 sb() { sbatch --parsable -o "$work/%j.out" "$@"; }
 
@@ -58,7 +67,10 @@ cap_until '|allocation|' sacct-placeholder.txt sacct -P -n --jobs="$placeholder"
 
 ok=$(sb -J tes-ok --comment 'task=ok|tag=a b' --wrap 'echo hello')
 fail=$(sb -J tes-fail --wrap 'exit 3')
+# A script that exits 137 itself, as a shell does after a child killed by SIGKILL.
+exit137=$(sb -J tes-exit137 --wrap 'exit 137')
 signal=$(sb -J tes-signal --wrap 'kill -9 $$')
+array=$(sb -J tes-array --array=0-2 --wrap 'exit $SLURM_ARRAY_TASK_ID')
 running=$(sb -J tes-running --wrap 'sleep 300')
 big=$(sb -J tes-bigmem --mem=20000 --wrap 'sleep 100')
 sleep 1
@@ -66,12 +78,17 @@ pending=$(sb -J tes-pending --mem=20000 --wrap 'true')
 held=$(sb -J tes-held --hold --wrap 'true')
 oom=$(sb -J tes-oom --mem=100 --wrap '/usr/bin/python3 -c "a = bytearray(600 * 2**20); import time; time.sleep(30)"')
 timeout=$(sb -J tes-timeout --time=1 --wrap 'sleep 300')
-all="$ok,$fail,$signal,$running,$big,$pending,$held,$oom,$timeout"
+all="$ok,$fail,$exit137,$signal,$running,$big,$pending,$held,$oom,$timeout"
 sleep 4
 
 cap squeue-active.txt squeue -h --states=all --jobs="$all" -o "$SQ_FMT"
 cap sacct-active.txt sacct -P -n --jobs="$all" --format="$SA_FMT"
 cap squeue-default-states.txt squeue -h --jobs="$all" -o "$SQ_FMT"
+cap squeue-version.txt squeue --version
+if [[ $(squeue --help 2>&1) == *only-job-state* ]]; then
+  cap squeue-only-job-state.txt squeue -h -r --only-job-state --states=all --jobs="$all" -o '%i|%T'
+fi
+cap scontrol-show-config.txt scontrol show config
 
 scancel "$running" "$held"
 sleep 2
@@ -93,6 +110,8 @@ sleep 3
 
 cap squeue-ended.txt squeue -h --states=all --jobs="$all" -o "$SQ_FMT"
 cap sacct-ended.txt sacct -P -n --jobs="$all" --format="$SA_FMT"
+cap squeue-array.txt squeue -h -r --states=all --jobs="$array" -o "$SQ_FMT"
+cap sacct-array.txt sacct -P -n --jobs="$array" --format="$SA_FMT"
 cap squeue-by-name.txt squeue -h --states=all --name=tes-ok,tes-fail,tes-nosuch -o "$SQ_FMT"
 cap sacct-by-name.txt sacct -P -n --name=tes-ok,tes-fail,tes-nosuch \
   --starttime="$(date -u -d '-7 days' +%Y-%m-%dT%H:%M:%S)" --format="$SA_FMT"
@@ -112,6 +131,40 @@ cap sbatch-missing-script.txt sbatch --parsable /nonexistent/job.sh
 cap sbatch-too-much-tmp.txt sbatch --parsable -o /dev/null --tmp=99999999 --wrap true
 cap sinfo-node-sizes.txt sinfo -h -a -o '%P|%d|%m'
 cap sinfo-partitions.txt sinfo -h -a -N -o '%P|%N|%c|%m|%l|%G|%d|%a|%T'
+cap sbatch-gres-and-gpus-per-node.txt sbatch --parsable -o /dev/null --gres=gpu:1 --gpus-per-node=1 --wrap true
+scancel --name=tes-submit 2>/dev/null || true
+
+# slurmctld's rate limit (SlurmctldParameters=rl_enable; root is exempt): a burst of squeue
+# calls as an unprivileged user; the first call that was told to back off, at -v.
+if [[ $(scontrol show config) == *rl_enable* ]]; then
+  for i in $(seq 1 45); do
+    setpriv --reuid=nobody --regid=nogroup --clear-groups squeue -v -h -j "$ok" >/dev/null 2>"$work/rl-$i.err" || true
+  done
+  limited=$(grep -l -i -E 'rate|limit|back.?off' "$work"/rl-*.err | head -n 1 || true)
+  if [[ -n $limited ]]; then
+    cp "$limited" squeue-rate-limited.txt.stderr
+    : >squeue-rate-limited.txt
+    printf '%s: `%s` (the stderr of the first of 45 calls in a row that slurmctld limited)\n' \
+      squeue-rate-limited.txt "setpriv --reuid=nobody ... squeue -v -h -j $ok" >>README
+  fi
+fi
+
+# A node whose slurmd dies under a running job: NODE_FAIL once slurmctld declares it down.
+nodes=$(sinfo -h -N -o %N | sort -u)
+if (($(wc -l <<<"$nodes") >= 2)); then
+  lost_node=$(tail -n 1 <<<"$nodes")
+  lost=$(sb -J tes-node-fail -w "$lost_node" --no-requeue --wrap 'sleep 300')
+  sleep 3
+  "$repo/deploy/local-cluster.sh" down "slurmd-$lost_node" >/dev/null
+  for _ in $(seq 1 60); do
+    [[ $(squeue -h --states=all --jobs="$lost" -o %T) == NODE_FAIL ]] && break
+    sleep 2
+  done
+  sleep 2
+  cap squeue-node-fail.txt squeue -h --states=all --jobs="$lost" -o "$SQ_FMT"
+  cap sacct-node-fail.txt sacct -P -n --jobs="$lost" --format="$SA_FMT"
+  "$repo/deploy/local-cluster.sh" up --quiet
+fi
 
 # A drained node: jobs stay pending with reason ReqNodeNotAvail.
 node=$(sinfo -h -N -o %N | head -n 1)
