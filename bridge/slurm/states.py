@@ -9,6 +9,9 @@ Slurm quirks (seen on Slurm 22.05, and in Slurm's sources for later releases):
   with signal 9. With task/cgroup (``ConstrainRAMSpace=yes``) the kernel kills the biggest
   process in the job's cgroup (an executor, not the job script, which goes on) and the job ends
   OUT_OF_MEMORY whatever the script's exit code; the script records the OOM kill itself.
+- Later releases add state words (25.11: EXPEDITING). A word not in :data:`SLURM_TO_TES` reads
+  as the TES state UNKNOWN, with one warning: the job is neither ended nor failed by it, and the
+  poller keeps the task's state until Slurm says a word it knows.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ SLURM_TO_TES: dict[str, str] = {
     # Requeued (after a node failure, preemption or by an admin): it will run again.
     "REQUEUED": "QUEUED",
     "REQUEUE_FED": "QUEUED",
+    # 25.11+: a job that failed under `--requeue=expedite` is being requeued, to run again first.
+    "EXPEDITING": "QUEUED",
     # Held in the queue until someone releases it; still queued, not ended.
     "REQUEUE_HOLD": "QUEUED",
     "SPECIAL_EXIT": "QUEUED",
@@ -93,7 +98,9 @@ ENDED_STATES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 #: Pending reasons that never clear by themselves: the job, as submitted, cannot start (sites
-#: without ``EnforcePartLimits=ALL`` accept such jobs instead of refusing them).
+#: without ``EnforcePartLimits=ALL`` accept such jobs instead of refusing them). Any other
+#: reason leaves the task QUEUED. Not "Constraints" (23.11+): a job's ``--extra`` constraints
+#: no node meets now, which a node may meet later (BadConstraints keeps its meaning).
 HOPELESS_PENDING_REASONS: frozenset[str] = frozenset(
     {"BadConstraints", "PartitionConfig", "InvalidAccount", "InvalidQOS",
      "DependencyNeverSatisfied"}
@@ -110,12 +117,19 @@ def base_state(slurm_state: str) -> str:
 
 
 def tes_state_for(slurm_state: str) -> str:
-    """The TES state for a Slurm state; "UNKNOWN" (with a warning, once per state) if unknown."""
+    """The TES state for a Slurm state; "UNKNOWN" (with a warning, once per state) if unknown.
+
+    An unknown state is not in :data:`ENDED_STATES`: the job is not taken for ended, and the
+    poller keeps its task's state (bridge.poller.decisions) rather than fail it."""
     state = base_state(slurm_state)
     tes = SLURM_TO_TES.get(state)
     if tes is None:
         if state not in _warned_states:
             _warned_states.add(state)
-            log.warning("unknown Slurm job state %r; reporting the task as UNKNOWN", slurm_state)
+            log.warning(
+                "unknown Slurm job state %r; its task keeps its state until Slurm reports one "
+                "this bridge knows",
+                slurm_state,
+            )
         return "UNKNOWN"
     return tes
