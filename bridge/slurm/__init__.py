@@ -18,9 +18,9 @@ Modules, each importing only those before it:
   states that ended, that may be retried, and the pending reasons that never clear.
 - ``errors``: :class:`SlurmError` and its kinds, and the stderr patterns that tell them apart.
 - ``jobs``: :class:`JobInfo`, and the parsers of the values squeue and sacct print alike.
-- ``squeue``, ``sacct``, ``sinfo``, ``scontrol``: each command's formats and parsers.
 - ``releases``: the one place that says what differs by Slurm release (:class:`SlurmRelease`,
   :class:`SlurmFeatures`, :data:`TESTED_RELEASES`).
+- ``squeue``, ``sacct``, ``sinfo``, ``scontrol``: each command's formats and parsers.
 - ``run``: :func:`run_slurm`, and the RPCs each command costs slurmctld (:data:`RPC_COST`).
 - ``client``: :class:`SlurmClient` and the :class:`SlurmBackend` protocol.
 
