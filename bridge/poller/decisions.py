@@ -239,7 +239,7 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
         if records.phase and (records.phase.startswith("running") or records.phase == "uploading"):
             return Decision(State.RUNNING)
         return Decision(State.INITIALIZING)
-    return Decision(current)  # a state we do not know: keep what we had (slurm.py warns)
+    return Decision(current)  # a state we do not know: keep what we had (bridge.slurm warns, once)
 
 
 def in_queue(job: JobInfo | None) -> bool:

@@ -201,7 +201,7 @@ run_as_owner = true
 
 def _sacct_user(job_id: str, task_id: str) -> str:
     """The job's user in accounting, once slurmdbd has the job's own record (it first holds a
-    placeholder named "allocation" with user root; see bridge/slurm.py)."""
+    placeholder named "allocation" with user root; see bridge/slurm/sacct.py)."""
     deadline = time.monotonic() + 60
     while True:
         out = subprocess.run(

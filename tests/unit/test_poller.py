@@ -537,6 +537,51 @@ def test_job_that_can_never_start_fails_and_is_canceled(env):
     assert slurm.jobs[job_id].state == "CANCELLED"
 
 
+@pytest.mark.parametrize("reason", ["Constraints", "SomeReasonOfALaterRelease"])
+def test_a_pending_reason_that_may_clear_leaves_the_task_queued(reason):
+    decision = decide(
+        job=job(state="PENDING", reason=reason, node=None),
+        records=records(),
+        attempt=1,
+        retries=2,
+        current=State.QUEUED,
+    )
+    assert decision.state is State.QUEUED
+    assert not (decision.final or decision.retry or decision.cancel_job)
+    assert decision.condition == Condition(
+        ConditionKind.SLURM_PENDING, f"Slurm job 1 is pending ({reason})"
+    )
+
+
+@pytest.mark.parametrize("current", [State.QUEUED, State.INITIALIZING, State.RUNNING])
+@pytest.mark.parametrize("node", ["n1", None])
+def test_a_job_state_slurm_added_later_keeps_the_tasks_state(current, node):
+    decision = decide(
+        job=job(state="WORD_OF_A_LATER_RELEASE", node=node),
+        records=records(phase="running 0" if current is State.RUNNING else None),
+        attempt=1,
+        retries=2,
+        current=current,
+    )
+    assert decision == Decision(current)
+
+
+def test_an_expediting_job_is_queued_again(env):
+    # Slurm 25.11: a job that failed under --requeue=expedite, on its way back to the queue.
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    poller.cycle()
+    job_id = store.get_task(task.id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="RUNNING", reason=None)
+    poller.cycle()
+    assert store.get_task(task.id).state == "INITIALIZING"
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state="EXPEDITING")
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert (record.state, record.job_id) == ("QUEUED", job_id)
+    assert slurm.jobs[job_id].state == "EXPEDITING"  # not canceled
+
+
 # ----------------------------------------------------------------------------- cycles
 
 

@@ -22,6 +22,7 @@ from bridge import slurm
 from bridge.core.tes import TERMINAL_STATES
 from bridge.slurm import (
     ENDED_STATES,
+    HOPELESS_PENDING_REASONS,
     QUEUE_BY_USER_FROM,
     RETRYABLE_STATES,
     SLURM_TO_TES,
@@ -133,6 +134,35 @@ def test_unknown_state_is_unknown_with_a_warning(caplog: pytest.LogCaptureFixtur
         assert tes_state_for("WIBBLE_NEW_STATE") == "UNKNOWN"
         assert tes_state_for("") == "UNKNOWN"
     assert "WIBBLE_NEW_STATE" in caplog.text
+
+
+def test_an_unknown_state_warns_once_and_is_neither_ended_nor_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    line = "7|tes-a|STATE_OF_A_LATER_RELEASE|None|n1|main|2026-11-25T20:00:00|N/A|0:05|(null)\n"
+    with caplog.at_level(logging.WARNING, logger="bridge.slurm"):
+        (info,) = parse_squeue(line * 3).values()
+        assert [info.tes_state, info.tes_state, tes_state_for("STATE_OF_A_LATER_RELEASE")] == [
+            "UNKNOWN"
+        ] * 3
+    assert caplog.text.count("STATE_OF_A_LATER_RELEASE") == 1
+    assert info.state == "STATE_OF_A_LATER_RELEASE" and not info.ended
+    assert info.end_time is None and info.exit_code is None
+
+
+def test_expediting_is_a_job_requeued_to_run_again() -> None:
+    # Slurm 25.11: a job that failed under --requeue=expedite, on its way back to the queue.
+    line = "8|tes-b|EXPEDITING|None|n1|main|2026-11-25T20:00:00|N/A|0:05|(null)\n"
+    (info,) = parse_squeue(line).values()
+    assert (info.state, info.tes_state, info.ended) == ("EXPEDITING", "QUEUED", False)
+    assert "EXPEDITING" not in ENDED_STATES | RETRYABLE_STATES
+
+
+def test_only_reasons_that_never_clear_are_hopeless() -> None:
+    # 23.11's "Constraints" (--extra constraints no node meets now) may clear; its older
+    # "BadConstraints" does not.
+    assert "BadConstraints" in HOPELESS_PENDING_REASONS
+    assert not {"Constraints", "Resources", "Priority"} & HOPELESS_PENDING_REASONS
 
 
 def test_base_state() -> None:

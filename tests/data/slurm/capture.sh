@@ -15,7 +15,8 @@ release=$(cut -d. -f1-2 <<<"$version")
 mkdir -p "$here/$release"
 cd "$here/$release"
 
-# The formats bridge/slurm.py asks for (keep in step with SQUEUE_FORMAT and SACCT_FIELDS there).
+# The formats bridge/slurm/ asks for (keep in step with SQUEUE_FORMAT in its squeue.py and
+# SACCT_FIELDS in its sacct.py).
 SQ_FMT='%i|%j|%T|%r|%N|%P|%S|%e|%M|%k'
 SA_FMT='JobID,JobName,State,ExitCode,Reason,NodeList,Partition,Start,End,ElapsedRaw,MaxRSS,Comment'
 
