@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -223,6 +225,45 @@ def test_up_refuses_to_overwrite_a_foreign_slurm_config(
     assert foreign.read_text() == "ClusterName=site\nSlurmctldHost=login1\n"
     assert not state.exists()  # refused before touching anything
     assert sorted(p.name for p in etc.iterdir()) == [name]
+
+
+def _release_seen() -> tuple[str, str, str]:
+    """sinfo -V on PATH, the controller's SLURM_VERSION, and where `sbatch` is found."""
+    sinfo = subprocess.run(["sinfo", "-V"], capture_output=True, text=True, check=True).stdout
+    config = subprocess.run(
+        ["scontrol", "show", "config"], capture_output=True, text=True, check=True
+    ).stdout
+    match = re.search(r"^SLURM_VERSION\s*=\s*(\S+)", config, re.M)
+    assert match, config[:300]
+    return sinfo.split()[-1], match.group(1), shutil.which("sbatch") or ""
+
+
+def test_switching_the_slurm_release_and_back_leaves_nothing_of_the_other(
+    local_cluster: LocalCluster,
+) -> None:
+    """Another release's daemons, commands and state, then this one's again, as they were."""
+    here = (local_cluster.state_dir / "slurm.release").read_text().strip()
+    other = "24.11" if here != "24.11" else "26.05"
+    version, _, sbatch = _release_seen()
+    try:
+        local_cluster.run_script("up", "--quiet", env={"LOCAL_CLUSTER_SLURM": other})
+        there = _release_seen()
+        assert there[0].startswith(other + ".") and there[1] == there[0], there
+        assert there[2] == "/usr/local/bin/sbatch", there
+        assert (local_cluster.state_dir / f"slurmctld-{other}").is_dir()
+        assert local_cluster.run_script("status").returncode == 0
+    finally:
+        local_cluster.run_script("up", "--quiet", env={"LOCAL_CLUSTER_SLURM": here})
+    assert _release_seen() == (version, version, sbatch)
+    assert (local_cluster.state_dir / "slurm.release").read_text().strip() == here
+    if here == "22.05":
+        assert not Path("/usr/local/bin/sbatch").exists()  # no link left of the other release
+    # Jobs run again at once on this release.
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-o", "/dev/null", "--wait", "--wrap", "true"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr
 
 
 def test_down_of_an_unknown_daemon_is_refused(local_cluster: LocalCluster) -> None:
