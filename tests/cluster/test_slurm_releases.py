@@ -87,9 +87,9 @@ def test_the_release_is_in_the_capabilities_and_the_check(bridge_service: Bridge
         capture_output=True, text=True, env=bridge_service.env, timeout=120, check=False,
     )  # fmt: skip
     results = {r["name"]: r for r in json.loads(check.stdout)}
-    assert results["slurm-release"]["ok"], results
-    assert version in results["slurm-release"]["message"]
-    limit = results["slurm-rate-limit"]
+    assert results["slurm release"]["ok"], results
+    assert version in results["slurm release"]["message"]
+    limit = results["slurm rate limit"]
     assert limit["ok"], results
     assert ("rl_enable" in limit["message"]) == has_rate_limit(version), limit
 
