@@ -201,9 +201,10 @@ def openapi_document(config: Config) -> dict[str, Any]:
                         "partition's nodes, CPUs, memory, time limit and GPUs (read by the "
                         "poller with one sinfo, again after "
                         "slurm.capabilities_refresh_seconds), the supported backend_parameters "
-                        "with their patterns, the time limits, admission limits and the "
-                        "container runtime. Not part of service-info: strict TES 1.1 clients "
-                        "refuse unknown keys there."
+                        "with their patterns, the time limits, admission limits, the "
+                        "container runtime and, once the poller has read it, the Slurm release "
+                        "(slurm: version, tested). Not part of service-info: strict TES 1.1 "
+                        "clients refuse unknown keys there."
                     ),
                     "responses": {
                         "200": {

@@ -402,7 +402,7 @@ class Capabilities:
         slurm = self.config.slurm
         supported = {key.lower() for key in self.config.backend_parameters.supported}
         cluster = json.loads(self.store.meta(CAPABILITIES_KEY) or "{}")
-        return {
+        document: dict[str, Any] = {
             "tes_version": "1.1.0",
             "read_at": cluster.get("read_at"),
             "partitions": cluster.get("partitions", []),
@@ -436,6 +436,13 @@ class Capabilities:
                 "gpu_flag": self.config.container.gpu_flag,
             },
         }
+        # The Slurm release, once the poller has read it (absent from what older pollers stored).
+        if isinstance(cluster.get("slurm"), dict):
+            document["slurm"] = {
+                "version": cluster["slurm"].get("version"),
+                "tested": bool(cluster["slurm"].get("tested")),
+            }
+        return document
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = self.document()

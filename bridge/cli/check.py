@@ -13,6 +13,7 @@ import grp
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import tempfile
@@ -31,10 +32,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="check this host's setup: config, database, directories, Slurm, Apptainer, sudo",
         description="Check that the configuration loads, the database takes writes, the work "
         "directory, image cache and file directories exist with the right permissions for the "
-        "service account, sinfo and sacct answer, the container runtime runs an image, and "
-        "(site mode) the sudo rule is installed. One line per check, with what to fix; exit "
-        "status 1 when any check fails. Run it as the service account (as root, permissions "
-        "are checked for the owner of the state directory).",
+        "service account, sinfo and sacct answer, which Slurm release runs (tested or not) and "
+        "whether the call budget fits under slurmctld's RPC rate limit, the container runtime "
+        "runs an image, and (site mode) the sudo rule is installed. One line per check, with "
+        "what to fix; exit status 1 when any check fails. Run it as the service account (as "
+        "root, permissions are checked for the owner of the state directory).",
     )
     check.add_argument(
         "--image",
@@ -314,7 +316,8 @@ class FilesystemChecks(CheckGroup):
 
 
 class SlurmChecks(CheckGroup):
-    """slurmctld answers, and job accounting (the poller follows jobs with sacct)."""
+    """slurmctld answers, its release, its RPC rate limit against the call budget, and job
+    accounting (the poller follows jobs with sacct)."""
 
     def slurm(self) -> str:
         sinfo = self.config.slurm.sinfo
@@ -329,6 +332,81 @@ class SlurmChecks(CheckGroup):
         if not partitions:
             raise Failed("sinfo lists no partition", "configure a partition in slurm.conf")
         return "slurmctld answers; partitions: " + ", ".join(partitions)
+
+    def release(self) -> str:
+        """The release of the Slurm commands (`sinfo -V`): a tested one or not, never a
+        failure for that."""
+        # Imported here: bridge.slurm loads the metrics, whose directory `check` never sets.
+        from bridge.slurm import SlurmRelease, describe_tested, parse_version
+
+        out = _command(
+            [self.config.slurm.sinfo, "-V"],
+            self.config.slurm.command_timeout,
+            "sinfo -V",
+            "is this host a Slurm client? set the path in [slurm] sinfo if sinfo lives elsewhere",
+        )
+        version = parse_version(out)
+        printed = re.search(r"[0-9]+\.[0-9]+\S*", out)
+        if version is None or printed is None:
+            raise Failed(
+                f"sinfo -V printed no Slurm version: {out.strip()[:200]!r}",
+                "set [slurm] sinfo to Slurm's own sinfo",
+            )
+        tested = describe_tested()
+        if SlurmRelease(version).tested:
+            return f"Slurm {printed.group(0)}, a tested release (tested: {tested})"
+        return (
+            f"Slurm {printed.group(0)} is not a tested release (tested: {tested}): expected to "
+            "work; report what does not"
+        )
+
+    def rate_limit(self) -> str:
+        """slurmctld's RPC rate limit (`scontrol show config`), and whether the call budget
+        fits under it: a budget that does not is lowered at the poller's start; none at all
+        (calls_per_second = 0) fails, for an account the limit covers."""
+        from bridge.slurm import exempt_because, parse_rate_limit, parse_slurm_user
+        from bridge.system.budget import lower_of
+
+        slurm = self.config.slurm
+        out = _command(
+            [slurm.scontrol, "show", "config"],
+            slurm.command_timeout,
+            "scontrol show config",
+            "is slurmctld up and this host a Slurm client (SLURM_CONF, munge)? set the path in "
+            "[slurm] scontrol if scontrol lives elsewhere",
+        )
+        limit = parse_rate_limit(out)
+        if limit is None:
+            return "slurmctld limits no user's RPC rate (no rate limit in SlurmctldParameters)"
+        said = (
+            f"slurmctld limits each user's RPCs (rl_enable): {limit} "
+            f"({limit.per_second:g} calls/s, bursts of {limit.safe_burst} fit)"
+        )
+        name = self.account.name
+        slurm_user = parse_slurm_user(out)
+        exempt = exempt_because(self.account.uid, name, slurm_user)
+        if exempt is not None:
+            return f"{said}; not for {name}: {exempt}, so the call budget is not lowered to it"
+        setting = (slurm.calls_per_second, slurm.calls_burst)
+        fix = (
+            f"set slurm.calls_per_second to at most {limit.per_second:g} and "
+            f"slurm.calls_burst to at most {limit.safe_burst}"
+        )
+        covered = f"{name} is neither root nor SlurmUser ({slurm_user or 'unknown'})"
+        if setting[0] <= 0:
+            raise Failed(
+                f"{said}; {covered}, and slurm.calls_per_second = 0 sets no call budget: "
+                "slurmctld would slow the poller's commands past slurm.command_timeout",
+                fix,
+            )
+        current = f"slurm.calls_per_second = {setting[0]:g}, calls_burst = {setting[1]}"
+        if setting[0] <= limit.per_second and setting[1] <= limit.safe_burst:
+            return f"{said}; {covered}: {current} fit under it"
+        rate, burst = lower_of(*setting, limit.per_second, limit.safe_burst)
+        return (
+            f"{said}; {covered}: {current} do not fit under it; the poller lowers its budget "
+            f"to {rate:g} calls/s, bursts of {burst}, at start"
+        )
 
     def sacct(self) -> str:
         _command(
@@ -494,6 +572,8 @@ class Doctor:
             ("metrics dir", files.metrics_dir),
             ("file dirs", files.file_dirs),
             ("slurm", slurm.slurm),
+            ("slurm release", slurm.release),
+            ("slurm rate limit", slurm.rate_limit),
             ("sacct", slurm.sacct),
             ("apptainer", RuntimeChecks(config, account, self.image).apptainer),
         ]

@@ -1,8 +1,9 @@
 """Now and then: what the cluster offers, for `GET /capabilities`.
 
 The API never runs a Slurm command, so the poller reads the partitions (one `sinfo`, again
-after `slurm.capabilities_refresh_seconds`) and the container runtime's version (once), and
-stores them for the API to serve (`Store.put_meta(CAPABILITIES_KEY, ...)`).
+after `slurm.capabilities_refresh_seconds`), the Slurm release (`squeue --version`, read once by
+the client) and the container runtime's version (once), and stores them for the API to serve
+(`Store.put_meta(CAPABILITIES_KEY, ...)`).
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ class CapabilitiesReader:
             return
         if self.runtime_version is None:
             self.runtime_version = self._runtime_version()
-        facts = {
+        facts: dict[str, Any] = {
             "read_at": format_time_now(),
             "partitions": [partition_facts(p) for p in partitions],
             "runtime_version": self.runtime_version,
         }
+        release = self.ctx.slurm.release()
+        if release.version is not None:  # unknown: left out, as by a poller before this key
+            facts["slurm"] = {"version": str(release), "tested": release.tested}
         self.ctx.store.put_meta(CAPABILITIES_KEY, json.dumps(facts))
 
     def _runtime_version(self) -> str | None:

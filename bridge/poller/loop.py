@@ -298,6 +298,9 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signals.request_stop)
     log.info("poller started", extra={"work_dir": str(config.work_dir)})
+    # The Slurm release, said once in the log (a warning for one the bridge is not tested
+    # with); with Slurm away, read again when a command first needs it.
+    client.release()
     try:
         if lock is not None:
             metrics.POLLER_LEADER.set(1)

@@ -54,6 +54,7 @@ from bridge.slurm.releases import (
     TESTED_RELEASES,
     SlurmFeatures,
     SlurmRelease,
+    describe_tested,
     is_tested,
     parse_version,
 )
@@ -61,9 +62,11 @@ from bridge.slurm.run import RPC_COST, run_slurm
 from bridge.slurm.sacct import SACCT_FIELDS, expand_array_range, parse_sacct
 from bridge.slurm.scontrol import (
     RateLimit,
+    exempt_because,
     parse_config_version,
     parse_max_array_size,
     parse_rate_limit,
+    parse_slurm_user,
 )
 from bridge.slurm.sinfo import (
     SINFO_NODE_SIZES_FORMAT,
@@ -123,6 +126,8 @@ __all__ = [
     "SlurmUnavailable",
     "base_state",
     "command_error",
+    "describe_tested",
+    "exempt_because",
     "expand_array_range",
     "is_tested",
     "log",
@@ -136,6 +141,7 @@ __all__ = [
     "parse_sinfo_node_sizes",
     "parse_sinfo_partitions",
     "parse_size",
+    "parse_slurm_user",
     "parse_squeue",
     "parse_time",
     "parse_version",

@@ -3,13 +3,22 @@ through :func:`~bridge.slurm.run.run_slurm`, and :class:`SlurmBackend`, what the
 it.
 
 Slurm quirks (seen on Slurm 22.05): scancel of an unknown or already finished job exits 0 and
-prints nothing; ``scancel 123_4`` cancels one element of an array. A job missing from squeue is
-not finished: :meth:`SlurmClient.accounting` asks sacct.
+prints nothing (with ``-v``: "scancel: error: Kill job error on job id N: Invalid job id
+specified", exit 0 all the same); ``scancel 123_4`` cancels one element of an array. A job
+missing from squeue is not finished: :meth:`SlurmClient.accounting` asks sacct.
+
+sbatch and scancel run with ``-v``, so that the retries slurmctld's RPC rate limit asks of them
+are counted (:mod:`bridge.slurm.run`); sbatch -v prints its option dump on stderr alone, the
+job id on stdout as without it. Through sudo (site mode) scancel runs without it: the sudo rule
+of deploy/sudoers.tes-bridge allows scancel job ids alone (sbatch's, ``--parsable *``, takes
+``--parsable -v``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import re
 import subprocess
 import time
@@ -21,10 +30,16 @@ from typing import Protocol
 
 from bridge.slurm.errors import _INVALID_JOB_ID, SlurmError, command_error
 from bridge.slurm.jobs import JobInfo
-from bridge.slurm.releases import SlurmFeatures, SlurmRelease, parse_version
+from bridge.slurm.releases import SlurmFeatures, SlurmRelease, describe_tested, parse_version
 from bridge.slurm.run import run_slurm
 from bridge.slurm.sacct import SACCT_FIELDS, parse_sacct
-from bridge.slurm.scontrol import RateLimit, parse_max_array_size, parse_rate_limit
+from bridge.slurm.scontrol import (
+    RateLimit,
+    exempt_because,
+    parse_max_array_size,
+    parse_rate_limit,
+    parse_slurm_user,
+)
 from bridge.slurm.sinfo import (
     SINFO_NODE_SIZES_FORMAT,
     SINFO_PARTITIONS_FORMAT,
@@ -48,6 +63,8 @@ RATE_LIMIT_REFRESH = 3600.0
 RATE_LIMIT_RETRY = 60.0
 #: The longest wait for `scontrol show config`.
 RATE_LIMIT_TIMEOUT = 10.0
+#: The longest wait for `squeue --version`, which asks no daemon (read as the poller starts).
+VERSION_TIMEOUT = 10.0
 
 #: From this many job ids on, :meth:`SlurmClient.queue` lists the jobs of its `queue_user`
 #: instead of naming the ids: slurmctld matches a ``--jobs`` list against every job it holds,
@@ -106,6 +123,8 @@ class SlurmBackend(Protocol):
 
     def max_array_size(self) -> int: ...
 
+    def release(self) -> SlurmRelease: ...
+
     def queue(self, job_ids: Collection[str]) -> dict[str, JobInfo]: ...
 
     def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]: ...
@@ -136,8 +155,14 @@ class SlurmClient:
         sudo: str = "sudo",
         queue_user: str | None = None,
         budget: CallBudget | None = None,
+        uid: int | None = None,
     ) -> None:
         self.sudo = sudo
+        #: The account the commands run as (outside site mode): slurmctld's RPC rate limit
+        #: does not cover root and SlurmUser. None: this process's (os.geteuid()).
+        self.uid = os.geteuid() if uid is None else uid
+        #: Whether the log has said that the rate limit does not cover this account.
+        self._exempt_said = False
         #: Every command takes a token from it first (slurm.calls_per_second).
         self.budget = budget or CallBudget.unlimited()
         #: This cluster's Slurm release, read once (:meth:`release`).
@@ -170,12 +195,24 @@ class SlurmClient:
 
     def _apply_rate_limit(self) -> None:
         try:
-            limit = self.rate_limit()
+            limit, slurm_user = self._rate_limit_and_user()
         except SlurmError as exc:
             log.warning("cannot read slurmctld's rate limit; trying again soon: %s", exc)
             self._rate_limit_due = time.monotonic() + RATE_LIMIT_RETRY
             return
         self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH
+        exempt = exempt_because(self.uid, account_name(self.uid), slurm_user)
+        if limit is not None and exempt is not None:
+            if not self._exempt_said:
+                self._exempt_said = True
+                log.info(
+                    "slurmctld's RPC rate limit (%s) does not apply to this account: %s; "
+                    "the call budget stays %s",
+                    limit,
+                    exempt,
+                    self.budget.describe(),
+                )
+            limit = None
         before = self.budget.describe()
         if limit is None:
             self.budget.limit_to(None, None)
@@ -214,7 +251,8 @@ class SlurmClient:
         look for it with :meth:`find_by_names` before submitting again.
         """
         _check_text("job name", job_name)
-        argv = [self.sbatch, "--parsable", f"--job-name={job_name}"]
+        # -v after --parsable: the sudo rule of site mode allows `sbatch --parsable *`.
+        argv = [self.sbatch, "--parsable", "-v", f"--job-name={job_name}"]
         if comment is not None:
             _check_text("comment", comment)
             argv.append(f"--comment={comment}")
@@ -302,14 +340,29 @@ class SlurmClient:
         reads as an unknown release, with 22.05's features, and is tried again next time)."""
         if self._release is None:
             try:
-                proc = self._run([self.squeue, "--version"])
+                proc = self._run([self.squeue, "--version"], min(self.timeout, VERSION_TIMEOUT))
             except SlurmError as exc:
                 log.warning("cannot read squeue's version: %s", exc)
                 return SlurmRelease(None)
             version = parse_version(proc.stdout) if proc.returncode == 0 else None
-            self._release = SlurmRelease(version)
-            tested = "" if self._release.tested else " (not a release this bridge is tested with)"
-            log.info("Slurm %s%s: %s", self._release, tested, self._release.features)
+            self._release = release = SlurmRelease(version)
+            if release.tested:
+                log.info("Slurm %s, a tested release: %s", release, release.features)
+            elif version is None:
+                log.warning(
+                    "cannot tell Slurm's release from `squeue --version` (%r); the commands are "
+                    "used in the forms every release has (tested: %s)",
+                    (proc.stdout or proc.stderr).strip()[:200],
+                    describe_tested(),
+                )
+            else:
+                log.warning(
+                    "Slurm %s is not a tested release (tested: %s): expected to work; report "
+                    "what does not. %s",
+                    release,
+                    describe_tested(),
+                    release.features,
+                )
         return self._release
 
     def features(self) -> SlurmFeatures:
@@ -339,12 +392,16 @@ class SlurmClient:
     def rate_limit(self) -> RateLimit | None:
         """slurmctld's RPC rate limit for each user (`scontrol show config`), or None when it
         has none (or cannot be read: then nothing lowers the configured budget)."""
+        return self._rate_limit_and_user()[0]
+
+    def _rate_limit_and_user(self) -> tuple[RateLimit | None, str | None]:
+        """slurmctld's RPC rate limit and its SlurmUser, from one `scontrol show config`."""
         self._rate_limit_due = time.monotonic() + RATE_LIMIT_REFRESH  # no recursion
         # Not worth the whole command timeout: without an answer the setting stands.
         proc = self._run([self.scontrol, "show", "config"], min(self.timeout, RATE_LIMIT_TIMEOUT))
         if proc.returncode != 0:
             raise command_error(proc, "reading slurmctld's configuration")
-        return parse_rate_limit(proc.stdout)
+        return parse_rate_limit(proc.stdout), parse_slurm_user(proc.stdout)
 
     def accounting(self, job_ids: Collection[str]) -> dict[str, JobInfo]:
         """The accounting records of these jobs (any age: ``--jobs`` looks back to the epoch)."""
@@ -407,10 +464,20 @@ class SlurmClient:
 
     def cancel(self, job_ids: Collection[str], *, as_user: str | None = None) -> None:
         """Cancel these jobs; unknown and already ended ones are ignored by scancel."""
+        # -v: see the module doc (not through sudo, whose rule allows job ids alone).
+        verbose = ["-v"] if as_user is None else []
         for chunk in _chunks(_check_ids(job_ids)):
-            proc = self._run(self._as(as_user, [self.scancel, *chunk]))
+            proc = self._run(self._as(as_user, [self.scancel, *verbose, *chunk]))
             if proc.returncode != 0:
                 raise command_error(proc, f"cancelling job(s) {' '.join(chunk)}")
+
+
+def account_name(uid: int) -> str | None:
+    """The user name of `uid`; None when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 def _merge(accounting: JobInfo, queue: JobInfo) -> JobInfo:

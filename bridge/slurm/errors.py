@@ -12,6 +12,11 @@ Slurm quirks (seen on Slurm 22.05; real output in tests/data/slurm/):
   "Unable to contact slurm controller"; sacct still answers (it asks slurmdbd).
 - sbatch refusing a job for its size (exit 1, "Requested node configuration is not available")
   still uses a job id: sacct and squeue show a FAILED (1:0) job of that name that never ran.
+- Where slurmctld limits RPC rates (``SlurmctldParameters=rl_enable``, 23.02+), a command it
+  limits never fails: it sleeps and tries again, for ever, and says so only with ``-v``
+  (:func:`~bridge.slurm.run.run_slurm` counts those lines and keeps them from the callers).
+- A refusal of sbatch itself may read ``sbatch: fatal: ...`` (26.05: "--gpus-per-node and
+  --gres=gpu are mutually exclusive."), as well as ``sbatch: error: ...``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ class Outage(StrEnum):
     #: No clear answer (a time-out, a lost connection, a controller in standby): the command may
     #: have been done all the same.
     UNCERTAIN = "uncertain"
+    #: Killed at its time-out while slurmctld's RPC rate limit (``rl_enable``) kept telling it to
+    #: back off (the retries its ``-v`` output counts): slurmctld answers, but this account sends
+    #: it more RPCs than the limit allows. The last attempt may have been in flight: the command
+    #: may have been done all the same, as for UNCERTAIN.
+    RATE_LIMITED = "rate_limited"
 
 
 class SlurmError(CommandError):
@@ -96,7 +106,7 @@ class SlurmUnavailable(SlurmError):
     def may_have_acted(self) -> bool:
         # A command killed at its time-out (no exit code) while it waited out a limit may have
         # got through at last.
-        return self.outage is Outage.UNCERTAIN or (
+        return self.outage in (Outage.UNCERTAIN, Outage.RATE_LIMITED) or (
             self.outage is Outage.LIMIT and self.returncode is None
         )
 
@@ -133,13 +143,16 @@ _OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
     # "sbatch: error: QOSMaxSubmitJobPerUserLimit" then "Batch job submission failed: Job
     # violates accounting/QOS policy (job submit limit, ...)"), or slurmctld's MaxJobCount
     # ("Slurm temporarily unable to accept job, sleeping and retrying", then "Resource
-    # temporarily unavailable" once sbatch gives up).
+    # temporarily unavailable" once sbatch gives up; from 26.05.2 "Slurm job queue full,
+    # sleeping and retrying", then "MaxJobCount limit reached").
     (
         Outage.LIMIT,
         _any_of(
             "Job violates accounting/QOS policy",
             "temporarily unable to accept job",
             "Resource temporarily unavailable",
+            "Slurm job queue full",
+            "MaxJobCount limit reached",
         ),
     ),
     # The request may have reached slurmctld and been done: slurmctld went away after the
@@ -157,7 +170,7 @@ _OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
             "Communication shutdown failure",
         ),
     ),
-    # The request never reached slurmctld.
+    # The request never reached slurmctld, or was turned away before it was processed.
     (
         Outage.UNREACHABLE,
         _any_of(
@@ -165,6 +178,9 @@ _OUTAGES: tuple[tuple[Outage, re.Pattern[str]], ...] = (
             "Connection refused",
             # munged down or overloaded on this host.
             "Munge encode failed",
+            # 24.05+: slurmctld's queue for this RPC type is full (rpc_queue.yaml); the client
+            # does not retry it.
+            "Rate limit exceeded, please retry later",
         ),
     ),
     (
@@ -205,8 +221,8 @@ _REFUSALS: tuple[tuple[Refusal, re.Pattern[str]], ...] = (
     ),
 )
 _INVALID_JOB_ID = "Invalid job id specified"
-#: What Slurm's tools put before their error lines ("sbatch: error: ").
-_TOOL_PREFIX = re.compile(r"^[a-z]+: error: ")
+#: What Slurm's tools put before their error lines ("sbatch: error: ", "sbatch: fatal: ").
+_TOOL_PREFIX = re.compile(r"^[a-z]+: (?:error|fatal): ")
 
 
 def _outage_in(stderr: str) -> Outage | None:

@@ -20,6 +20,11 @@ TESTED_RELEASES: tuple[tuple[int, int], ...] = ((22, 5), (24, 11), (26, 5))
 _VERSION = r"(\d+)\.(\d+)(?:\.(\d+))?"
 
 
+def describe_tested() -> str:
+    """:data:`TESTED_RELEASES` as Slurm names them: "22.05, 24.11, 26.05"."""
+    return ", ".join(f"{major}.{minor:02d}" for major, minor in TESTED_RELEASES)
+
+
 def version_of(text: str) -> tuple[int, ...] | None:
     """A version printed as "22.05.8" (or with a suffix, "23.11.5-1") -> (22, 5, 8)."""
     match = re.match(_VERSION, text.strip())
@@ -51,7 +56,11 @@ class SlurmFeatures:
     only_job_state: bool = False
     #: 25.11+: sacct's ExitCode prints an exit status of 128 or more as it is (a script that
     #: exited 137: "137:0"); up to 25.05 it printed it less 128 ("9:0"). The signal field, for
-    #: a process a signal ended, is the same in both.
+    #: a process a signal ended, is the same in both. Nothing needs to translate one into the
+    #: other: the only exit codes of a job the bridge reads from sacct are its job script's
+    #: own, NO_RECORDS_EXIT_CODE and SUPERSEDED_EXIT_CODE (75 and 76, bridge/core/naming.py,
+    #: templates/job.sh.j2), below 128 in every release; an executor's exit code comes from the
+    #: job's own records, never from sacct.
     sacct_exit_code_raw: bool = False
 
     @classmethod

@@ -13,6 +13,8 @@ Slurm quirks (seen on Slurm 22.05; real output in tests/data/slurm/):
 - ExitCode is ``code:signal``. Up to 25.05 sacct printed an exit status of 128 or more less 128
   (a script that exited 137 as ``9:0``); 25.11 prints it as it is (``137:0``, as
   ``scontrol show job`` does): :attr:`~bridge.slurm.releases.SlurmFeatures.sacct_exit_code_raw`.
+- A job that ended NODE_FAIL has the ExitCode Slurm gives it, ``0:0`` up to 24.05 and ``1:0``
+  from 24.11, whatever its script did: :func:`parse_sacct` gives it no exit code or signal.
 - States come as "CANCELLED by 0" (the uid that asked, for every scancel, of a job or a whole
   array); a job Slurm cancels itself has plain "CANCELLED": when a slurmctld restarted from an
   older state gives out a running job's id again, the node reports the duplicate and Slurm kills
@@ -85,7 +87,10 @@ def _sacct_job(job_id: str, fields: list[str]) -> JobInfo | None:
     ended = state in ENDED_STATES
     # "CANCELLED by 1000" -> "1000"; plain "CANCELLED" -> "" (no one asked).
     canceled_by = state_text.partition(" by ")[2].strip() if state == "CANCELLED" else None
-    exit_code, signal = parse_exit_code(exit_text) if ended else (None, None)
+    # A NODE_FAIL job's ExitCode is Slurm's mark (1:0 from 24.11, 0:0 before), not the script's.
+    exit_code, signal = (
+        parse_exit_code(exit_text) if ended and state != "NODE_FAIL" else (None, None)
+    )
     return JobInfo(
         job_id=job_id,
         name=name,

@@ -162,6 +162,12 @@ SLURM_CALLS = Counter(
     "Slurm commands run, by command (each one or more RPCs to slurmctld or slurmdbd).",
     ["command"],
 )
+SLURM_RATE_LIMITED = Counter(
+    "tes_bridge_slurm_rate_limited",
+    "Retries slurmctld's RPC rate limit asked of a Slurm command, by command; only commands run "
+    "with -v report them: sbatch, and scancel outside site mode.",
+    ["command"],
+)
 SLURM_BUDGET_WAITS = Counter(
     "tes_bridge_slurm_budget_waits",
     "Times a Slurm command, or the poller's work that needed one, waited for the call budget "
@@ -245,10 +251,13 @@ _SLURM_COMMANDS = frozenset(["sbatch", "squeue", "sacct", "scancel", "sinfo", "s
 
 
 def init_label_sets() -> None:
-    """Failure counters and finished tasks exist at 0 before their first event, so that a rate
-    or an alert sees a series from the start (an absent series is no increase)."""
+    """Failure counters, rate-limit retries (of the commands that report them) and finished
+    tasks exist at 0 before their first event, so that a rate or an alert sees a series from
+    the start (an absent series is no increase)."""
     for command in sorted(_SLURM_COMMANDS):
         SLURM_FAILURES.labels(command)
+    for command in ("sbatch", "scancel"):  # the commands run with -v, which report it
+        SLURM_RATE_LIMITED.labels(command)
     for state in FINAL_STATES:
         TASKS_FINISHED.labels(state)
 
@@ -288,6 +297,12 @@ def observe_slurm_command(argv: Sequence[str], seconds: float, failed: bool) -> 
     SLURM_CALLS.labels(command).inc()
     if failed:
         SLURM_FAILURES.labels(command).inc()
+
+
+def observe_rate_limited(command: str, retries: int) -> None:
+    """slurmctld's RPC rate limit made `command` back off and retry `retries` times."""
+    name = os.path.basename(command)
+    SLURM_RATE_LIMITED.labels(name if name in _SLURM_COMMANDS else "?").inc(retries)
 
 
 def observe_budget_wait(command: str) -> None:
@@ -339,6 +354,7 @@ def registry() -> CollectorRegistry:
         SLURM_COMMAND,
         SLURM_FAILURES,
         SLURM_CALLS,
+        SLURM_RATE_LIMITED,
         SLURM_BUDGET_WAITS,
         POLL_CYCLE,
         IMAGE_PULLS,

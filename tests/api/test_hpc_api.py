@@ -17,6 +17,7 @@ from bridge.api.app import create_app
 from bridge.config import load_config
 from bridge.poller import Poller
 from bridge.slurm import SlurmClient, parse_sinfo_partitions
+from bridge.store import CAPABILITIES_KEY
 from tests.fakes.slurm import FakeSlurm
 from tests.fixtures.auth import PASSWORDS
 from tests.unit.test_poller import FakeImages
@@ -143,7 +144,8 @@ def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
     poller = Poller(config, sqlite_store, slurm_client=fake, images=FakeImages())
     client = testing.TestClient(create_app(config, store=sqlite_store))
     empty = client.simulate_get("/ga4gh/tes/v1/capabilities").json
-    assert empty["partitions"] == [] and empty["read_at"] is None
+    assert empty["partitions"] == [] and empty["read_at"] is None and "slurm" not in empty
+    fake.version = (26, 5, 5)
     poller.cycle()
     poller.cycle()
     assert fake.partition_reads == 1  # kept for slurm.capabilities_refresh_seconds
@@ -159,10 +161,33 @@ def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
         assert doc["time_limit"] == {"default": None, "maximum": "2-00:00:00"}
         assert doc["admission"] == {"max_jobs_in_flight": 100, "max_jobs_per_owner": None}
         assert doc["container"] == {"runtime": "apptainer", "version": "9.8.7", "gpu_flag": "--nv"}
+        assert doc["slurm"] == {"version": "26.05.5", "tested": True}
     info = client.simulate_get("/ga4gh/tes/v1/service-info").json
     assert "partitions" not in json.dumps(info)  # strict 1.1 clients refuse unknown keys
     paths = client.simulate_get("/ga4gh/tes/v1/openapi.json").json["paths"]
     assert "/capabilities" in paths
+
+
+def test_the_capabilities_say_the_slurm_release_once_it_is_known(tmp_path, sqlite_store) -> None:
+    """An untested release is said as such; an unknown one (squeue --version unreadable) and a
+    document stored by an older poller, without the key, leave it out."""
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"container.runtime": str(tmp_path / "absent")},
+    )
+    fake = FakeSlurm()
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    for version, slurm in [
+        ((25, 5, 1), {"version": "25.05.1", "tested": False}),
+        ((22, 5, 8), {"version": "22.05.8", "tested": True}),
+        (None, None),
+    ]:
+        fake.version = version
+        Poller(config, sqlite_store, slurm_client=fake, images=FakeImages()).cycle()
+        doc = client.simulate_get("/ga4gh/tes/v1/capabilities").json
+        assert doc.get("slurm") == slurm, version
+    sqlite_store.put_meta(CAPABILITIES_KEY, json.dumps({"read_at": None, "partitions": []}))
+    assert "slurm" not in client.simulate_get("/ga4gh/tes/v1/capabilities").json
 
 
 def test_capabilities_need_the_same_authentication(tmp_path, sqlite_store, htpasswd) -> None:

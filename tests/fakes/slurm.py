@@ -19,9 +19,12 @@ from bridge.slurm import (
     RPC_COST,
     JobInfo,
     NodeSizes,
+    Outage,
     Partition,
     SlurmBackend,
     SlurmError,
+    SlurmRelease,
+    SlurmUnavailable,
     command_error,
     parse_sinfo_node_sizes,
     parse_sinfo_partitions,
@@ -83,6 +86,9 @@ class FakeSlurm:
         self.sbatch_error: str | None = None
         #: sbatch creates the job but its answer is lost.
         self.create_then_fail = False
+        #: sbatch creates the job, but slurmctld's RPC rate limit slowed it past its time-out:
+        #: the client killed it, its last attempt done.
+        self.rate_limited_then_killed = False
         #: What `sinfo -h -a -o '%P|%d|%m'` prints (None: sinfo cannot reach slurmctld).
         self.sinfo = sinfo
         #: What `sinfo -h -a -N -o SINFO_PARTITIONS_FORMAT` prints.
@@ -98,6 +104,8 @@ class FakeSlurm:
         self.arrays: list[int] = []
         #: The script's own arguments of each sbatch (the lease epoch of an elected poller).
         self.script_args: list[list[str]] = []
+        #: The release `release()` says (the real client reads it once, from squeue --version).
+        self.version: tuple[int, ...] | None = (22, 5, 8)
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -118,6 +126,15 @@ class FakeSlurm:
         script_args: Sequence[str] = (),
     ) -> str:
         self.script_args.append(list(script_args))
+        if self.rate_limited_then_killed:
+            self._queue(job_name, array_size)
+            self.calls.append("sbatch")
+            raise SlurmUnavailable(
+                "sbatch was slowed by slurmctld's RPC rate limit for longer than "
+                "slurm.command_timeout (fake)",
+                outage=Outage.RATE_LIMITED,
+                argv=["sbatch", str(script)],
+            )
         if self.create_then_fail:
             self._queue(job_name, array_size)
             self.calls.append("sbatch")
@@ -137,6 +154,9 @@ class FakeSlurm:
         for element in elements:
             self.jobs[element] = job(element, "PENDING", name=job_name, reason="Priority")
         return job_id
+
+    def release(self) -> SlurmRelease:
+        return SlurmRelease(self.version)
 
     def max_array_size(self) -> int:
         self._check("scontrol")

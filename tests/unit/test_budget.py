@@ -3,6 +3,7 @@ config`, and squeue's forms per Slurm version (a stand-in squeue that records it
 
 from __future__ import annotations
 
+import logging
 import stat
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from bridge.slurm import (
     RateLimit,
     SlurmClient,
     SlurmFeatures,
+    exempt_because,
     parse_job_states,
     parse_rate_limit,
+    parse_slurm_user,
     parse_version,
     squeue_argv,
 )
@@ -40,6 +43,10 @@ class Clock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         self.now += seconds
+
+
+#: An ordinary account's uid ("nobody"): slurmctld's rate limit covers it.
+NOBODY = 65534
 
 
 def waits(command: str) -> float:
@@ -163,7 +170,7 @@ SlurmctldPort           = 6817
         ("enable_configless,rl_enable,rl_bucket_size=50", RateLimit(50, 2, 1)),
         ("rl_enable", RateLimit(30, 2, 1)),
         ("rl_enable,rl_refill_rate=10,rl_refill_period=2,rl_table_size=4096", RateLimit(30, 10, 2)),
-        # slurmctld keeps its default for a value it refuses
+        # Slurm's defaults for values slurmctld up to 25.11.0 takes as read, 25.11.1+ refuses
         ("rl_enable,rl_bucket_size=0,rl_refill_rate=x", RateLimit(30, 2, 1)),
         ("idle_on_node_suspend,RL_ENABLE,rl_log_freq=10", RateLimit(30, 2, 1)),
     ],
@@ -200,12 +207,59 @@ def test_the_client_lowers_its_budget_to_slurmctlds_before_its_first_command(
         tmp_path, "scontrol", f"cat <<'EOF'\n{CONFIG.format('rl_enable,rl_refill_rate=1')}EOF"
     )
     sacct = stand_in(tmp_path, "sacct", "")
-    client = SlurmClient(scontrol=scontrol, sacct=sacct, budget=CallBudget(2.0, 28))
+    # An ordinary account (the suite runs as root, whom slurmctld does not limit).
+    client = SlurmClient(scontrol=scontrol, sacct=sacct, budget=CallBudget(2.0, 28), uid=NOBODY)
     client.accounting(["1"])
     client.accounting(["2"])
     assert calls(tmp_path, "scontrol") == ["show config"]  # once, not per command
     assert (client.budget.rate, client.budget.burst) == (1.0, 28)
     assert client.budget.spent == 3  # scontrol and two sacct
+
+
+@pytest.mark.parametrize(
+    ("uid", "slurm_user", "why"),
+    [(0, "slurm", "it is root"), (NOBODY, "nobody", "it is SlurmUser (nobody)")],
+)
+def test_root_and_slurmuser_keep_their_budget_under_the_rate_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, uid: int, slurm_user: str, why: str
+) -> None:
+    """slurmctld never limits root or its SlurmUser: their budget is not lowered to the limit,
+    and the log says why, once."""
+    config = CONFIG.format("rl_enable,rl_refill_rate=1") + f"SlurmUser = {slurm_user}(64030)\n"
+    scontrol = stand_in(tmp_path, "scontrol", f"cat <<'EOF'\n{config}EOF")
+    sacct = stand_in(tmp_path, "sacct", "")
+    client = SlurmClient(scontrol=scontrol, sacct=sacct, budget=CallBudget(2.0, 28), uid=uid)
+    with caplog.at_level(logging.INFO, logger="bridge.slurm"):
+        client.accounting(["1"])
+        client._rate_limit_due = 0.0  # the hourly read again
+        client.accounting(["2"])
+    assert calls(tmp_path, "scontrol") == ["show config", "show config"]
+    assert (client.budget.rate, client.budget.burst) == (2.0, 28)
+    said = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert said == [
+        "slurmctld's RPC rate limit (30 calls at once, 1 more every 1 s) does not apply to this "
+        f"account: {why}; the call budget stays 2 calls/s, bursts of 28"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "user"),
+    [
+        ("SlurmUser               = root(0)", "root"),  # Slurm 22.05, 24.11, 26.05 (captured)
+        ("SlurmUser = slurm(64030)", "slurm"),
+        ("SlurmdUser = root(0)", None),
+        ("", None),
+    ],
+)
+def test_slurm_user_from_scontrol_show_config(line: str, user: str | None) -> None:
+    assert parse_slurm_user(CONFIG.format("rl_enable") + line + "\n") == user
+
+
+def test_only_root_and_slurmuser_are_exempt() -> None:
+    assert exempt_because(0, "root", "slurm") == "it is root"
+    assert exempt_because(64030, "slurm", "slurm") == "it is SlurmUser (slurm)"
+    assert exempt_because(1000, "tesbridge", "slurm") is None
+    assert exempt_because(1000, None, None) is None
 
 
 def test_a_cluster_without_rate_limit_keeps_the_setting_and_a_failed_read_is_no_error(

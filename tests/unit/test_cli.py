@@ -105,7 +105,12 @@ def test_root_is_refused_without_allow_root(tmp_path, command):
 
 def test_allow_root_lets_root_start(tmp_path):
     config_file = tmp_path / "root.toml"
-    config_file.write_text(f'state_dir = "{tmp_path / "state"}"\n[container]\nallow_root = true\n')
+    # Where Slurm's commands are installed, each waits for the missing SLURM_CONF until its
+    # time-out: the release read at start, the rate limit's, the capabilities' sinfo.
+    config_file.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[container]\nallow_root = true\n'
+        "[slurm]\ncommand_timeout = 5.0\n"
+    )
     env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": "/nonexistent"}
     result = tes_bridge("--config", str(config_file), "poller", "--once", env=env)
     assert "refusing to run as root" not in result.stderr

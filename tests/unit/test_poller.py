@@ -670,6 +670,27 @@ def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
     assert store.get_task(task.id).job_id == "100"
 
 
+def test_sbatch_slowed_past_its_time_out_by_the_rate_limit_waits_and_is_not_repeated(env):
+    """The rate limit fails no task: it waits, saying why, and the job its last attempt
+    created is found by name instead of being submitted again."""
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.rate_limited_then_killed = True
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "QUEUED" and record.job_id is None
+    assert any(
+        line.startswith("waiting: slurmctld's RPC rate limit slowed the submission")
+        for line in record.logs[0]["system_logs"]
+    )
+    slurm.rate_limited_then_killed = False
+    poller.clock = lambda: 1e12  # any back-off has passed
+    poller.cycle()
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    assert store.get_task(task.id).job_id == "100"
+
+
 def test_rejected_job_is_a_system_error_with_slurm_message(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)

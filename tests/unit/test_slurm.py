@@ -307,7 +307,7 @@ def test_submit_returns_the_job_id(tmp_path: Path) -> None:
     )
     assert job_id == data("sbatch-ok.txt").strip()
     assert calls(tmp_path, "sbatch") == [
-        f"--parsable --job-name=tes-x --comment=c -p main {tmp_path}/job.sh"
+        f"--parsable -v --job-name=tes-x --comment=c -p main {tmp_path}/job.sh"
     ]
 
 
@@ -319,7 +319,7 @@ def test_submit_gives_the_script_its_own_arguments_after_it(tmp_path: Path) -> N
         tmp_path / "a.sh", job_name="tes-array-x", array_size=3, script_args=["lease-epoch=7"]
     )
     assert calls(tmp_path, "sbatch") == [
-        f"--parsable --job-name=tes-array-x --array=0-2 {tmp_path}/a.sh lease-epoch=7"
+        f"--parsable -v --job-name=tes-array-x --array=0-2 {tmp_path}/a.sh lease-epoch=7"
     ]
     with pytest.raises(ValueError, match="script argument"):
         client.submit(tmp_path / "a.sh", job_name="n", script_args=["x\ny"])
@@ -586,7 +586,7 @@ def test_accounting_asks_once_and_merges_steps(tmp_path: Path) -> None:
 def test_cancel_asks_once(tmp_path: Path) -> None:
     client = SlurmClient(scancel=replay(tmp_path, "scancel", "scancel-unknown-job.txt"))
     client.cancel(["3", "1", "2", "1"])
-    assert calls(tmp_path, "scancel") == ["1 2 3"]
+    assert calls(tmp_path, "scancel") == ["-v 1 2 3"]
 
 
 def test_find_by_names_uses_squeue_and_sacct_with_a_start_time(tmp_path: Path) -> None:

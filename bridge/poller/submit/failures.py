@@ -65,6 +65,15 @@ class SbatchFailures:
                 "submitted again when earlier jobs have ended",
             )
             log.warning("sbatch for task %s refused for a limit: %s", task.id, exc)
+        elif isinstance(exc, SlurmUnavailable) and exc.outage is Outage.RATE_LIMITED:
+            # slurmctld answers, slowly: the job may exist (looked up by name, as for no answer).
+            waiting = Condition(
+                ConditionKind.SLURM_UNREACHABLE,
+                "waiting: slurmctld's RPC rate limit slowed the submission past "
+                "slurm.command_timeout; submitted again after the back-off, unless the job "
+                "turns out to exist",
+            )
+            log.warning("sbatch for task %s slowed by the rate limit: %s", task.id, exc)
         else:
             waiting = Condition(
                 ConditionKind.SLURM_UNREACHABLE,
