@@ -152,7 +152,7 @@ class SlurmConfig(_Section):
     #: Reads slurmctld's own RPC rate limit (which lowers the budget) and MaxArraySize
     #: (`scontrol show config`).
     scontrol: str = "scontrol"
-    #: The budget of Slurm calls (slurmctld RPCs: squeue and sinfo are two each): at most
+    #: The budget of Slurm calls (slurmctld RPCs: squeue three, sinfo and scontrol two): at most
     #: calls_burst at once, then calls_per_second; lowered to slurmctld's rl_* limit where it
     #: sets one. The defaults stay inside Slurm's rl_enable defaults (30 tokens, 2 a second,
     #: added at whole seconds: 28 for a bucket refilled evenly). 0: no budget.

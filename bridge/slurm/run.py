@@ -168,10 +168,13 @@ def _timed_out(
     )
 
 
-#: slurmctld RPCs per command where more than one (Slurm 22.05, counted with `sdiag`): squeue
-#: asks for the jobs and the partitions, sinfo for the partitions and the nodes. sbatch,
-#: scancel and scontrol make one; sacct asks slurmdbd, and counts one all the same.
-RPC_COST = {"squeue": 2, "sinfo": 2}
+#: slurmctld RPCs per command where more than one, the most any tested release makes (counted
+#: with `sdiag` and with rl_enable's own log): squeue asks for the jobs and the partitions, and
+#: on 24.11 and later for the federation too when it names a single job (REQUEST_FED_INFO,
+#: which the rate limit counts); sinfo asks for the partitions and the nodes; `scontrol show
+#: config` makes two from 24.11 on. sbatch and scancel make one; sacct asks slurmdbd, which
+#: has no rate limit, and counts one all the same.
+RPC_COST = {"squeue": 3, "sinfo": 2, "scontrol": 2}
 
 
 def _tool(argv: Sequence[str]) -> str:

@@ -213,7 +213,7 @@ def test_the_client_lowers_its_budget_to_slurmctlds_before_its_first_command(
     client.accounting(["2"])
     assert calls(tmp_path, "scontrol") == ["show config"]  # once, not per command
     assert (client.budget.rate, client.budget.burst) == (1.0, 28)
-    assert client.budget.spent == 3  # scontrol and two sacct
+    assert client.budget.spent == 4  # scontrol (two RPCs) and two sacct
 
 
 @pytest.mark.parametrize(
