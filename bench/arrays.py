@@ -75,6 +75,9 @@ SIDES = [
 ]
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
+#: The [slurm] settings of the bridge without a call budget, and of the one under Slurm's.
+UNLIMITED = 'arrays = "auto"\ncalls_per_second = 0'
+BUDGET = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
 
 
 def rpc_counts() -> dict[str, int]:
@@ -330,36 +333,81 @@ def main() -> dict[str, object]:
     root = scratch("arrays", info["LOCAL_CLUSTER_SHARED_DIR"])
     os.chmod(root, 0o755)
     results: dict[str, dict[str, float]] = {}
-    unlimited = 'arrays = "auto"\ncalls_per_second = 0'
-    with bridge(info, root, "auto", unlimited) as service:
-        wait_queue_empty()
-        bridge_burst(service, 1)  # warm-up: the image pulled once; the raw sides use the same SIF
-        sif = next((root / "images").rglob("*.sif"))
-        script = next((service.root / "state" / "work").glob("*/job.sh")).read_text()
-        directives = [
-            line.split(None, 1)[1]
-            for line in script.splitlines()
-            if line.startswith("#SBATCH") and line.split(None, 1)[1].startswith(
-                ("--cpus", "--mem", "--time", "--partition", "--nodes", "--ntasks")
-            )
-        ]  # fmt: skip
-        raw_script = root / "raw.sh"
-        raw_script.write_text(
-            f"#!/bin/sh\nexec {info['LOCAL_CLUSTER_APPTAINER']} exec "
-            f"{info['LOCAL_CLUSTER_APPTAINER_FLAGS']} {sif} sleep 1\n"
+    lone: dict[str, dict[str, Any]] = {}
+    with bridge(info, root, "auto", UNLIMITED) as service:
+        directives, raw_script = warm_up(info, root, service)
+        unlimited_sides(service, results, lone, raw_script, directives)
+    raw_sides(results, raw_script, directives)
+    later_bridge_sides(info, root, results, lone, raw_script, directives)
+    ratios = makespan_ratios(results)
+    report(results, ratios, lone, directives)
+    data = {
+        "tasks": TASKS,
+        "shapes": SHAPES,
+        "directives": directives,
+        "sides": results,
+        "ratios": ratios,
+        "lone": lone,
+    }
+    data["sides_run"] = SIDES
+    # Another size, or some sides only, are kept beside the default run's figures.
+    whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
+    write_result("arrays" if whole else f"arrays-{TASKS}-{'+'.join(SIDES)}", data)
+    shutil.rmtree(root, ignore_errors=True)
+    return data
+
+
+def warm_up(info: dict[str, str], root: Path, service: Bridge) -> tuple[list[str], Path]:
+    """One task through the bridge (the image pulled once; the raw sides use the same SIF):
+    its job's Slurm resources, and the raw sides' job script running the same command."""
+    wait_queue_empty()
+    bridge_burst(service, 1)
+    sif = next((root / "images").rglob("*.sif"))
+    script = next((service.root / "state" / "work").glob("*/job.sh")).read_text()
+    raw_script = root / "raw.sh"
+    raw_script.write_text(
+        f"#!/bin/sh\nexec {info['LOCAL_CLUSTER_APPTAINER']} exec "
+        f"{info['LOCAL_CLUSTER_APPTAINER_FLAGS']} {sif} sleep 1\n"
+    )
+    return sbatch_directives(script), raw_script
+
+
+def sbatch_directives(script: str) -> list[str]:
+    """The job script's #SBATCH resources (CPUs, memory, time, partition, nodes, tasks)."""
+    return [
+        line.split(None, 1)[1]
+        for line in script.splitlines()
+        if line.startswith("#SBATCH") and line.split(None, 1)[1].startswith(
+            ("--cpus", "--mem", "--time", "--partition", "--nodes", "--ntasks")
         )
-        if "bridge" in SIDES:
-            measured("bridge", results, lambda: bridge_burst(service, TASKS), TASKS)
-        if "shapes" in SIDES:
-            measured(
-                f"bridge, {SHAPES} shapes",
-                results,
-                lambda: bridge_burst(service, TASKS, SHAPES),
-                TASKS,
-            )
-        lone = {}
-        if "lone" in SIDES:
-            lone["no budget"] = lone_latencies(service, raw_script, directives)
+    ]  # fmt: skip
+
+
+def unlimited_sides(
+    service: Bridge,
+    results: dict[str, dict[str, float]],
+    lone: dict[str, dict[str, Any]],
+    raw_script: Path,
+    directives: list[str],
+) -> None:
+    """The bridge without a call budget: one shape, `SHAPES` shapes, and lone tasks."""
+    if "bridge" in SIDES:
+        measured("bridge", results, lambda: bridge_burst(service, TASKS), TASKS)
+    if "shapes" in SIDES:
+        measured(
+            f"bridge, {SHAPES} shapes",
+            results,
+            lambda: bridge_burst(service, TASKS, SHAPES),
+            TASKS,
+        )
+    if "lone" in SIDES:
+        lone["no budget"] = lone_latencies(service, raw_script, directives)
+
+
+def raw_sides(
+    results: dict[str, dict[str, float]], raw_script: Path, directives: list[str]
+) -> None:
+    """The same jobs without the bridge: as `sbatch --array`, and as a loop of sbatch."""
     if "raw-array" in SIDES:
         measured(
             "raw array",
@@ -374,6 +422,17 @@ def main() -> dict[str, object]:
             lambda: raw_side(raw_loop(TASKS, raw_script, directives), TASKS),
             TASKS,
         )
+
+
+def later_bridge_sides(
+    info: dict[str, str],
+    root: Path,
+    results: dict[str, dict[str, float]],
+    lone: dict[str, dict[str, Any]],
+    raw_script: Path,
+    directives: list[str],
+) -> None:
+    """Each in a bridge of its own: one job per task, the call budget, the submission burst."""
     if "never" in SIDES:
         with bridge(info, root, "never", 'arrays = "never"\ncalls_per_second = 0') as service:
             measured(
@@ -383,20 +442,35 @@ def main() -> dict[str, object]:
                 TASKS,
             )
     if "budget" in SIDES:
-        budget = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
-        with bridge(info, root, "budget", budget) as service:
-            measured(
-                "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
-            )
-            if "lone" in SIDES:
-                lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
+        budget_side(info, root, results, lone, raw_script, directives)
     if BURST:
-        with bridge(info, root, "burst", unlimited) as service:
+        with bridge(info, root, "burst", UNLIMITED) as service:
             measured(
                 f"submission burst of {BURST}", results,
                 lambda: submission_burst(service, BURST), BURST,
             )  # fmt: skip
             wait_queue_empty(timeout=1800)
+
+
+def budget_side(
+    info: dict[str, str],
+    root: Path,
+    results: dict[str, dict[str, float]],
+    lone: dict[str, dict[str, Any]],
+    raw_script: Path,
+    directives: list[str],
+) -> None:
+    """The bridge under Slurm's default rate limit: the burst, then lone tasks."""
+    with bridge(info, root, "budget", BUDGET) as service:
+        measured(
+            "bridge, budget 2/s burst 30", results, lambda: bridge_burst(service, TASKS), TASKS
+        )
+        if "lone" in SIDES:
+            lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
+
+
+def makespan_ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The makespans compared, of the sides both run."""
     compared = {
         "makespan_vs_raw_array": ("bridge", "raw array"),
         "makespan_vs_raw_loop": ("bridge", "raw loop"),
@@ -406,11 +480,20 @@ def main() -> dict[str, object]:
             f"one job per task, {SHAPES} shapes",
         ),
     }
-    ratios = {
+    return {
         name: results[side]["makespan_s"] / results[base]["makespan_s"]
         for name, (side, base) in compared.items()
         if side in results and base in results
     }
+
+
+def report(
+    results: dict[str, dict[str, float]],
+    ratios: dict[str, float],
+    lone: dict[str, dict[str, Any]],
+    directives: list[str],
+) -> None:
+    """The sides and ratios as tables, and the lone tasks' medians."""
     rows = [
         [side, r.get("makespan_s", "-"), int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
          r["submit"], r["user"], r.get("calls_per_cycle_without_sbatch", "-")]
@@ -429,20 +512,6 @@ def main() -> dict[str, object]:
             f"{statistics.median(figures['bridge_s']):.2f} s, raw sbatch "
             f"{statistics.median(figures['raw_s']):.2f} s, added {figures['added_s']:+.2f} s"
         )
-    data = {
-        "tasks": TASKS,
-        "shapes": SHAPES,
-        "directives": directives,
-        "sides": results,
-        "ratios": ratios,
-        "lone": lone,
-    }
-    data["sides_run"] = SIDES
-    # Another size, or some sides only, are kept beside the default run's figures.
-    whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
-    write_result("arrays" if whole else f"arrays-{TASKS}-{'+'.join(SIDES)}", data)
-    shutil.rmtree(root, ignore_errors=True)
-    return data
 
 
 if __name__ == "__main__":

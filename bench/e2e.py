@@ -120,20 +120,34 @@ def slurm_timeline(name_prefix: str, since: str) -> dict[str, float]:
     `since`: how long submitting them took, the first submission to the last end, and each
     job's mean wait in the queue and run time. The same clock for both sides, whatever each side
     watches to decide it is done."""
-    rows: list[tuple[datetime, datetime, datetime]] = []
-    for _ in range(60):  # slurmdbd records a job's end a moment after it leaves the queue
-        out = slurm("sacct", "-n", "-X", "-P", "--allusers", "-S", since,
-                    "-o", "JobName,Submit,Start,End")  # fmt: skip
-        fields = [
-            row for row in (line.split("|") for line in out.splitlines())
-            if row[0].startswith(name_prefix) and row[1] >= since  # ISO times sort as text
-        ]  # fmt: skip
-        if fields and all(end not in ("", "Unknown") for *_, end in fields):
-            rows = [tuple(datetime.fromisoformat(f) for f in row[1:]) for row in fields]  # type: ignore[misc]
-            break
-        time.sleep(1)
+    rows = _ended_jobs(name_prefix, since)
     if not rows:
         return {}
+    return _timeline_figures(rows)
+
+
+def _ended_jobs(name_prefix: str, since: str) -> list[tuple[datetime, datetime, datetime]]:
+    """The submit, start and end of the jobs named `name_prefix*` submitted since `since`, once
+    sacct has every one's end (none after a minute without)."""
+    for _ in range(60):  # slurmdbd records a job's end a moment after it leaves the queue
+        fields = _sacct_jobs(name_prefix, since)
+        if fields and all(end not in ("", "Unknown") for *_, end in fields):
+            return [tuple(datetime.fromisoformat(f) for f in row[1:]) for row in fields]  # type: ignore[misc]
+        time.sleep(1)
+    return []
+
+
+def _sacct_jobs(name_prefix: str, since: str) -> list[list[str]]:
+    """sacct's JobName, Submit, Start and End of the jobs named `name_prefix*` since `since`."""
+    out = slurm("sacct", "-n", "-X", "-P", "--allusers", "-S", since,
+                "-o", "JobName,Submit,Start,End")  # fmt: skip
+    return [
+        row for row in (line.split("|") for line in out.splitlines())
+        if row[0].startswith(name_prefix) and row[1] >= since  # ISO times sort as text
+    ]  # fmt: skip
+
+
+def _timeline_figures(rows: list[tuple[datetime, datetime, datetime]]) -> dict[str, float]:
     submits = [submit for submit, _, _ in rows]
     ends = [end for _, _, end in rows]
     return {
@@ -188,32 +202,58 @@ def bridge_tasks(
     started = time.perf_counter()
     for _ in range(count):
         session.post(f"{api}/tasks", data=json.dumps(task)).raise_for_status()
-    while True:
-        tasks = []
-        token = None
-        while True:
-            params = {"tag_key": "bench", "tag_value": run, "page_size": "2047"}
-            if token:
-                params["page_token"] = token
-            page = session.get(f"{api}/tasks", params=params).json()
-            tasks += page.get("tasks", [])
-            token = page.get("next_page_token")
-            if not token:
-                break
-        if len(tasks) == count and all(t["state"] in TERMINAL for t in tasks):
-            break
-        time.sleep(0.1)
+    tasks = _wait_run_ended(session, api, run, count)
     elapsed = time.perf_counter() - started
     seen = time.time()
     bad = [t for t in tasks if t["state"] != "COMPLETE"]
     assert not bad, bad[:3]
-    for t in tasks if job_side is not None or outcome_seen is not None else []:
+    if job_side is not None or outcome_seen is not None:
+        _record_job_times(session, api, tasks, seen, job_side, outcome_seen)
+    return elapsed
+
+
+def _run_tasks(session: requests.Session, api: str, run: str) -> list[dict[str, Any]]:
+    """The tasks tagged with `run` (the default view), every page."""
+    tasks: list[dict[str, Any]] = []
+    token = None
+    while True:
+        params = {"tag_key": "bench", "tag_value": run, "page_size": "2047"}
+        if token:
+            params["page_token"] = token
+        page = session.get(f"{api}/tasks", params=params).json()
+        tasks += page.get("tasks", [])
+        token = page.get("next_page_token")
+        if not token:
+            return tasks
+
+
+def _wait_run_ended(
+    session: requests.Session, api: str, run: str, count: int
+) -> list[dict[str, Any]]:
+    """The run's `count` tasks once every one has ended, polled every 0.1 s."""
+    while True:
+        tasks = _run_tasks(session, api, run)
+        if len(tasks) == count and all(t["state"] in TERMINAL for t in tasks):
+            return tasks
+        time.sleep(0.1)
+
+
+def _record_job_times(
+    session: requests.Session,
+    api: str,
+    tasks: list[dict[str, Any]],
+    seen: float,
+    job_side: list[float] | None,
+    outcome_seen: list[float] | None,
+) -> None:
+    """Each task's job script time around its executors and its outcome's delay (from the job
+    script's end to `seen`), appended to the lists given."""
+    for t in tasks:
         full = session.get(f"{api}/tasks/{t['id']}", params={"view": "FULL"}).json()
         if job_side is not None:
             job_side.append(job_side_seconds(full))
         if outcome_seen is not None:  # the job script's end (its records) to COMPLETE seen here
             outcome_seen.append(seen - _seconds(full["logs"][0]["end_time"]))
-    return elapsed
 
 
 def main() -> dict[str, object]:
