@@ -30,6 +30,8 @@ CHECKS = [
     "metrics dir",
     "file dirs",
     "slurm",
+    "slurm release",
+    "slurm rate limit",
     "sacct",
     "apptainer",
 ]
@@ -88,6 +90,7 @@ def test_a_good_setup_passes_every_check(local_cluster: Any, tmp_path: Path) -> 
 
 
 BROKEN = {
+    # sinfo also reads the release ("slurm release" fails with it).
     "sinfo missing": ('[slurm]\nsinfo = "/nonexistent/sinfo"', (), "slurm", "[slurm] sinfo"),
     "no accounting": ('[slurm]\nsacct = "/bin/false"', (), "sacct", "AccountingStorageType"),
     "no runtime": ("", (), "apptainer", "container.runtime"),
@@ -117,8 +120,9 @@ def test_a_broken_setup_fails_its_check_and_names_the_fix(
     code, results, text = _check(config, *args)
     assert code == 1
     failed = [name for name, r in results.items() if not r["ok"]]
-    # The lease is read from the database: it fails with it.
-    assert failed == ([failing, "poller lease"] if failing == "database" else [failing]), text
+    # The lease is read from the database, and the release with sinfo: each fails with it.
+    also = {"database": ["poller lease"], "slurm": ["slurm release"]}.get(failing, [])
+    assert failed == [failing, *also], text
     assert fix in results[failing]["fix"], results[failing]
     assert f"FAIL  {failing}: " in text and f"fix: {results[failing]['fix']}" in text
 
