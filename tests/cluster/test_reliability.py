@@ -56,7 +56,7 @@ exit $rc
 LATE_SBATCH = """#!/bin/bash
 dir=$(dirname "$0")
 if mkdir "$dir/late.once" 2>/dev/null; then
-  setsid bash -c 'echo $$ >"$0/late.pid"; sleep {late}; exec "$@" >"$0/late.out" 2>&1' \\
+  setsid bash -c 'echo $$ >"$0/late.pid"; sleep {late}; exec "$@" >"$0/late.out" 2>"$0/late.err"' \\
     "$dir" {sbatch} "$@" </dev/null >/dev/null 2>&1 &
   sleep 600
 fi
