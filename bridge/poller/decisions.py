@@ -18,6 +18,12 @@ from bridge.slurm import JobInfo
 #: How long a job may be unknown to both squeue and sacct before the task is failed
 #: (slurmdbd can lag behind slurmctld for a moment after a job ends).
 MISSING_JOB_GRACE = 120.0
+#: A job that could not even start its records (a full or read-only work filesystem on its
+#: node) ran nothing of the task, and spends no retry of slurm.retries: faults of the system
+#: may meet every attempt of one task (the nemesis: a full work filesystem, a slurmctld that
+#: forgot a pending job, a full work filesystem again). This many such jobs at most beyond the
+#: retries, so that a fault that never clears still ends the task.
+NOTHING_RAN_RESUBMISSIONS = 5
 #: The attempt's metadata key for the --time its job was given and where it came from.
 TIME_LIMIT_KEY = "slurm_time_limit"
 
@@ -127,8 +133,14 @@ def _decide_ended(
     why_lost = _lost_because(job, records)
     if why_lost is not None:
         ended += why_lost
-        # A job that stood down for a newer lease ran nothing: it spends no retry.
-        if attempt <= retries or _superseded(job, records):
+        # A job that stood down for a newer lease ran nothing: it spends no retry. Nor does one
+        # that could not start its records, up to NOTHING_RAN_RESUBMISSIONS.
+        no_records = (
+            records.phase is None
+            and _records_unwritable(job, records)
+            and attempt <= retries + NOTHING_RAN_RESUBMISSIONS
+        )
+        if attempt <= retries or no_records or _superseded(job, records):
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
     if job.state == "CANCELLED":

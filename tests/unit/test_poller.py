@@ -21,7 +21,7 @@ from bridge.job.layout import LEASE_FENCE
 from bridge.job.records import ExecutorRecord, JobRecords
 from bridge.poller import Poller, decide, job_name
 from bridge.poller.attempt import LOST_JOBS_KEY, Condition, ConditionKind
-from bridge.poller.decisions import MISSING_JOB_GRACE, Decision
+from bridge.poller.decisions import MISSING_JOB_GRACE, NOTHING_RAN_RESUBMISSIONS, Decision
 from bridge.poller.follow import FINAL_FACTS_GRACE
 from bridge.slurm import parse_sacct
 from bridge.store import Store
@@ -219,8 +219,21 @@ def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
     assert decision.retry and decision.state is State.QUEUED
     (message,) = decision.messages
     assert "could not write its records" in message and "submitting it again" in message
-    last = decide(job=unwritten, records=records(), attempt=3, retries=2, current=State.QUEUED)
+    # Nothing of the task ran: no retry spent (the nemesis: one task's attempts met a full work
+    # filesystem, a slurmctld that forgot the job, a full work filesystem again), up to a bound.
+    again = decide(job=unwritten, records=records(), attempt=3, retries=2, current=State.QUEUED)
+    assert again.retry and again.state is State.QUEUED
+    bound = 2 + NOTHING_RAN_RESUBMISSIONS
+    last = decide(
+        job=unwritten, records=records(), attempt=bound + 1, retries=2, current=State.QUEUED
+    )
     assert last.state is State.SYSTEM_ERROR and "no retries left (2)" in last.messages[0]
+    # One that had started its records and did not finish spends a retry.
+    spent = decide(
+        job=unwritten, records=records(phase="staging"), attempt=3, retries=2,
+        current=State.RUNNING,
+    )  # fmt: skip
+    assert spent.state is State.SYSTEM_ERROR and "no retries left (2)" in spent.messages[0]
 
 
 def test_a_job_that_stood_down_for_a_newer_lease_is_submitted_again_with_no_retry_spent():
