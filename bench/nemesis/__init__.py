@@ -68,6 +68,7 @@ def main() -> dict[str, Any]:
             "store",
             "tasks",
             "lost",
+            "not final",
             "twice",
             "falsely failed",
             "5xx while up",
@@ -81,6 +82,7 @@ def main() -> dict[str, Any]:
                 r["store"],
                 r["tasks"],
                 r["lost"],
+                r["not_final"],
                 r["twice"],
                 r["falsely_failed"],
                 r["five_xx_while_up"],
@@ -93,6 +95,7 @@ def main() -> dict[str, Any]:
         ],
     )
     for r in runs:
+        print(f"{r['store']}: {'passed' if passed(r) else 'FAILED'}")
         print(f"{r['store']}: faults {r['faults_by_kind']}; workflow {r['workflow']}")
         for error in r["fault_errors"]:
             print(f"  fault not run as planned: {error}")
