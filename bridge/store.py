@@ -133,6 +133,9 @@ LEASE_TABLE = "poller_lease"
 LEASE_NAME = "poller"
 
 
+#: SQLite: the file in the state directory whose lock the one poller holds.
+POLLER_LOCK = "poller.lock"
+
 #: Said when the service starts on SQLite, and by `tes-bridge check`.
 SQLITE_ONE_NODE = (
     "SQLite: one node only (one poller, held by a lock file in the state directory); for "
@@ -282,6 +285,29 @@ def open_database(url: str) -> peewee.Database:
         url = f"{pooled}{sep}max_connections=8&stale_timeout=300"
     # types-peewee leaves playhouse's connect() unannotated.
     database: peewee.Database = connect_url(url)  # type: ignore[no-untyped-call]
+    return database
+
+
+def open_read_only(url: str) -> peewee.Database:
+    """A database for a URL that reads and never writes, nor creates anything: for `tes-bridge
+    check`, which may run as root beside the service's files.
+
+    SQLite: a missing file is an error (never an empty new database); the file is opened
+    `mode=ro` where its `-wal` and `-shm` files exist (the service has it open), else
+    `immutable=1`: a read-only WAL connection creates the `-wal` and `-shm` files it lacks,
+    and cannot remove them, and none of the service's WAL switch is done. PostgreSQL: a
+    session whose transactions are read-only."""
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        path = Path(url[len("sqlite:///") :] if url.startswith("sqlite:///") else parsed.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        shared = all(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+        mode = "mode=ro" if shared else "immutable=1"
+        return peewee.SqliteDatabase(f"{path.resolve().as_uri()}?{mode}", uri=True)
+    database: peewee.Database = connect_url(url)  # type: ignore[no-untyped-call]
+    if isinstance(database, peewee.PostgresqlDatabase):
+        database.connect_params["options"] = "-c default_transaction_read_only=on"
     return database
 
 
@@ -950,6 +976,11 @@ class Store(_PollerQueries, _Transitions, _Listing):
     @classmethod
     def from_url(cls, url: str) -> Store:
         return cls(open_database(url))
+
+    @classmethod
+    def read_only(cls, url: str) -> Store:
+        """A store that only reads (:func:`open_read_only`)."""
+        return cls(open_read_only(url))
 
     def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """A raw statement; returns the cursor."""
