@@ -209,7 +209,9 @@ class NodeJob:
         except (OSError, ValueError):
             pass
         node = info.node if info and info.node else "its node"
-        ended = f"ended {info.state}, exit code {info.exit_code}" if info else "ended"
+        ended = f"ended {info.state}" if info else "ended"
+        if info and info.exit_code is not None:
+            ended += f", exit code {info.exit_code}"
         output = here / f"slurm-{job_id}.out"
         if output.exists():
             # Its output is here, so the node wrote here: job.python did not run the code.

@@ -199,7 +199,7 @@ def test_a_running_poller_is_seen_with_its_heartbeat(
     for file in (tmp_path / "state" / "metrics").iterdir():
         file.unlink()
     beat(tmp_path / "state" / "metrics", time.time() - 600)
-    with pytest.raises(Failed, match="the poller runs but last ended a cycle 60[0-9] s ago"):
+    with pytest.raises(Failed, match=r"the poller runs but last ended a cycle 60[0-9] s ago"):
         checks.poller()
     # Gone: said with its last cycle.
     lock_holder.kill()
