@@ -577,6 +577,18 @@ class _PollerQueries(_Part):
         )
         return datetime.fromisoformat(oldest).timestamp() if oldest else None
 
+    def oldest_queued_time(self) -> float | None:
+        """Creation time (epoch seconds) of the oldest QUEUED task (the first of the state
+        index); None when none is QUEUED."""
+        created = (
+            TaskRow.select(TaskRow.creation_time)
+            .where(TaskRow.state == State.QUEUED.value)
+            .order_by(TaskRow.seq)
+            .limit(1)
+            .scalar()
+        )
+        return datetime.fromisoformat(created).timestamp() if created else None
+
     def count_by_state(self) -> dict[str, int]:
         """How many tasks are in each state (one GROUP BY over the state index)."""
         query = TaskRow.select(TaskRow.state, peewee.fn.COUNT(TaskRow.seq)).group_by(TaskRow.state)
