@@ -126,3 +126,22 @@ def test_a_root_service_account_is_refused_unless_root_may_run_jobs(tmp_path: Pa
     job.slurm = LocalSlurm()  # type: ignore[assignment]
     with pytest.raises(JobFailed, match="the service account is root"):
         job.run()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root checks for another account")
+def test_root_submits_as_the_service_account_in_a_directory_of_its_own(tmp_path: Path) -> None:
+    cfg = config(tmp_path, python=sys.executable)
+    owners: list[int] = []
+
+    class Recording(LocalSlurm):
+        def submit(self, script: Path, *, job_name: str, as_user: str | None = None) -> str:
+            owners.append(script.parent.stat().st_uid)
+            return super().submit(script, job_name=job_name, as_user=as_user)
+
+    slurm = Recording()
+    job = NodeJob(cfg, "nobody", 65534, timeout=30)
+    job.slurm = slurm  # type: ignore[assignment]
+    assert "ran job.python" in job.run()
+    assert slurm.users == ["nobody"]  # through sudo -u, as that account
+    assert owners == [65534]
+    assert list(cfg.work_dir.iterdir()) == []
