@@ -280,21 +280,28 @@ async function ownersOf(ids) {
 
 // ------------------------------------------------------------------------------ filters
 // The list's filters live in the address (#/?state=…&name=…&tag=…&size=…), so that a view can
-// be bookmarked, shared and reloaded; the workflow view takes the same ones (#/workflow?…).
+// be bookmarked, shared and reloaded; the workflow view takes the same ones (#/workflow?…),
+// and its own: the directory its files are under and a span of creation times (dir, since,
+// until), which isolate one run of an engine that sends no tags (Nextflow).
+const RUN_FILTERS = ["dir", "since", "until"];
+
 function filtersFrom(query) {
   const params = new URLSearchParams(query || "");
   const size = params.get("size") || "50";
-  return {
+  const filters = {
     state: STATES.includes(params.get("state")) ? params.get("state") : "",
     name: params.get("name") || "",
     tag: params.get("tag") || "",
     size: /^[0-9]+$/.test(size) ? size : "50",
   };
+  for (const key of RUN_FILTERS) filters[key] = params.get(key) || "";
+  return filters;
 }
 
 function hashFor(view, filters) {
   const params = new URLSearchParams();
-  for (const key of ["state", "name", "tag"]) if (filters[key]) params.set(key, filters[key]);
+  const keys = ["state", "name", "tag", ...(view === "workflow" ? RUN_FILTERS : [])];
+  for (const key of keys) if (filters[key]) params.set(key, filters[key]);
   if (filters.size && filters.size !== "50") params.set("size", filters.size);
   const query = params.toString();
   return `#/${view}${query ? `?${query}` : ""}`;
@@ -419,18 +426,45 @@ function showOnly(id) {
 }
 
 // ------------------------------------------------------------------------------ a workflow
-// The tasks that share a tag or a name prefix, as Nextflow's timeline report draws a run: each
-// task's waiting and running spans on one time axis, and what each used of what it asked.
+// The tasks that share a tag, a name prefix, or a directory and a span of creation times, as
+// Nextflow's timeline report draws a run: each task's waiting and running spans on one time
+// axis, and what each used of what it asked.
+
+// A time as typed, in ms (NaN when not given): `nextflow log`'s "2026-05-04 13:02:11" is the
+// browser's local time; RFC 3339 with a zone ("…Z", "…+02:00") is that zone's.
+function timeFilter(text) {
+  return text ? Date.parse(text.trim().replace(" ", "T")) : NaN;
+}
+
+// Whether any input or output of the task is `dir` or under it (a bare path or a file:// URL).
+function under(task, dir) {
+  const root = dir.replace(/\/+$/, "");
+  return [...(task.inputs || []), ...(task.outputs || [])].some((item) => {
+    const path = String(item.url || "").replace(/^file:\/\//, "");
+    return path === root || path.startsWith(`${root}/`);
+  });
+}
+
 async function workflowTasks(filters) {
+  const since = timeFilter(filters.since);
+  const until = timeFilter(filters.until);
+  const wanted = (task) => {
+    const created = Date.parse(task.creation_time);
+    return !(created < since || created > until) && (!filters.dir || under(task, filters.dir));
+  };
   const tasks = [];
   let token = "";
+  let older = false;
   do {
     const params = [["view", "BASIC"], ["page_size", String(WORKFLOW_PAGE_SIZE)], ...filterParams(filters)];
     if (token) params.push(["page_token", token]);
     const answer = await api("tasks", { params });
-    tasks.push(...(answer.tasks || []));
+    const page = answer.tasks || [];
+    tasks.push(...page.filter(wanted));
+    // Newest first: once a page reaches back before `since`, no later page has one.
+    older = page.some((task) => Date.parse(task.creation_time) < since);
     token = answer.next_page_token || "";
-  } while (token && tasks.length < WORKFLOW_MAX_TASKS);
+  } while (token && !older && tasks.length < WORKFLOW_MAX_TASKS);
   return tasks.reverse();  // oldest first, as they were created
 }
 
@@ -565,8 +599,13 @@ function workflowSummary(rows, filters) {
   const spansAll = rows.map((row) => spans(row.task, Date.now()));
   const first = Math.min(...spansAll.map((s) => s.created));
   const last = Math.max(...spansAll.flatMap((s) => [s.started, s.ended]).filter(Number.isFinite), first);
-  const what = [filters.tag ? `tag ${filters.tag}` : "", filters.name ? `names starting ${filters.name}` : ""]
-    .filter(Boolean).join(", ");
+  const what = [
+    filters.tag ? `tag ${filters.tag}` : "",
+    filters.name ? `names starting ${filters.name}` : "",
+    filters.dir ? `files under ${filters.dir}` : "",
+    filters.since ? `created from ${filters.since}` : "",
+    filters.until ? `created until ${filters.until}` : "",
+  ].filter(Boolean).join(", ");
   $("workflow-title").textContent = `Workflow: ${what}`;
   return [
     `${rows.length} tasks (${Object.entries(byState).map(([k, v]) => `${v} ${k}`).join(", ")})`,
@@ -578,6 +617,8 @@ function workflowSummary(rows, filters) {
 }
 
 let workflowLoads = 0;
+// The filters of the workflow shown: its own form changes the directory and the times only.
+let workflowFilters = filtersFrom("");
 
 async function loadWorkflow(filters) {
   const tasks = await workflowTasks(filters);
@@ -594,8 +635,11 @@ async function loadWorkflow(filters) {
 function showWorkflow(filters) {
   showOnly("workflow-view");
   $("workflow-back").setAttribute("href", hashFor("", filters));
-  if (!filters.name && !filters.tag) {
-    showError("A workflow is the tasks of a tag or a name prefix: set one in the list's filters.");
+  for (const key of RUN_FILTERS) $(`workflow-${key}`).value = filters[key];
+  workflowFilters = filters;
+  if (!filters.name && !filters.tag && !filters.dir && !filters.since) {
+    showError("A workflow is the tasks of a tag or a name prefix (the list's filters), or of a "
+      + "directory or a start time (above).");
     return Promise.resolve();
   }
   const again = async () => {
@@ -847,6 +891,12 @@ function start() {
     listState.page = Math.max(0, listState.page - 1);
     stopTimers();
     showList();
+  });
+  $("workflow-filters").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const filters = { ...workflowFilters };
+    for (const key of RUN_FILTERS) filters[key] = $(`workflow-${key}`).value.trim();
+    go(hashFor("workflow", filters));
   });
   $("cancel").addEventListener("click", cancelTask);
   $("cancel-confirm").addEventListener("click", confirmCancel);
