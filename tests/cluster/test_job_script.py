@@ -208,13 +208,16 @@ def test_first_executor_failing_stops_the_rest_unless_ignored(
         assert records.outcome == "executor_error"
 
 
-def test_stdout_tail_keeps_the_last_bytes(env: Env) -> None:
+def test_stdout_excerpt_keeps_the_first_and_last_lines(env: Env) -> None:
     code, records = env.run(
         {"executors": [sh("i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done")]},
-        keep_bytes=20,
+        keep_bytes=100,
     )
     assert (code, records.outcome) == (0, "complete")
-    assert records.executors[0].stdout == "line-1998\nline-1999\n"
+    lines = records.executors[0].stdout.splitlines()
+    assert lines[:2] == ["line-0", "line-1"]
+    assert lines[2].startswith("[tes-bridge: 18,796 of 18,890 bytes left out here; the whole ")
+    assert lines[3:] == [f"line-{n}" for n in range(1992, 2000)]
 
 
 def test_stdin_stdout_stderr_files_and_outputs(env: Env) -> None:
