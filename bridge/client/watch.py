@@ -24,6 +24,9 @@ MANY = 20
 WAITING_STATES = ("QUEUED", "INITIALIZING")
 #: `logs` reads a whole stream in parts this large (the most the bridge's endpoint answers).
 WHOLE_READ_BYTES = 1024 * 1024
+#: The output endpoint cannot give this stream (409: not a regular file; 503: not now, e.g. the
+#: poller that reads it in site mode is down): `logs` says so and prints the document's copy.
+UNREADABLE_NOW = (409, 503)
 
 EXIT_CODES_HELP = """\
 exit status:
@@ -332,7 +335,14 @@ class LiveOutput:
         documented = _last_attempt_logs(task)
         for executor in range(executors):
             for stream, target in self.text.targets.items():
-                if not self._read_whole(executor, stream) and executor < len(documented):
+                try:
+                    started = self._read_whole(executor, stream)
+                except TesError as exc:
+                    if exc.status not in UNREADABLE_NOW:
+                        raise
+                    self.text.targets["stderr"].write(f"tes-bridge task: {exc}\n")
+                    started = False
+                if not started and executor < len(documented):
                     self.text.write(executor, stream, _documented(documented, executor, stream))
                 target.flush()
             printer.exit_code(task, executor)

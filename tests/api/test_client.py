@@ -551,6 +551,21 @@ def test_logs_of_a_stopped_executor_print_all_it_wrote(
     assert result.stderr == f"killed\nsystem: {system}\ntask {task_id}: {state}\n"
 
 
+def test_logs_of_an_unreadable_stream_say_why_and_print_what_the_document_keeps(
+    server: Server, tmp_path: Path
+):
+    task_id = server.create()
+    attempt = {"logs": [{"exit_code": 0, "stdout": "kept\n", "stderr": "also kept\n"}]}
+    records = _job(server, task_id, state="COMPLETE", logs=[{**attempt, "outputs": []}])
+    _wrote(records, 0, 0, stderr=b"whole\n")
+    (tmp_path / "elsewhere").write_text("not the task's\n")
+    (records / "0" / "stdout").symlink_to(tmp_path / "elsewhere")  # 409 from the endpoint
+    result = tes_task(server.url, "logs", task_id)
+    assert (result.returncode, result.stdout) == (0, "kept\n")
+    assert "409" in result.stderr and "not the task's" not in result.stderr
+    assert result.stderr.endswith("\nwhole\nexecutor 0: exit code 0\n")
+
+
 def test_logs_of_a_task_whose_files_are_gone_print_what_the_document_keeps(server: Server):
     task_id = server.create()
     kept = "Error: first\n[tes-bridge: 9 of 30 bytes left out here; the whole stdout: GET x]\nend\n"
