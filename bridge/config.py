@@ -404,7 +404,8 @@ class JobConfig(_Section):
     template_dir: Path | None = None
     #: The Python that runs job-side commands on the compute node.
     python: str = sys.executable
-    #: How much of each executor's stdout/stderr is kept in the task log (the tail).
+    #: How much of each executor's stdout/stderr the task document keeps: a longer stream keeps
+    #: its head (a fifth) and its tail, with a line between them (bridge.job.excerpt).
     log_tail_bytes: int = Field(default=10 * 1024, ge=0)
     #: Where each job attempt makes the disk-backed directory bound on /tmp and /var/tmp in its
     #: executors, on the compute node (e.g. a node-local disk); None: Slurm's $TMPDIR of the job,

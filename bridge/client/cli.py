@@ -21,9 +21,9 @@ from bridge.client.listing import matching_tasks, since_option, states_option, t
 from bridge.client.watch import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
-    LogPrinter,
     follow_logs,
     outcome,
+    print_logs,
     wait_for,
 )
 
@@ -134,16 +134,20 @@ example:
 """,
     ),
     "logs": (
-        "print a task's output: executor stdout and stderr, system logs",
+        "print a task's whole output: executor stdout and stderr, system logs",
         """\
-Print the executors' stdout (on stdout) and stderr (on stderr) of the task's last attempt,
-each finished executor's exit code (on stderr, as `executor N: exit code X`), then its system
-logs (on stderr, as `system: ...`). A server may keep only the tail of each. The exit status
-is the task's outcome once it is final (0 COMPLETE, 3 EXECUTOR_ERROR, ...; see below), 0
-while it is not.
+Print what the executors of the task's last attempt have written so far, in any state
+(running, finished, canceled, stopped at its time limit): executor by executor, its stdout (on
+stdout) and stderr (on stderr), then its exit code once it has one (on stderr, as `executor N:
+exit code X`); then the attempt's system logs (on stderr, as `system: ...`). With several
+executors, a line `--- executor N stdout ---` (or `stderr`) comes before each executor's text
+on that stream. From tes-slurm-bridge the output is whole (its live output endpoint); other
+servers keep part of a finished executor's output in the task, which is printed. The exit
+status is the task's outcome once it is final (0 COMPLETE, 3 EXECUTOR_ERROR, ...; see below),
+0 while it is not.
 With --follow, poll until the task is final, printing only new text, and exit like `wait`:
-from tes-slurm-bridge each line as the executor writes it (its live output endpoint), from
-other servers an executor's output once it has finished.
+from tes-slurm-bridge each line as the executor writes it, from other servers an executor's
+output once it has finished.
 
 examples:
   tes-bridge task logs 3f2a9c1e-... > out.txt
@@ -566,7 +570,7 @@ def show_logs(client: TesClient, args: argparse.Namespace) -> int:
     if args.follow:
         return follow_logs(client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval)
     task = client.get(args.id, view="FULL")
-    LogPrinter(sys.stdout, sys.stderr).show(task)
+    print_logs(client, task, out=sys.stdout, err=sys.stderr)
     state = str(task.get("state"))
     if state not in FINAL_STATES:
         print(f"task {args.id} is {state}; --follow prints what comes", file=sys.stderr)

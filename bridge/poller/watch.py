@@ -179,8 +179,8 @@ class JobWatch:
         """What the task's job recorded, read now whatever Slurm last said (not in site mode,
         where only the job's owner may read them)."""
         assert task.job_id is not None
-        tail = self.ctx.config.job.log_tail_bytes
-        return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
+        keep = self.ctx.config.job.log_tail_bytes
+        return read_records(self.ctx.task_dir(task.id), task.job_id, keep_bytes=keep)
 
 
 def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:

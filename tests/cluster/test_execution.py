@@ -6,6 +6,7 @@ Every test here submits real Slurm jobs that run real containers from the local 
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import tes
 
 from bench.common import slurm_jobs_by_task
 from bridge.slurm import SlurmClient
+from tests.tes_cli import tes_task
 
 pytestmark = pytest.mark.cluster
 
@@ -75,12 +77,29 @@ def test_first_executor_failing_stops_unless_ignore_error(
         assert task["state"] == "EXECUTOR_ERROR"
 
 
-def test_stdout_tail_is_limited(bridge_service):
+def test_long_stdout_keeps_its_head_and_tail_in_the_document_and_is_whole_elsewhere(
+    bridge_service,
+):
     # log_tail_bytes is 2048 in the test service; 10,000 numbered lines far exceed it.
+    whole = "".join(f"{n}\n" for n in range(1, 10001))
     task = bridge_service.run({"executors": [executor("seq", "1", "10000")]})
     stdout = only_log(task)["logs"][0]["stdout"]
-    assert len(stdout.encode()) <= 2048
-    assert stdout.endswith("9999\n10000\n")
+    match = re.fullmatch(
+        r"(.*\n)\[tes-bridge: ([\d,]+) of ([\d,]+) bytes left out here; the whole stdout: GET "
+        rf"/ga4gh/tes/v1/tasks/{task['id']}/output\?executor=0&stream=stdout\]\n(.*)",
+        stdout,
+        re.DOTALL,
+    )
+    assert match, stdout
+    head, tail = match[1], match[4]
+    left_out, size = (int(match[i].replace(",", "")) for i in (2, 3))
+    assert head.startswith("1\n2\n3\n") and tail.endswith("9999\n10000\n")
+    assert whole.startswith(head) and whole.endswith("\n" + tail)
+    assert len(head) + len(tail) + left_out == size == len(whole)
+    assert len(head) + len(tail) <= 2048
+    # The whole stream: `tes-bridge task logs` reads it from the output endpoint.
+    logs = tes_task(bridge_service.url, "logs", task["id"])
+    assert (logs.returncode, logs.stdout) == (0, whole), logs.stderr
 
 
 def test_files_workdir_env_volumes_content_and_directory_output(bridge_service):

@@ -59,14 +59,14 @@ class Env:
             self.config.model_copy(update={"storage": section}), self.cache, self.sif, self.shared
         )
 
-    def run(self, task: dict[str, Any], *, tail_bytes: int = 10240) -> tuple[int, JobRecords]:
+    def run(self, task: dict[str, Any], *, keep_bytes: int = 10240) -> tuple[int, JobRecords]:
         """`bash job.sh` on this machine, as the compute node would run it."""
         task, script = self.prepare(task)
         self.last_task_dir = script.parent
         job_id = f"direct-{task['id']}"
         env = dict(os.environ, SLURM_JOB_ID=job_id, PYTHONPATH=str(REPO))
         result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=300)
-        records = read_records(script.parent, job_id, tail_bytes=tail_bytes)
+        records = read_records(script.parent, job_id, keep_bytes=keep_bytes)
         assert records.outcome is not None, result.stderr.decode(errors="replace")
         return result.returncode, records
 
@@ -101,7 +101,7 @@ class Env:
                     break
             time.sleep(0.5)
         elapsed = time.monotonic() - started
-        return job_id, state, read_records(script.parent, job_id, tail_bytes=10240), elapsed
+        return job_id, state, read_records(script.parent, job_id, keep_bytes=10240), elapsed
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +208,16 @@ def test_first_executor_failing_stops_the_rest_unless_ignored(
         assert records.outcome == "executor_error"
 
 
-def test_stdout_tail_keeps_the_last_bytes(env: Env) -> None:
+def test_stdout_excerpt_keeps_the_first_and_last_lines(env: Env) -> None:
     code, records = env.run(
         {"executors": [sh("i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done")]},
-        tail_bytes=20,
+        keep_bytes=100,
     )
     assert (code, records.outcome) == (0, "complete")
-    assert records.executors[0].stdout == "line-1998\nline-1999\n"
+    lines = records.executors[0].stdout.splitlines()
+    assert lines[:2] == ["line-0", "line-1"]
+    assert lines[2].startswith("[tes-bridge: 18,796 of 18,890 bytes left out here; the whole ")
+    assert lines[3:] == [f"line-{n}" for n in range(1992, 2000)]
 
 
 def test_stdin_stdout_stderr_files_and_outputs(env: Env) -> None:

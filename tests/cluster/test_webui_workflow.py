@@ -27,6 +27,7 @@ from tests.cluster.test_webui import (  # noqa: F401 (browser: a fixture)
     _post,
     _rows,
     _until,
+    _wait_state,
     browser,
 )
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
@@ -325,5 +326,11 @@ def test_live_output_follows_its_end(
         _until(browser, lambda d: live.text != seen, timeout=20)
         assert browser.execute_script("return arguments[0].scrollTop", live) == 100
         assert not at_end()
+        # Canceled, its output no longer grows: the page opened again shows its end.
+        requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)
+        _wait_state(service, task_id, {"CANCELED"})
+        browser.refresh()
+        live = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "pre.live-stdout"))
+        _until(browser, lambda d: "line 400" in live.text and at_end())
     finally:
         requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)

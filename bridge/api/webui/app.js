@@ -13,6 +13,12 @@ const FINAL = new Set(["COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED",
 const REFRESH_MS = 5000;
 const LIVE_MS = 2000;
 const LIVE_TAIL_BYTES = 64 * 1024;
+// The most one read of the output endpoint answers (bridge/api/resources.py).
+const READ_BYTES = 1024 * 1024;
+// A finished stream is shown whole up to this size; a longer one, its first and last READ_BYTES.
+const SHOWN_BYTES = 2 * READ_BYTES;
+// The line by which the task document says it left part of a stream out (docs/api.md).
+const CUT_LINE = /^\[tes-bridge: ([0-9,]+) of ([0-9,]+) bytes left out here; the whole (stdout|stderr): GET \S+\]$/m;
 const AUTH_KEY = "tes-bridge-authorization";
 const WORKFLOW_PAGE_SIZE = 200;
 const WORKFLOW_MAX_TASKS = 2000;
@@ -682,6 +688,139 @@ function filesPart(files, kind) {
     el("tbody", {}, ...rows))];
 }
 
+// ------------------------------------------------------------------------------ executor output
+// An executor's stream is shown as pieces: text, or a part marked as left out of the task
+// document ({ leftOut, note }), or a line that says where bytes were left out ({ cut }).
+function showPieces(node, pieces) {
+  node.replaceChildren(...pieces.map((piece) => {
+    if (typeof piece === "string") return document.createTextNode(piece);
+    if (piece.cut !== undefined) return el("span", { class: "cut" }, piece.cut);
+    return el("span", { class: "left-out", "data-note": piece.note, title: piece.note }, piece.leftOut);
+  }));
+}
+
+// The task document's copy of a stream, its cut line (if any) marked.
+function documentPieces(text) {
+  const match = CUT_LINE.exec(text || "");
+  if (!match) return [text || ""];
+  // The marked line is a block of its own: without the newline that ends it.
+  return [text.slice(0, match.index), { cut: match[0] }, text.slice(match.index + match[0].length + 1)];
+}
+
+const count = (n) => Number(n).toLocaleString("en-US");
+
+function outputReader(id, where) {
+  return (offset) => api(`tasks/${encodeURIComponent(id)}/output`,
+    { params: [...where, ["offset", offset], ["max_bytes", READ_BYTES]] });
+}
+
+// The whole of a finished stream, from the output endpoint: null when its files are gone. The
+// part the task document left out is marked in it; past SHOWN_BYTES, only its two ends.
+async function wholePieces(id, where, documented) {
+  const read = outputReader(id, where);
+  let answer = await read(0);
+  if (!answer.started) return null;
+  const size = answer.size;
+  if (size > SHOWN_BYTES) {
+    const tail = await read(-READ_BYTES);
+    const cut = `[the page shows the first ${count(answer.next_offset)} and the last `
+      + `${count(size - tail.offset)} of ${count(size)} bytes: download for the whole]`;
+    return [answer.text, { cut }, tail.text];
+  }
+  let text = answer.text;
+  while (answer.next_offset < size && answer.text) {
+    answer = await read(answer.next_offset);
+    text += answer.text;
+  }
+  const match = CUT_LINE.exec(documented);
+  const head = match ? documented.slice(0, match.index) : "";
+  const tail = match ? documented.slice(match.index + match[0].length + 1) : "";  // after its \n
+  if (!match || !text.startsWith(head) || !text.endsWith(tail) || head.length + tail.length > text.length) {
+    return [text];
+  }
+  const note = `the task document leaves out these ${match[1]} of ${match[2]} bytes`;
+  return [head, { leftOut: text.slice(head.length, text.length - tail.length), note }, tail];
+}
+
+// What a download of a stream saves: the document's copy when it is whole, else all of the
+// stream from the endpoint (the copy again when its files are gone).
+async function wholeText(id, where, documented) {
+  if (!CUT_LINE.test(documented)) return documented;
+  const read = outputReader(id, where);
+  const parts = [];
+  let offset = 0;
+  for (;;) {
+    const answer = await read(offset);
+    if (!answer.started) return documented;
+    parts.push(answer.text);
+    if (answer.next_offset >= answer.size || answer.next_offset <= offset) return parts.join("");
+    offset = answer.next_offset;
+  }
+}
+
+function download(name, text) {
+  const url = URL.createObjectURL(new Blob([text], { type: "text/plain;charset=utf-8" }));
+  const save = el("a", { href: url, download: name });
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+function downloadLink(id, where, name, documented) {
+  const link = el("a", { href: "#", class: "download", "data-name": name }, "download");
+  link.addEventListener("click", (event) => {
+    event.preventDefault();
+    link.textContent = "downloading…";
+    guarded(async () => download(name, await wholeText(id, where, documented)))
+      .then(() => { link.textContent = "download"; });
+  });
+  return link;
+}
+
+// One stream of a finished executor: its label with a download link, and its text. A copy the
+// task document cut is replaced by the whole stream once read (kept: it no longer changes).
+function streamPart(task, attempt, number, stream, documented) {
+  const key = `${attempt}/${number}/${stream}`;
+  const where = [["attempt", attempt], ["executor", number], ["stream", stream]];
+  const text = el("pre", { class: stream, "data-key": key });
+  const label = el("p", { class: "stream-label" }, stream);
+  if (documented) {
+    label.append(" · ", downloadLink(task.id, where, `${task.id}-${attempt}-${number}.${stream}.txt`, documented));
+  }
+  const cut = CUT_LINE.test(documented || "");
+  const whole = current.whole.get(key);
+  showPieces(text, whole || documentPieces(documented));
+  text.dataset.whole = whole || !cut ? "yes" : "no";
+  if (cut && !whole && !current.loading.has(key)) {
+    current.loading.add(key);
+    const shown = current;
+    guarded(async () => {
+      let pieces;
+      try {
+        pieces = await wholePieces(task.id, where, documented);
+      } catch (error) {
+        shown.loading.delete(key);  // read again at the next refresh
+        throw error;
+      }
+      if (!pieces || current !== shown) return;
+      shown.whole.set(key, pieces);
+      const node = $("attempts").querySelector(`pre[data-key="${key}"]`);
+      if (node) {
+        showPieces(node, pieces);
+        node.dataset.whole = "yes";
+      }
+    });
+  }
+  return [label, text];
+}
+
+// The --time the attempt's job got and where it came from (bridge/poller/submit/record.py).
+function timeLimit(meta) {
+  if (meta.slurm_time_limit) return meta.slurm_time_limit;
+  return meta.slurm_job_id ? "no --time: the partition's own limit" : "";
+}
+
 function attemptPart(task, log, index) {
   const meta = log.metadata || {};
   const used = usage(task, log);
@@ -689,7 +828,9 @@ function attemptPart(task, log, index) {
     el("h4", {}, `Attempt ${index + 1}`),
     definitions([
       ["Slurm job", meta.slurm_job_id], ["Node", meta.slurm_node],
-      ["Partition", meta.slurm_partition], ["Slurm state", meta.slurm_state],
+      ["Partition", meta.slurm_partition],
+      ["Time limit", timeLimit(meta) ? el("span", { class: "time-limit" }, timeLimit(meta)) : ""],
+      ["Slurm state", meta.slurm_state],
       ["Started", when(log.start_time)], ["Ended", when(log.end_time)],
       ["Elapsed", meta.slurm_elapsed_seconds ? `${meta.slurm_elapsed_seconds} s` : ""],
       ["Max RSS", used.peak ? el("span", { class: "max-rss", title: used.peakSource },
@@ -703,8 +844,8 @@ function attemptPart(task, log, index) {
   for (const [number, executor] of (log.logs || []).entries()) {
     card.append(el("h5", {}, `Executor ${number}: exit code ${executor.exit_code}`),
       definitions([["Started", when(executor.start_time)], ["Ended", when(executor.end_time)]]),
-      el("p", { class: "stream-label" }, "stdout"), pre(executor.stdout, "stdout"),
-      el("p", { class: "stream-label" }, "stderr"), pre(executor.stderr, "stderr"));
+      ...streamPart(task, index + 1, number, "stdout", executor.stdout || ""),
+      ...streamPart(task, index + 1, number, "stderr", executor.stderr || ""));
   }
   if ((log.outputs || []).length) {
     card.append(el("h5", {}, "Uploaded"),
@@ -716,12 +857,14 @@ function attemptPart(task, log, index) {
   return card;
 }
 
-let current = null;  // the task shown: { id, task }
+// The task shown: { id, task, owner, whole: finished streams read whole, loading: their keys }.
+let current = null;
 
 function renderTask(task, owner) {
   $("task-name").textContent = task.name || "(no name)";
   const tags = Object.entries(task.tags || {}).map(([k, v]) => (v ? `${k}=${v}` : k));
   const resources = task.resources || {};
+  const params = resources.backend_parameters || {};
   clear($("task-summary")).append(...definitions([
     ["Id", task.id],
     ["State", el("span", { id: "task-state", class: `state state-${task.state}` }, task.state)],
@@ -737,7 +880,12 @@ function renderTask(task, owner) {
       resources.cpu_cores ? `${resources.cpu_cores} CPU` : "",
       resources.ram_gb ? `${resources.ram_gb} GB RAM` : "",
       resources.disk_gb ? `${resources.disk_gb} GB disk` : "",
+      resources.preemptible ? "preemptible" : "",
+      (resources.zones || []).length ? `zones ${resources.zones.join(", ")}` : "",
     ].filter(Boolean).join(", ")],
+    // As stored: a key this server does not support was dropped (its system log says so).
+    ["Backend parameters", Object.keys(params).length ? el("span", { id: "task-backend-parameters" },
+      Object.entries(params).map(([key, value]) => `${key}=${value}`).join(", ")) : ""],
   ]).childNodes);
   const final = FINAL.has(task.state);
   $("cancel").hidden = final;
@@ -790,14 +938,15 @@ async function loadLive(id) {
       params: [["executor", executor], ["stream", stream], ["offset", -LIVE_TAIL_BYTES]],
     });
     if (!current || current.id !== id) return;
+    // Shown before it is filled: a hidden element has no height to scroll to its end.
+    $("live").hidden = false;
     const { label, text } = liveStream(stream);
     label.textContent = `Executor ${executor} ${stream} (${bytes(answer.size)}${answer.done ? ", finished" : ""})`;
-    if (text.textContent !== (answer.text || "")) {
-      text.textContent = answer.text || "";
-      if (text.dataset.follow !== "no") text.scrollTop = text.scrollHeight;
-    }
+    if (text.textContent !== (answer.text || "")) text.textContent = answer.text || "";
+    // At its end, whether the text grew or not (the output may have stopped, the executor too),
+    // unless the reader scrolled up.
+    if (text.dataset.follow !== "no") text.scrollTop = text.scrollHeight;
   }
-  $("live").hidden = false;
 }
 
 function scheduleTask(id) {
@@ -834,7 +983,7 @@ function showTask(id) {
   $("live").hidden = true;
   clear($("live-streams"));
   $("cancel-confirm").hidden = true;
-  current = { id, task: null, owner: undefined };
+  current = { id, task: null, owner: undefined, whole: new Map(), loading: new Set() };
   return guarded(() => loadTask(id)).then(() => scheduleTask(id));
 }
 
