@@ -104,6 +104,7 @@ class Tasks:
                 ),
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
+                drs_prefixes=self.config.staging.drs_prefixes,
             )
             # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
             problems = backend_params.check_task(

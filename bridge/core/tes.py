@@ -38,6 +38,7 @@ from pydantic import (
     model_validator,
 )
 
+from bridge.core.drs import DrsUriError, is_drs_url, parse_drs_uri, resolve
 from bridge.core.naming import FileUrlError, has_wildcards, is_local_url, local_path
 
 
@@ -434,13 +435,17 @@ def validate_task(
     refuse_unsupported_backend_parameters: bool = False,
     allowed_dirs: Iterable[str] | None = None,
     local_image_dirs: Iterable[str] = (),
+    drs_prefixes: Mapping[str, str] | None = None,
 ) -> ValidatedTask:
     """Check a posted task and return the document to store, or raise TaskValidationError.
 
     With `allowed_dirs` (the deployment's storage.allowed_dirs), a `file://` URL or bare path
     must lie inside one of them (judged lexically; the job side judges again after resolving
-    links). An executor image that is an absolute path must be a `.sif` file inside one of
-    `local_image_dirs` (container.local_image_dirs), links resolved."""
+    links). A `drs://` input must be a DRS URI the job side can resolve: hostname-based, or a
+    compact identifier whose prefix is one of `drs_prefixes` (staging.drs_prefixes); DRS is
+    read-only, so no output goes to one. An executor image that is an absolute path must be a
+    `.sif` file inside one of `local_image_dirs` (container.local_image_dirs), links
+    resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
     oversized = _oversized_collections(body, limits)
@@ -452,6 +457,7 @@ def validate_task(
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
         problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
+    problems += _check_drs_urls(model, drs_prefixes or {})
     image_dirs = list(local_image_dirs)
     for index, executor in enumerate(model.executors):
         if executor.image.startswith("/"):
@@ -590,6 +596,22 @@ def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, s
             problems.append((where, "file:// URLs and local paths are disabled on this server"))
         elif not any(d == "/" or stripped == d or stripped.startswith(d + "/") for d in allowed):
             problems.append((where, "is outside the directories this server may read and write"))
+    return problems
+
+
+def _check_drs_urls(model: TaskModel, prefixes: Mapping[str, str]) -> list[tuple[str, str]]:
+    problems = []
+    for index, item in enumerate(model.inputs or ()):
+        if item.url and is_drs_url(item.url):
+            try:
+                resolve(parse_drs_uri(item.url), prefixes)
+            except DrsUriError as exc:
+                problems.append((f"inputs[{index}].url", str(exc)))
+    for index, output in enumerate(model.outputs or ()):
+        if is_drs_url(output.url):
+            problems.append(
+                (f"outputs[{index}].url", "DRS is read-only: an output cannot go to a drs:// URI")
+            )
     return problems
 
 
