@@ -86,6 +86,8 @@ SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
 USER = os.environ.get("BENCH_ARRAYS_USER", "")
 #: A Python USER can run (one under /root is not); it runs the bridge from this checkout.
 USER_PYTHON = os.environ.get("BENCH_ARRAYS_PYTHON", PYTHON)
+#: The bridges' log level; with BENCH_KEEP=1 their files (serve.log, tasks.db) are kept.
+LOG_LEVEL = os.environ.get("BENCH_ARRAYS_LOG_LEVEL", "WARNING")
 #: The [slurm] settings of the bridge without a call budget (its defaults for a plain account,
 #: which Slurm limits anyway), and of the one under Slurm's.
 UNLIMITED = 'arrays = "auto"' + ("" if USER else "\ncalls_per_second = 0")
@@ -214,7 +216,7 @@ def bridge(info: dict[str, str], root: Path, name: str, slurm: str) -> Iterator[
         for path in [root / "images", home, *home.rglob("*")]:
             shutil.chown(path, USER, pwd.getpwnam(USER).pw_gid)
     server = subprocess.Popen(
-        [USER_PYTHON, "-m", "bridge", "--config", str(config), "--log-level", "WARNING",
+        [USER_PYTHON, "-m", "bridge", "--config", str(config), "--log-level", LOG_LEVEL,
          "serve"],
         env=bridge_env(), stderr=log_file(home / "serve.log"), cwd=REPO, **as_user(),
     )  # fmt: skip
@@ -386,7 +388,10 @@ def main() -> dict[str, object]:
     # Another size, or some sides only, are kept beside the default run's figures.
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
     write_result("arrays" if whole else f"arrays-{TASKS}-{'+'.join(SIDES)}", data)
-    shutil.rmtree(root, ignore_errors=True)
+    if os.environ.get("BENCH_KEEP") == "1":
+        print(f"kept: {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return data
 
 

@@ -425,7 +425,7 @@ def test_stage_in_with_a_wrong_checksum_fails_saying_so_and_leaks_no_token(
     )
     task.layout.job_config.write_text(json.dumps(settings))
     assert stage_in(task.layout.task_dir, task.records) == STAGE_FAILED
-    [line] = read_records(task.layout.task_dir, "1", tail_bytes=1024).system_logs
+    [line] = read_records(task.layout.task_dir, "1", keep_bytes=1024).system_logs
     assert line.startswith(f"input 1 {drs.uri('si-bad')} -> /in/bad.txt: checksum mismatch: ")
     assert f"sha-256 is {sha256(original)}, the bytes fetched have {sha256(bad)}" in line
     assert task.host("/in/good.txt").read_bytes() == good
