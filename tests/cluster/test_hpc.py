@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import requests
 
+from bridge.client.listing import size
 from bridge.core.naming import job_name
 from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.tes_cli import tes_task
 
 pytestmark = pytest.mark.cluster
 
@@ -223,6 +225,12 @@ def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeS
     # And the CPU time its cgroup used, for the web page's efficiency (seff's TotalCPU).
     cpu = float(task["logs"][0]["metadata"]["cpu_time_seconds"])
     assert 0 < cpu < 60, cpu
+    # `task list` shows the peak the page shows, never sacct's 0 for "not sampled".
+    final = bridge_service.with_final_facts(task["id"])["logs"][0]["metadata"]
+    header, line = tes_task(bridge_service.url, "list", "--name-prefix", name).stdout.splitlines()
+    maxmem = line[header.index("MAXMEM") :].split()[0]
+    rss = int(final.get("slurm_max_rss_bytes", "0"))
+    assert maxmem == size(rss if rss > 0 else peak), (line, final)
 
 
 def largest_node_memory_mb() -> int:
