@@ -55,11 +55,14 @@ def test_missing_command_is_an_executor_error(bridge_service):
 
 
 def sacct_default(job_id: str) -> dict[str, str]:
-    """The job's line of a plain `sacct -X -j ID`, as a Slurm user reads it: its default columns
-    (JobID JobName Partition Account AllocCPUS State ExitCode), JobName cut at 10 characters."""
-    env = {k: v for k, v in os.environ.items() if k != "SACCT_FORMAT"}
+    """The job's line of `sacct -X -j ID` as a Slurm user reads it: of its default columns
+    (JobID JobName Partition Account AllocCPUS State ExitCode) those that are never blank, at
+    their default widths (JobName cut at 10 characters)."""
     out = subprocess.run(
-        ["sacct", "-X", "-j", job_id], env=env, capture_output=True, text=True, check=True
+        ["sacct", "-X", "-j", job_id, "--format=JobID,JobName,State,ExitCode"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     header = out[0].split()
     (line,) = [line for line in out[2:] if line.split()[0] == job_id]
