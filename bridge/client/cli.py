@@ -86,10 +86,13 @@ examples:
         "list tasks, newest first",
         """\
 List tasks as a table or, with --json, as a JSON array. The table shows each task's id,
-state, creation time and name, and of its last attempt the Slurm job id, the elapsed time,
-the exit code (the first failing executor's, else the last one's) and the peak memory, as
-far as the server records them (this bridge does). Follows the server's page tokens to the
-last page, or until --limit tasks or a task older than --since.
+state, creation time and name, and of its last attempt the Slurm job id, the elapsed time
+(as sacct writes it: [D-]HH:MM:SS), the exit code (the first failing executor's, else the
+last one's), the peak memory (sacct's MaxRSS, or the job's cgroup peak where Slurm sampled
+none) and why a final task ended so (REASON: exit 42, TIMEOUT, OUT_OF_MEMORY, image, input,
+output, canceled by alice...), as far as the server records them (this bridge does). Follows
+the server's page tokens to the last page, or until --limit tasks or a task older than
+--since.
 
 --state takes several states, comma-separated or repeated, in any case (running,queued).
 --since takes a duration back from now (30m, 2h, 1d, 1w) or a date/time in UTC

@@ -40,6 +40,7 @@ from pydantic import (
 
 from bridge.core.drs import DrsUriError, is_drs_url, parse_drs_uri, resolve
 from bridge.core.naming import FileUrlError, has_wildcards, is_local_url, local_path
+from bridge.core.reasons import REASON_KEY, task_reason
 
 
 class State(StrEnum):
@@ -732,13 +733,24 @@ def render_task(
             value = {**value, "cpu_cores": math.ceil(value["cpu_cores"])}
         task[key] = value
     if logs:
-        # A final task waits for nothing: a condition line left by a path the poller never
-        # follows (a task canceled while it waited to be submitted) is not shown.
-        final = state in {s.value for s in TERMINAL_STATES}
-        task["logs"] = [_render_task_log(entry, view, final=final) for entry in logs]
+        task["logs"] = _render_logs(state, logs, view)
     if creation_time:
         task["creation_time"] = creation_time
     return task
+
+
+def _render_logs(state: str, logs: list[dict[str, Any]], view: View) -> list[dict[str, Any]]:
+    """The task's logs in `view`; a final task's last attempt says why it ended so in its
+    metadata (bridge.core.reasons), for the lists, which read no system logs."""
+    # A final task waits for nothing: a condition line left by a path the poller never
+    # follows (a task canceled while it waited to be submitted) is not shown.
+    final = state in {s.value for s in TERMINAL_STATES}
+    rendered = [_render_task_log(entry, view, final=final) for entry in logs]
+    reason = task_reason(state, logs) if final else ""
+    if reason:
+        last = rendered[-1]
+        last["metadata"] = {**(last.get("metadata") or {}), REASON_KEY: reason}
+    return rendered
 
 
 def _without_conditions(entry: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -213,11 +213,52 @@ def test_list_filters_follows_page_tokens_and_prints_a_table(server: Server):
     table = tes_task(server.url, "list", "--name-prefix", prefix, "--page-size", "2")
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
-        "ID", "STATE", "CREATED", "(UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "NAME"
+        "ID", "STATE", "CREATED", "(UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "REASON", "NAME"
     ]  # fmt: skip
     assert [line.split()[0] for line in lines[1:]] == newest_first
     assert lines[1].split()[1] == "QUEUED" and lines[1].split()[-1] == f"{prefix}-4"
     assert lines[4].split()[1] == "CANCELED"
+
+
+def test_list_says_why_each_task_failed_and_what_it_used(server: Server):
+    """The server's reason of each final task (its last attempt's metadata in the BASIC view),
+    the cgroup's peak where sacct's MaxRSS is 0 (a job shorter than one sample), and the
+    elapsed time as sacct writes it."""
+    prefix = unique("why")
+    timed_out, failed, done = (server.create(name=f"{prefix}-{n}") for n in range(3))
+    facts = {"slurm_job_id": "4711", "slurm_max_rss_bytes": "0", "slurm_elapsed_seconds": "5"}
+    server.update(
+        timed_out,
+        state="EXECUTOR_ERROR",
+        logs=[{"logs": [], "metadata": {**facts, "slurm_state": "TIMEOUT"}}],
+    )
+    server.update(
+        failed,
+        state="EXECUTOR_ERROR",
+        logs=[
+            {
+                "logs": [{"exit_code": 0}, {"exit_code": 42}],
+                "metadata": {**facts, "memory_peak_bytes": "225443840", "slurm_state": "FAILED"},
+            }
+        ],
+    )
+    server.update(done, state="COMPLETE", logs=[{"logs": [{"exit_code": 0}], "metadata": facts}])
+    lines = tes_task(server.url, "list", "--name-prefix", prefix).stdout.splitlines()
+    at = {column: lines[0].index(column) for column in ("ELAPSED", "EXIT", "MAXMEM", "REASON")}
+    rows = {line.split()[0]: line for line in lines[1:]}
+
+    def cell(task_id: str, column: str) -> str:
+        return rows[task_id][at[column] :].split("  ")[0].strip()
+
+    assert [cell(timed_out, c) for c in at] == ["00:00:05", "", "", "TIMEOUT"]
+    assert [cell(failed, c) for c in at] == ["00:00:05", "42", "215.0M", "exit 42"]
+    assert [cell(done, c) for c in at] == ["00:00:05", "0", "", ""]
+    listed = json.loads(tes_task(server.url, "list", "--json", "--name-prefix", prefix).stdout)
+    assert {t["id"]: t["logs"][-1]["metadata"].get("reason") for t in listed} == {
+        timed_out: "TIMEOUT",
+        failed: "exit 42",
+        done: None,
+    }
 
 
 def test_get_prints_the_task_in_the_view_asked(server: Server):

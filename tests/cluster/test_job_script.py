@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
+from bridge.core.naming import STAGE_IN_EXIT_CODE
 from bridge.images.cache import ImageCache
 from bridge.images.ref import ImagePullError
 from bridge.job.records import JobRecords, read_records
@@ -46,6 +47,8 @@ class Env:
         self.sif = sif
         self.shared = shared
         self.last_task_dir = Path()
+        #: sacct's ExitCode of the last job `sbatch` waited for ("4:0").
+        self.last_exit_code = ""
 
     def prepare(self, task: dict[str, Any]) -> tuple[dict[str, Any], Path]:
         task = {"id": f"{_RUN}-{next(_ids)}", **task}
@@ -92,11 +95,15 @@ class Env:
                 ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
             ).stdout.strip()
             if not queued:
-                state = subprocess.run(
-                    ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State"],
-                    capture_output=True,
-                    text=True,
-                ).stdout.strip()
+                state, _, self.last_exit_code = (
+                    subprocess.run(
+                        ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,ExitCode"],
+                        capture_output=True,
+                        text=True,
+                    )
+                    .stdout.strip()
+                    .partition("|")
+                )
                 if state and state not in {"PENDING", "RUNNING", "COMPLETING"}:
                     break
             time.sleep(0.5)
@@ -384,7 +391,7 @@ def test_missing_input_is_a_system_error_before_any_executor(env: Env) -> None:
     code, records = env.run(
         {"inputs": [{"path": "/in/x", "url": url}], "executors": [alpine("true")]}
     )
-    assert code != 0
+    assert code == STAGE_IN_EXIT_CODE
     assert records.outcome == "system_error" and records.executors == []
     assert url in records.system_logs[0] and "does not exist" in records.system_logs[0]
 
@@ -458,7 +465,8 @@ def test_task_through_sbatch_completes(env: Env) -> None:
 
 def test_executor_error_through_sbatch_is_told_by_the_records(env: Env) -> None:
     _job_id, state, records, _ = env.sbatch({"executors": [sh("exit 4"), alpine("true")]})
-    assert state == "COMPLETED"  # Slurm alone cannot tell; the records can
+    # Slurm's record agrees with the task's: the job failed with the executor's exit code.
+    assert (state, env.last_exit_code) == ("FAILED", "4:0")
     assert records.outcome == "executor_error"
     assert [e.exit_code for e in records.executors] == [4]
 
@@ -467,6 +475,6 @@ def test_staging_failure_through_sbatch_fails_the_job(env: Env) -> None:
     _job_id, state, records, _ = env.sbatch(
         {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [alpine("true")]}
     )
-    assert state == "FAILED"
+    assert (state, env.last_exit_code) == ("FAILED", f"{STAGE_IN_EXIT_CODE}:0")
     assert records.outcome == "system_error"
     assert "not supported by this deployment yet" in records.system_logs[0]

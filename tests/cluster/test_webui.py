@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import requests
@@ -276,6 +277,20 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
             timeout=90,
         )
         shot("canceled")
+        # The list says who canceled it.
+        browser.get(f"{service.url}/ui/#/?tag={quote(f'webui-run={run}')}")
+        _until(
+            browser,
+            lambda d: (
+                d.find_element(By.CSS_SELECTOR, f'#tasks tr[data-id="{ticking}"] td.reason').text
+                == "canceled by tesalice"
+            ),
+        )
+        assert (
+            browser.find_element(By.CSS_SELECTOR, f'#tasks tr[data-id="{done}"] td.reason').text
+            == ""
+        )
+        shot("list-reasons")
     finally:
         shot("last")
         for task_id in (ticking,):

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
+from bridge.core.naming import (
+    NO_RECORDS_EXIT_CODE,
+    SCRATCH_EXIT_CODE,
+    STAGE_IN_EXIT_CODE,
+    STAGE_OUT_EXIT_CODE,
+    SUPERSEDED_EXIT_CODE,
+)
+from bridge.core.reasons import IMAGE_UNREADABLE, STAGE_IN_FAILED, STAGE_OUT_FAILED
 from bridge.job import safepath
 from bridge.job.cli import main as job_main
 from bridge.job.execute import EXIT_CANNOT_START, run_executor
@@ -241,7 +248,7 @@ def test_missing_runtime_or_image_fails_staging_with_a_fix(tmp_path: Path) -> No
     assert task.stage_in() == STAGE_FAILED
     logs = task.read().system_logs
     assert "container.runtime" in logs[0]
-    assert "none.sif is not readable" in logs[1]
+    assert logs[1] == f"{IMAGE_UNREADABLE}: {tmp_path / 'none.sif'}"
 
 
 def test_stage_in_starts_from_a_clean_root(tmp_path: Path) -> None:
@@ -853,6 +860,7 @@ def run_job(
     args: Sequence[str] = (),
     fence: int | None = None,
     python: str = sys.executable,
+    job: dict[str, Any] | None = None,
     **storage: Any,
 ) -> tuple[int, Any]:
     """Render the task and run its job script with `args` (the task directory fenced at lease
@@ -868,7 +876,7 @@ def run_job(
             "state_dir": str(tmp_path / "state"),
             "container": {"runtime": str(runtime), "allow_root": True, "umask": container_umask},
             "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
-            "job": {"python": python},
+            "job": {"python": python, **(job or {})},
         }
     )
     task = {"id": "job-1", **task}
@@ -1001,8 +1009,9 @@ def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
 
 
 def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) -> None:
+    # The job exits with the failing executor's code: sacct shows it FAILED 3:0, as the task.
     code, records = run_job(tmp_path, {"executors": [sh("exit 3"), sh("echo never")]})
-    assert (code, records.outcome) == (0, "executor_error")
+    assert (code, records.outcome) == (3, "executor_error")
     assert [e.exit_code for e in records.executors] == [3]
     code, records = run_job(
         tmp_path / "b", {"executors": [sh("exit 3", ignore_error=True), sh("echo next")]}
@@ -1016,7 +1025,7 @@ def test_job_script_staging_failure_is_a_system_error_before_any_executor(
 ) -> None:
     task = {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [sh("true")]}
     code, records = run_job(tmp_path, task)
-    assert code != 0
+    assert code == STAGE_IN_EXIT_CODE
     assert records.outcome == "system_error" and records.executors == []
     assert "sftp://host/x" in records.system_logs[0]
     assert "not supported by this deployment yet" in records.system_logs[0]
@@ -1036,20 +1045,22 @@ def python_killed_in(tmp_path: Path, subcommand: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("subcommand", "system_logs"),
+    ("subcommand", "exit_code", "system_logs"),
     [
         (
             "stage-in",
-            [
-                "the stage-in process was killed by signal 9",
-                "staging inputs failed; no executor ran",
-            ],
+            STAGE_IN_EXIT_CODE,
+            ["the stage-in process was killed by signal 9", STAGE_IN_FAILED],
         ),
-        ("stage-out", ["the stage-out process was killed by signal 9"]),
+        (
+            "stage-out",
+            STAGE_OUT_EXIT_CODE,
+            ["the stage-out process was killed by signal 9", STAGE_OUT_FAILED],
+        ),
     ],
 )
 def test_job_script_names_a_staging_process_killed_by_a_signal(
-    tmp_path: Path, subcommand: str, system_logs: list[str]
+    tmp_path: Path, subcommand: str, exit_code: int, system_logs: list[str]
 ) -> None:
     """A staging process that dies without writing its own reason still leaves one."""
     task = {
@@ -1058,7 +1069,7 @@ def test_job_script_names_a_staging_process_killed_by_a_signal(
         "executors": [sh("true")],
     }
     code, records = run_job(tmp_path, task, python=python_killed_in(tmp_path, subcommand))
-    assert (code, records.outcome) == (1, "system_error")
+    assert (code, records.outcome) == (exit_code, "system_error")
     assert records.system_logs == system_logs
 
 
@@ -1086,17 +1097,28 @@ def test_an_unexpected_error_while_staging_is_named_in_the_tasks_logs(
     ]
 
 
+def test_job_script_without_a_scratch_directory_exits_with_its_own_code(tmp_path: Path) -> None:
+    """No executor can run without its /tmp: a SYSTEM_ERROR, and sacct shows the job FAILED
+    with SCRATCH_EXIT_CODE (not an executor's code, nor 1)."""
+    task = {"executors": [sh("echo never")]}
+    code, records = run_job(tmp_path, task, job={"scratch_dir": str(tmp_path / "no-such")})
+    assert (code, records.outcome) == (SCRATCH_EXIT_CODE, "system_error")
+    assert records.executors == []
+
+
 def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Path) -> None:
     task = {
         "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
         "executors": [sh("true")],
     }
     code, records = run_job(tmp_path, task, missing_outputs="fail")
-    assert (code, records.outcome) == (1, "system_error")
+    assert (code, records.outcome) == (STAGE_OUT_EXIT_CODE, "system_error")
+    assert records.system_logs[-1] == STAGE_OUT_FAILED
     code, records = run_job(
         tmp_path / "b", {**task, "executors": [sh("exit 1")]}, missing_outputs="fail"
     )
-    assert (code, records.outcome) == (0, "executor_error")
+    assert (code, records.outcome) == (1, "executor_error")
+    assert STAGE_OUT_FAILED not in records.system_logs
     # The default, "ignore": the task completes, the log names the output.
     code, records = run_job(tmp_path / "c", task)
     assert (code, records.outcome) == (0, "complete")

@@ -160,6 +160,13 @@ function exitCode(log) {
   return String(failed === undefined ? 0 : failed);
 }
 
+// Why a final task ended as it did (`exit 42`, `TIMEOUT`, `input`, `canceled by alice`): the
+// server's word, in its last attempt's metadata (bridge/core/reasons.py); "" for the others.
+function reasonOf(task) {
+  const log = lastAttempt(task);
+  return ((log && log.metadata) || {}).reason || "";
+}
+
 // ------------------------------------------------------------------------------ the API
 class AuthRequired extends Error {
   constructor(challenge) {
@@ -370,6 +377,7 @@ function taskRow(task, owners) {
     el("td", { class: "created", title: task.creation_time || "" }, when(task.creation_time)),
     el("td", { class: "duration" }, duration(used.elapsed)),
     el("td", { class: "exit" }, exitCode(log)),
+    el("td", { class: "reason" }, reasonOf(task)),
     el("td", { class: "tags" }, tags.join(", ")),
     el("td", { class: "id" }, task.id));
 }
@@ -528,7 +536,7 @@ function timelinePart(tasks) {
       const end = Number.isFinite(row.ended) ? row.ended : row.started;
       group.append(svg("rect", { class: `tl-run tl-${row.task.state}`, x: x(row.started), y: y + 2,
         height: rowHeight - 5, width: Math.max(1, x(end) - x(row.started)) },
-      svg("title", {}, `${name}: running ${duration((end - row.started) / 1000)} (${row.task.state})`)));
+      svg("title", {}, `${name}: running ${duration((end - row.started) / 1000)} (${[row.task.state, reasonOf(row.task)].filter(Boolean).join(": ")})`)));
     }
     chart.append(group);
   });
@@ -583,6 +591,7 @@ function resourceRow(row) {
     el("td", { class: "name" }, el("a", { href: `#/task/${encodeURIComponent(row.task.id)}` },
       row.task.name || "(no name)")),
     el("td", { class: `state state-${row.task.state}` }, row.task.state),
+    el("td", { class: "reason" }, reasonOf(row.task)),
     el("td", {}, String(u.cores)),
     el("td", {}, duration(u.elapsed)),
     el("td", { class: "cpu-time" }, u.cpu === null ? "" : duration(u.cpu)),
