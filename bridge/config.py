@@ -314,6 +314,10 @@ class StorageConfig(_Section):
     #: logs it in system_logs and goes on (workflow engines declare optional outputs), `fail`
     #: ends the task SYSTEM_ERROR when every executor succeeded.
     missing_outputs: Literal["ignore", "fail"] = "ignore"
+    #: A `file://` input is looked up at create: one this host sees missing, or not of its
+    #: type, is a 400 naming it (false: the job finds out, SYSTEM_ERROR). Only paths inside
+    #: allowed_dirs and shared_dirs are looked up, as the service account sees them.
+    check_inputs: bool = True
 
     @field_validator("file_input_mode")
     @classmethod

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
+import stat
+import tempfile
 import threading
 import time
 import urllib.request
@@ -33,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import bcrypt
 
@@ -45,6 +48,9 @@ if TYPE_CHECKING:  # jwt is imported when bearer authentication is first used
     from bridge.config import Config
 
 log = logging.getLogger("bridge.api.auth")
+
+#: In the state directory: the last key set any worker fetched (:class:`SharedKeySet`).
+SHARED_KEYS_FILE = "jwks.json"
 
 
 class AuthError(Exception):
@@ -211,6 +217,7 @@ class BearerAuth(_Mapped):
         users: UserMap,
         admins: AdminPolicy,
         realm: str,
+        shared_file: Path | None = None,
     ):
         super().__init__(users, admins)
         self.issuer = issuer
@@ -225,6 +232,7 @@ class BearerAuth(_Mapped):
             lambda: jwks_url or _discover_jwks_url(issuer),
             lifetime=cache_seconds,
             cooldown=refresh_cooldown,
+            shared=SharedKeySet(shared_file, f"{issuer} {jwks_url or ''}") if shared_file else None,
         )
 
     def authenticate(self, authorization: str | None) -> Identity:
@@ -254,6 +262,69 @@ class BearerAuth(_Mapped):
         return self.identity(name)
 
 
+class SharedKeySet:
+    """The last key set any worker fetched, in a file of the state directory, so that a worker
+    that has none in hand (new, or restarted) need not wait for an issuer that is away.
+
+    Written by each successful fetch (a temporary file renamed over it: readers see a whole
+    set), mode 0600. Read only when it is a regular file of this account that no one else may
+    write, and only for the same issuer and key URL (`source`). It keeps the time of its
+    fetch: a set read from it is as old as that fetch, so it is refreshed from the issuer as
+    a set in hand would be, and never outlives the keys the issuer serves once it answers."""
+
+    def __init__(self, path: Path, source: str) -> None:
+        self.path = path
+        self.source = source
+        self._seen: tuple[int, int, int, int] | None = None
+
+    def save(self, jwks: dict[str, Any], fetched_at: float) -> None:
+        data = json.dumps({"source": self.source, "fetched_at": fetched_at, "jwks": jwks})
+        try:
+            fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as file:  # mkstemp: mode 0600
+                    file.write(data)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temporary, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+                raise
+        except OSError as exc:
+            log.warning("cannot share the issuer's keys in %s: %s", self.path, exc)
+
+    def load_if_changed(self) -> tuple[dict[str, Any], float] | None:
+        """(the JWKS, the wall-clock time of its fetch) when the file changed since the last
+        look and may be trusted; None otherwise."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None  # none yet (or a link: never followed)
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(fd)
+            seen = (info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
+            if seen == self._seen:
+                return None
+            self._seen = seen
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                log.warning("%s is not a file of this account; not used", self.path)
+                return None
+            if info.st_mode & 0o022:
+                log.warning("%s may be written by others; not used", self.path)
+                return None
+            raw = file.read(JwksKeys.MAX_BYTES * 2)
+        try:
+            document = json.loads(raw)
+            jwks, fetched_at = document["jwks"], float(document["fetched_at"])
+        except (ValueError, TypeError, KeyError):
+            log.warning("%s is not a key set written by this service; not used", self.path)
+            return None
+        if document.get("source") != self.source or not isinstance(jwks, dict):
+            return None  # another issuer's (the configuration changed)
+        return jwks, fetched_at
+
+
 class JwksKeys:
     """The issuer's signing keys by `kid`, refreshed in the background, one fetch at a time.
 
@@ -266,6 +337,9 @@ class JwksKeys:
       at most `UNKNOWN_WAIT` seconds after it started.
     - A failed refresh keeps the keys in hand (said in the log) and is tried again after
       `cooldown`; a fetch gives up after `FETCH_SECONDS`.
+    - With `shared`, the keys in hand are first those of the last fetch of any worker (a
+      `SharedKeySet`), when it is newer than this worker's own, taken at the age of that fetch:
+      a worker with no keys of its own yet refuses no token whose key another one fetched.
     """
 
     STALE_WAIT = 1.0
@@ -274,14 +348,24 @@ class JwksKeys:
     #: A JWKS larger than this is refused (a few keys take a few KiB).
     MAX_BYTES = 1 << 20
 
-    def __init__(self, locate: Callable[[], str], *, lifetime: float, cooldown: float):
+    def __init__(
+        self,
+        locate: Callable[[], str],
+        *,
+        lifetime: float,
+        cooldown: float,
+        shared: SharedKeySet | None = None,
+    ):
         self._locate = locate
         self.lifetime = lifetime
         self.cooldown = cooldown
+        self.shared = shared
         self._url: str | None = None
         self._changed = threading.Condition()
         self._keys: dict[str, jwt.PyJWK] = {}
         self._fetched_at: float | None = None
+        #: The wall-clock time of the fetch the keys in hand come from.
+        self._fetched_wall = float("-inf")
         self._started_at: float | None = None
         self._last_failed = False
         self._refreshing = False
@@ -290,8 +374,10 @@ class JwksKeys:
         """The key `kid` names (AuthError when the issuer has none by that name)."""
         with self._changed:
             now = time.monotonic()
+            if not (kid in self._keys and self._fresh(now)):
+                self._adopt_shared(now)
             known = kid in self._keys
-            fresh = self._fetched_at is not None and now - self._fetched_at < self.lifetime
+            fresh = self._fresh(now)
             if not (known and fresh):
                 self._refresh_if_due(now, stale=not fresh)
                 if self._refreshing and self._started_at is not None:
@@ -302,6 +388,23 @@ class JwksKeys:
         if key is None:
             raise AuthError(f"the issuer's key set has no key {kid!r}")
         return key
+
+    def _fresh(self, now: float) -> bool:
+        return self._fetched_at is not None and now - self._fetched_at < self.lifetime
+
+    def _adopt_shared(self, now: float) -> None:
+        """Take the shared set when another worker fetched it after the keys in hand were."""
+        found = self.shared.load_if_changed() if self.shared else None
+        if found is None or found[1] <= self._fetched_wall:
+            return
+        jwks, fetched_wall = found
+        try:
+            keys = _signing_keys(jwks)
+        except Exception as exc:  # PyJWT's errors, and a key it cannot load
+            log.warning("the shared key set cannot be read (%s); not used", exc)
+            return
+        self._keys, self._fetched_wall = keys, fetched_wall
+        self._fetched_at = now - max(time.time() - fetched_wall, 0.0)
 
     def _refresh_if_due(self, now: float, *, stale: bool) -> None:
         """Start the background refresh unless one runs, or one started within the cooldown
@@ -318,25 +421,28 @@ class JwksKeys:
 
     def _refresh(self) -> None:
         keys: dict[str, jwt.PyJWK] | None = None
+        fetched_wall = float("-inf")
         try:
             if self._url is None:
                 self._url = self._locate()
-            keys = _fetch_jwks(self._url, self.FETCH_SECONDS, self.MAX_BYTES)
+            jwks = _fetch_jwks(self._url, self.FETCH_SECONDS, self.MAX_BYTES)
+            keys, fetched_wall = _signing_keys(jwks), time.time()
+            if self.shared is not None:
+                self.shared.save(jwks, fetched_wall)
         except Exception as exc:  # a thread of its own: every failure keeps the keys in hand
             log.warning("cannot refresh the issuer's keys (%s); keeping those in hand", exc)
         with self._changed:
             if keys is not None:
                 self._keys = keys
                 self._fetched_at = time.monotonic()
+                self._fetched_wall = fetched_wall
             self._last_failed = keys is None
             self._refreshing = False
             self._changed.notify_all()
 
 
-def _fetch_jwks(url: str, seconds: float, max_bytes: int) -> dict[str, jwt.PyJWK]:
-    """The signing keys with a `kid` of the JWKS at `url`, read within `seconds`."""
-    import jwt
-
+def _fetch_jwks(url: str, seconds: float, max_bytes: int) -> dict[str, Any]:
+    """The JWKS at `url`, read within `seconds`."""
     deadline = time.monotonic() + seconds
     data = b""
     with urllib.request.urlopen(url, timeout=seconds) as answer:
@@ -344,7 +450,17 @@ def _fetch_jwks(url: str, seconds: float, max_bytes: int) -> dict[str, jwt.PyJWK
             data += chunk
             if len(data) > max_bytes or time.monotonic() > deadline:
                 raise OSError(f"{url} sent more than {max_bytes} bytes or took over {seconds} s")
-    keys = jwt.PyJWKSet.from_dict(json.loads(data)).keys
+    document = json.loads(data)
+    if not isinstance(document, dict):
+        raise ValueError(f"{url} sent no JWKS (a JSON object)")
+    return document
+
+
+def _signing_keys(jwks: dict[str, Any]) -> dict[str, jwt.PyJWK]:
+    """The signing keys with a `kid` of a JWKS."""
+    import jwt
+
+    keys = jwt.PyJWKSet.from_dict(jwks).keys
     # As PyJWKClient: keys for signatures (or of no stated use) that have a kid.
     return {k.key_id: k for k in keys if k.key_id and k.public_key_use in ("sig", None)}
 
@@ -383,4 +499,5 @@ def build_authenticator(config: Config) -> Authenticator:
         users=users,
         admins=admins,
         realm=auth.realm,
+        shared_file=config.state_dir / SHARED_KEYS_FILE,
     )

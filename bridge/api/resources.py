@@ -24,6 +24,7 @@ from bridge.core.tes import (
     State,
     TaskValidationError,
     View,
+    local_input_problems,
     parse_state,
     parse_view,
     render_task,
@@ -107,10 +108,14 @@ class Tasks:
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
                 drs_prefixes=self.config.staging.drs_prefixes,
             )
-            # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
+            # What the task asks of Slurm (patterns, the time limit within slurm.max_time),
+            # then what the cluster and the shared filesystem cannot give it.
             problems = backend_params.check_task(
                 task.document, self.config.backend_parameters.supported, self.config.slurm.times
-            ) or backend_params.cluster_problems(task.document, self._partitions())
+            ) or [
+                *backend_params.cluster_problems(task.document, self._partitions()),
+                *self._input_problems(task.document),
+            ]
             if problems:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
@@ -122,6 +127,11 @@ class Tasks:
         if self.wake is not None:
             self.wake.nudge()  # the poller submits it now (bridge.system.wake)
         resp.media = {"id": record.id}
+
+    def _input_problems(self, document: dict[str, Any]) -> list[tuple[str, str]]:
+        if not self.config.storage.check_inputs:
+            return []
+        return local_input_problems(document, [str(d) for d in self.config.file_dirs])
 
     def _partitions(self) -> list[dict[str, Any]]:
         """The partitions the poller last read (bridge.poller.capabilities), read again from

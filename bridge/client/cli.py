@@ -10,14 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import requests
 import yaml
 
 from bridge.client.api import FINAL_STATES, TesClient, TesError
+from bridge.client.documents import command_name, resubmitted
 from bridge.client.listing import matching_tasks, since_option, states_option, table
+from bridge.client.options import size_option, unrecognized
 from bridge.client.watch import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
@@ -53,19 +55,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "create a task from the command line; prints its id",
         """\
 Create a task with one executor: IMAGE runs CMD ARGS... (put them after --). Prints the
-task's id; with --wait, then waits for it like `wait` and exits with its outcome.
+task's id; with --wait, then waits for it like `wait` and exits with its outcome. Without
+--name, the task is named after its command, as sbatch names a job after its script (echo,
+or train.py for python3 train.py).
 
 --input URL=PATH stages URL into the container at PATH before the executor runs; --output
-PATH=URL uploads PATH afterwards. A PATH that ends in / is a DIRECTORY.
+PATH=URL uploads PATH afterwards. A PATH that ends in / is a DIRECTORY. A relative local path
+(./in.txt) is sent as the file:// URL of its absolute path, said on stderr.
 
-Slurm's own options: --time/-t (a time limit as sbatch takes it), --partition/-p, --gpus
-and --backend-parameter KEY=VALUE (any other, e.g. qos=long) go into the task's
-resources.backend_parameters. Options are never abbreviated: --time is not --timeout (how
-long --wait waits).
+sbatch's spellings work too: -c and --cpus-per-task for --cpus, --mem (MB unless a unit is
+given: 4000, 4G) for --ram (GB: 4, or 4G), --tmp for --disk. Slurm's own options: --time/-t
+(a time limit as sbatch takes it), --partition/-p, --gpus and --backend-parameter KEY=VALUE
+(any other, e.g. qos=long) go into the task's resources.backend_parameters. Options are never
+abbreviated: --time is not --timeout (how long --wait waits).
 
 examples:
   tes-bridge task run alpine -- echo hello
-  tes-bridge task run -t 2:00:00 -p long --gpus a100:1 --wait tool:1 -- train.sh
+  tes-bridge task run -t 2:00:00 -p long --gpus a100:1 -c 4 --mem 16G --wait tool:1 -- train.sh
   tes-bridge task run --wait --cpus 2 --ram 4 --tag project=x \\
       --input s3://bucket/reads.fq=/data/reads.fq --output /data/out/=s3://bucket/out/ \\
       quay.io/biocontainers/fastqc:0.12.1--hdfd78af_0 -- fastqc -o /data/out /data/reads.fq
@@ -116,14 +122,19 @@ example:
 """,
     ),
     "resubmit": (
-        "post a copy of a task again; prints the new id",
+        "post a copy of a task again, with changes; prints the new id",
         """\
 Read the task (FULL view) and create a new task from it: the same executors, inputs,
 outputs, resources, volumes, tags, name and description, without what the server added (id,
-state, creation time, logs). Prints the new task's id; with --wait, waits for it like `wait`.
+state, creation time, logs), tagged tes-bridge.resubmit_of=ID. The resource and Slurm options
+of `run` change the copy: --time/-t replaces the task's time limit (time, time_limit and
+max_time), --partition/-p its partition (and zones), --cpus/-c, --ram/--mem, --disk, --gpus
+and --backend-parameter their own. Prints the new task's id; with --wait, waits for it like
+`wait`. The copy is yours, whoever owned the task.
 
-example:
+examples:
   tes-bridge task resubmit --wait 3f2a9c1e-...
+  tes-bridge task resubmit 3f2a9c1e-... -t 2:00:00 --ram 8 --cpus 4 -p long
 """,
     ),
     "cancel": (
@@ -259,6 +270,60 @@ def _add_wait_options(
         )
 
 
+def _add_resource_options(parser: argparse.ArgumentParser, *, changes: bool = False) -> None:
+    """`run`'s resources and Slurm options, in sbatch's spellings too; for `resubmit`
+    (`changes`) each replaces the task's own."""
+    own = " (replaces the task's)" if changes else ""
+    group = parser.add_argument_group("resources" + own)
+    group.add_argument(
+        "--cpus",
+        "-c",
+        "--cpus-per-task",
+        dest="cpus",
+        type=int,
+        metavar="N",
+        help="CPU cores (resources.cpu_cores)",
+    )
+    # Each size in this client's spelling (GB) and in sbatch's (MB), units taken by both.
+    for own_option, sbatch_option, dest, what in (
+        ("--ram", "--mem", "ram", "memory (resources.ram_gb)"),
+        ("--disk", "--tmp", "disk", "disk (resources.disk_gb)"),
+    ):
+        group.add_argument(
+            own_option,
+            dest=dest,
+            type=size_option("G"),
+            metavar="SIZE",
+            help=f"{what}: GB, or with a unit as sbatch takes it (512M, 4G)",
+        )
+        group.add_argument(
+            sbatch_option,
+            dest=dest,
+            type=size_option("M"),
+            metavar="SIZE",
+            help=f"as sbatch {sbatch_option}: MB, or with a unit (4G)",
+        )
+    slurm = parser.add_argument_group(
+        "Slurm (resources.backend_parameters; a server may ignore keys it does not know)" + own
+    )
+    slurm.add_argument(
+        "--time",
+        "-t",
+        metavar="TIME",
+        help="time limit as sbatch takes it: minutes, HH:MM:SS or D-HH:MM (key `time`)",
+    )
+    slurm.add_argument("--partition", "-p", metavar="NAME", help="Slurm partition (`partition`)")
+    slurm.add_argument("--gpus", metavar="[TYPE:]N", help="GPUs for the job, e.g. 1 or a100:2")
+    slurm.add_argument(
+        "--backend-parameter",
+        action="append",
+        default=[],
+        type=_pair("=", "KEY=VALUE"),
+        metavar="KEY=VALUE",
+        help="any backend parameter, e.g. qos=long or constraint=avx2 (repeatable)",
+    )
+
+
 def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Turn off argparse's prefix matching in `parser` and every subparser below it: an
     abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
@@ -311,9 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH=URL",
         help="upload PATH to URL (repeatable)",
     )
-    run.add_argument("--cpus", type=int, metavar="N", help="CPU cores (resources.cpu_cores)")
-    run.add_argument("--ram", type=float, metavar="GB", help="memory in GB (resources.ram_gb)")
-    run.add_argument("--disk", type=float, metavar="GB", help="disk in GB (resources.disk_gb)")
     run.add_argument(
         "--env",
         action="append",
@@ -330,25 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="task tag (repeatable)",
     )
-    slurm = run.add_argument_group(
-        "Slurm (resources.backend_parameters; a server may ignore keys it does not know)"
-    )
-    slurm.add_argument(
-        "--time",
-        "-t",
-        metavar="TIME",
-        help="time limit as sbatch takes it: minutes, HH:MM:SS or D-HH:MM (key `time`)",
-    )
-    slurm.add_argument("--partition", "-p", metavar="NAME", help="Slurm partition (`partition`)")
-    slurm.add_argument("--gpus", metavar="[TYPE:]N", help="GPUs for the job, e.g. 1 or a100:2")
-    slurm.add_argument(
-        "--backend-parameter",
-        action="append",
-        default=[],
-        type=_pair("=", "KEY=VALUE"),
-        metavar="KEY=VALUE",
-        help="any backend parameter, e.g. qos=long or constraint=avx2 (repeatable)",
-    )
+    _add_resource_options(run)
     _add_wait_options(run, wait_flag=True)
 
     submit = sub["submit"]
@@ -404,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     resubmit = sub["resubmit"]
     resubmit.add_argument("id", help="the task to copy")
+    resubmit.add_argument("--name", help="the copy's name (default: the task's)")
+    _add_resource_options(resubmit, changes=True)
     _add_wait_options(resubmit, wait_flag=True)
 
     sub["cancel"].add_argument("ids", nargs="+", metavar="ID", help="task ids")
@@ -439,7 +485,8 @@ def make_client(args: argparse.Namespace) -> TesClient:
 
 
 # ------------------------------------------------------------------------------ documents
-def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
+def task_from_options(args: argparse.Namespace, err: TextIO | None = None) -> dict[str, Any]:
+    """The task `run` posts; what became of a relative local path is said on `err`."""
     if not args.command:
         raise TesError("run: give the command after the image: run IMAGE -- CMD ARGS...")
     executor: dict[str, Any] = {"image": args.image, "command": list(args.command)}
@@ -448,12 +495,18 @@ def task_from_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         executor["env"] = dict(args.env)
     task: dict[str, Any] = {"executors": [executor]}
-    if args.name:
-        task["name"] = args.name
+    name = args.name or command_name(args.command)
+    if name:
+        task["name"] = name
+    err = err or sys.stderr
     if args.input:
-        task["inputs"] = [{"url": _local_url(url), **_path(path)} for url, path in args.input]
+        task["inputs"] = [
+            {"url": _local_url(url, "--input", err), **_path(path)} for url, path in args.input
+        ]
     if args.output:
-        task["outputs"] = [{"url": _local_url(url), **_path(path)} for path, url in args.output]
+        task["outputs"] = [
+            {"url": _local_url(url, "--output", err), **_path(path)} for path, url in args.output
+        ]
     resources = _resources(args)
     if resources:
         task["resources"] = resources
@@ -478,12 +531,15 @@ def _resources(args: argparse.Namespace) -> dict[str, Any]:
     return resources
 
 
-def _local_url(url: str) -> str:
+def _local_url(url: str, option: str, err: TextIO) -> str:
     """A relative local path (`./in.txt`, `data/in.txt`) as the file:// URL of its absolute
-    path: the server, which stages it, does not know this shell's working directory."""
+    path: the server, which stages it, does not know this shell's working directory. Said on
+    `err`, so that a refusal naming the URL is understood."""
     if urlsplit(url).scheme or url.startswith("/"):
         return url
-    return "file://" + os.path.abspath(url)
+    absolute = "file://" + os.path.abspath(url)
+    err.write(f"tes-bridge task: {option} {url} is {absolute}\n")
+    return absolute
 
 
 def _path(path: str) -> dict[str, str]:
@@ -552,16 +608,10 @@ def list_tasks(client: TesClient, args: argparse.Namespace) -> int:
 
 
 def resubmit_task(client: TesClient, args: argparse.Namespace) -> int:
-    return create(client, task_copy(client.get(args.id, view="FULL")), args)
-
-
-#: What a server adds to a task: not sent again.
-OUTPUT_ONLY = ("id", "state", "creation_time", "logs")
-
-
-def task_copy(task: dict[str, Any]) -> dict[str, Any]:
-    """A task document to post again: `task` without what the server added."""
-    return {key: value for key, value in task.items() if key not in OUTPUT_ONLY}
+    task = resubmitted(client.get(args.id, view="FULL"), _resources(args))
+    if args.name:
+        task["name"] = args.name
+    return create(client, task, args)
 
 
 def get_task(client: TesClient, args: argparse.Namespace) -> int:
@@ -619,12 +669,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     (argparse would take a second `--` or an option-like word there for its own)."""
     parser = build_parser()
     # Every option belongs to an action, so the action is the first word.
-    if argv[:1] == ["run"] and "--" in argv:
-        split = list(argv).index("--")
-        args = parser.parse_args(argv[:split])
+    split = list(argv).index("--") if argv[:1] == ["run"] and "--" in argv else len(argv)
+    args, extra = parser.parse_known_args(argv[:split])
+    if extra:
+        # Said by the action's own parser: its usage, and what was likely meant.
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = action.choices[args.action]
+        command.error(unrecognized(extra, command))
+    if split < len(argv):
         args.command = [*args.command, *argv[split + 1 :]]
-        return args
-    return parser.parse_args(argv)
+    return args
 
 
 ACTIONS: dict[str, Callable[[TesClient, argparse.Namespace], int]] = {

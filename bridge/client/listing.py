@@ -25,17 +25,23 @@ STATES = (
     "PREEMPTED",
     "CANCELING",
 )
+#: Names for several states: `failed` is every way a task ends without completing on its own
+#: terms (a cancel is the user's own doing).
+STATE_ALIASES = {"FAILED": ("EXECUTOR_ERROR", "SYSTEM_ERROR", "PREEMPTED")}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def states_option(value: str) -> list[str]:
-    """`running,QUEUED` -> ["RUNNING", "QUEUED"] (any case, comma-separated)."""
-    states = [word.strip().upper() for word in value.split(",") if word.strip()]
+    """`running,QUEUED` -> ["RUNNING", "QUEUED"] (any case, comma-separated; `failed` for
+    EXECUTOR_ERROR, SYSTEM_ERROR and PREEMPTED)."""
+    words = [word.strip().upper() for word in value.split(",") if word.strip()]
+    states = [state for word in words for state in STATE_ALIASES.get(word, (word,))]
     unknown = [state for state in states if state not in STATES]
     if unknown or not states:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: expected states among {', '.join(STATES)} (any case, comma-separated)"
+            f"{value!r}: expected states among {', '.join(STATES)}, or failed (any case, "
+            "comma-separated)"
         )
     return states
 

@@ -65,6 +65,8 @@ class Progress:
         self.problem = ""
         #: task id -> the waiting reason shown last.
         self.notes: dict[str, str] = {}
+        #: task id -> its name, shown beside it on a terminal.
+        self.names: dict[str, str] = {}
 
     def _clear(self) -> None:
         if self.status_shown:
@@ -73,10 +75,11 @@ class Progress:
 
     def change(self, task_id: str, state: str) -> None:
         if not self.tty:
-            self.out.write(f"{task_id} {state}\n")
+            self.out.write(f"{task_id} {state}\n")  # for scripts: `ID STATE` only
         elif self.total <= MANY or state in FINAL_STATES - {"COMPLETE"}:
             self._clear()
-            self.out.write(f"{datetime.now():%H:%M:%S}  {task_id}  {state}\n")
+            line = f"{datetime.now():%H:%M:%S}  {task_id}  {state}  {self.names.get(task_id, '')}"
+            self.out.write(line.rstrip() + "\n")
         self.out.flush()
 
     def note(self, task_id: str, text: str) -> None:
@@ -99,7 +102,8 @@ class Progress:
             return
         if self.total == 1:
             ((task_id, state),) = states.items()
-            line = f"{task_id}  {state}  {_elapsed(elapsed)}"
+            name = self.names.get(task_id)
+            line = f"{task_id}  {f'{name}  ' if name else ''}{state}  {_elapsed(elapsed)}"
         else:
             line = f"{self.total} tasks: {_counts(states.values())}  {_elapsed(elapsed)}"
         if problem:
@@ -152,11 +156,13 @@ def _poll(client: TesClient, states: dict[str, str | None], progress: Progress) 
     """Ask for the state of each task not final yet, and report those that changed. Returns ""
     or why the server cannot answer now (the tasks left are asked again next round)."""
     for task_id in [i for i, state in states.items() if state not in FINAL_STATES]:
-        # A few waiting tasks are read in FULL: their system logs say why they wait.
-        full = len(states) <= MANY and states[task_id] in (None, *WAITING_STATES)
+        first = states[task_id] is None
+        view = _view(states, task_id)
         try:
-            task = client.get(task_id, view="FULL" if full else "MINIMAL")
+            task = client.get(task_id, view=view)
             state = str(task["state"])
+            if first:
+                progress.names[task_id] = str(task.get("name") or "")
         except TesError as exc:
             if exc.status is not None and exc.status < 500:
                 progress.done(states)
@@ -167,9 +173,17 @@ def _poll(client: TesClient, states: dict[str, str | None], progress: Progress) 
         if state != states[task_id]:
             states[task_id] = state
             progress.change(task_id, state)
-        if full and state in WAITING_STATES:
+        if view == "FULL" and state in WAITING_STATES:
             progress.note(task_id, waiting_reason(task))
     return ""
+
+
+def _view(states: dict[str, str | None], task_id: str) -> str:
+    """A few waiting tasks are read in FULL: their system logs say why they wait. Each task is
+    read at first with its name (BASIC), then by its state alone."""
+    if len(states) <= MANY and states[task_id] in (None, *WAITING_STATES):
+        return "FULL"
+    return "BASIC" if states[task_id] is None else "MINIMAL"
 
 
 def waiting_reason(task: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -220,18 +220,16 @@ def _named_partitions(resources: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _memory_problem(
-    ram: object, named: list[tuple[str, str]], by_name: Mapping[str, Mapping[str, Any]]
+    ram: object, candidates: Sequence[Mapping[str, Any]], where: str
 ) -> list[tuple[str, str]]:
-    """ram_gb larger than the largest node of the partitions named (or of any) has."""
+    """ram_gb larger than the largest node of the `candidates` partitions has."""
     if not isinstance(ram, int | float) or ram <= 0:
         return []
-    candidates = [by_name[name] for _, name in named] or list(by_name.values())
     largest = max(int(p.get("max_memory_mb_per_node") or 0) for p in candidates)
     # The decimal reading, the smaller one: a node of exactly that much gets the job (render).
     needed = math.ceil(Decimal(repr(float(ram))) * 1000)
     if largest <= 0 or needed <= largest:
         return []
-    where = ", ".join(name for _, name in named) if named else "any partition"
     message = (
         f"{ram:g} GB is more than the largest node of {where} has: {largest} MB "
         f"({largest / 1000:g} GB)"
@@ -239,13 +237,85 @@ def _memory_problem(
     return [("resources.ram_gb", message)]
 
 
+def _cpu_problem(
+    cores: object, candidates: Sequence[Mapping[str, Any]], where: str
+) -> list[tuple[str, str]]:
+    """cpu_cores (rounded up, as the job asks) more than the largest node of `candidates` has:
+    `--cpus-per-task` is on one node ("More processors requested than permitted")."""
+    if not isinstance(cores, int | float) or cores <= 0:
+        return []
+    largest = max(int(p.get("max_cpus_per_node") or 0) for p in candidates)
+    if largest <= 0 or math.ceil(cores) <= largest:
+        return []
+    message = f"{cores:g} CPUs are more than the largest node of {where} has: {largest} CPUs"
+    return [("resources.cpu_cores", message)]
+
+
+def _gpu_requests(params: Mapping[str, str] | None) -> list[tuple[str, str | None, int]]:
+    """(field, GPU type or None, count) of each GPU request in a task's backend_parameters:
+    `gpus` and `gpus_per_task` (`[type:]count`), and each `gpu[:type][:count]` of `gres`."""
+    values = _lowered(params)
+    where = "resources.backend_parameters"
+    asked: list[tuple[str, str | None, int]] = []
+    for key in GPU_KEYS:
+        kind, _, count = values.get(key, "").rpartition(":")
+        if count.isdigit():
+            asked.append((f"{where}.{key}", kind or None, int(count)))
+    for item in values.get("gres", "").split(","):
+        name, *rest = item.split(":")
+        if name != "gpu" or len(rest) > 2:
+            continue
+        number = int(rest.pop()) if rest and rest[-1].isdigit() else 1
+        asked.append((f"{where}.gres", rest[0] if rest else None, number))
+    return asked
+
+
+def _gpu_problem(
+    kind: str | None, count: int, candidates: Sequence[Mapping[str, Any]], where: str
+) -> str | None:
+    """Why no node of `candidates` can give one task `count` GPUs (of `kind`), or None."""
+    key = f"gpu:{kind}" if kind else "gpu"
+    if not any((p.get("gres") or {}).get(key) for p in candidates):
+        return _no_such_gpus(kind, candidates, where)
+    per_node = [p.get("max_gres_per_node") for p in candidates]
+    if not all(isinstance(n, dict) for n in per_node):
+        return None  # read by a poller that did not count them per node
+    most = max(int(n.get(key) or 0) for n in per_node if isinstance(n, dict))
+    if count <= most:
+        return None
+    what = f"GPUs of type {kind!r}" if kind else "GPUs"
+    return f"{count} {what} are more than one node of {where} has: {most} (a task runs on one node)"
+
+
+def _no_such_gpus(kind: str | None, candidates: Sequence[Mapping[str, Any]], where: str) -> str:
+    if kind and any((p.get("gres") or {}).get("gpu") for p in candidates):
+        types = sorted({t for p in candidates for t in p.get("gpu_types") or {}})
+        return (
+            f"no node of {where} has GPUs of type {kind!r}; "
+            f"types there: {', '.join(types) or 'none named'}"
+        )
+    return f"no node of {where} has GPUs"
+
+
+def _gpu_problems(
+    params: Mapping[str, str] | None, candidates: Sequence[Mapping[str, Any]], where: str
+) -> list[tuple[str, str]]:
+    problems = []
+    for field, kind, count in _gpu_requests(params):
+        problem = _gpu_problem(kind, count, candidates, where)
+        if problem:
+            problems.append((field, problem))
+    return problems
+
+
 def cluster_problems(
     document: Mapping[str, Any], partitions: list[dict[str, Any]]
 ) -> list[tuple[str, str]]:
-    """What sbatch would refuse, known from the partitions the poller last read (the
-    capabilities document's `partitions`; empty: not known yet, nothing is refused): a
-    partition that does not exist, memory larger than any node (of the partitions named) has.
-    As (field, message) for a 400."""
+    """What sbatch would refuse, or no node could run, known from the partitions the poller
+    last read (the capabilities document's `partitions`; empty: not known yet, nothing is
+    refused): a partition that does not exist; more memory or CPUs than the largest node (of
+    the partitions named, else of any) has; GPUs of a type no node has, or more than one node
+    has. As (field, message) for a 400."""
     by_name = {str(p["name"]): p for p in partitions if isinstance(p, dict) and p.get("name")}
     if not by_name:
         return []
@@ -256,4 +326,12 @@ def cluster_problems(
         for field, name in named
         if name not in by_name
     ]
-    return unknown or _memory_problem(resources.get("ram_gb"), named, by_name)
+    if unknown:
+        return unknown
+    candidates = [by_name[name] for _, name in named] or list(by_name.values())
+    where = ", ".join(name for _, name in named) if named else "any partition"
+    return [
+        *_memory_problem(resources.get("ram_gb"), candidates, where),
+        *_cpu_problem(resources.get("cpu_cores"), candidates, where),
+        *_gpu_problems(resources.get("backend_parameters"), candidates, where),
+    ]

@@ -19,6 +19,7 @@ import math
 import os
 import posixpath
 import re
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -595,8 +596,14 @@ def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, s
             continue
         if not allowed:
             problems.append((where, "file:// URLs and local paths are disabled on this server"))
-        elif not any(d == "/" or stripped == d or stripped.startswith(d + "/") for d in allowed):
-            problems.append((where, "is outside the directories this server may read and write"))
+        elif not _inside(stripped, allowed):
+            problems.append(
+                (
+                    where,
+                    f"{stripped} is outside the directories this server may read and write: "
+                    + ", ".join(allowed),
+                )
+            )
     return problems
 
 
@@ -614,6 +621,53 @@ def _check_drs_urls(model: TaskModel, prefixes: Mapping[str, str]) -> list[tuple
                 (f"outputs[{index}].url", "DRS is read-only: an output cannot go to a drs:// URI")
             )
     return problems
+
+
+def _inside(path: str, directories: Iterable[str]) -> bool:
+    return any(d == "/" or path == d or path.startswith(d + "/") for d in directories)
+
+
+def local_input_problems(
+    document: Mapping[str, Any], allowed_dirs: Iterable[str]
+) -> list[tuple[str, str]]:
+    """The `file://` inputs (and bare paths) of a validated task that this host sees missing,
+    or not of their declared type: the job would end SYSTEM_ERROR before any executor ran.
+
+    Only paths inside `allowed_dirs` whose links stay inside them are looked up (validate_task
+    has refused the others), so nothing is said of any other path; one this host may not look
+    at (permissions) or that leads out through a link is left to the job side's own check."""
+    real_dirs = [os.path.realpath(d) for d in allowed_dirs]
+    problems = []
+    for index, item in enumerate(document.get("inputs") or []):
+        url = item.get("url")
+        if not isinstance(url, str) or not is_local_url(url):
+            continue
+        try:
+            path = local_path(url)
+        except FileUrlError:
+            continue  # validate_task has said so
+        problem = _local_input_problem(path, str(item.get("type") or "FILE"), real_dirs)
+        if problem:
+            problems.append((f"inputs[{index}].url", problem))
+    return problems
+
+
+def _local_input_problem(path: str, kind: str, real_dirs: list[str]) -> str | None:
+    real = os.path.realpath(path)
+    if not _inside(real, real_dirs):
+        return None
+    try:
+        mode = os.stat(real).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{path} does not exist"
+    except OSError:
+        return None
+    if kind == FileType.DIRECTORY.value and not stat.S_ISDIR(mode):
+        return f"{path} is not a directory (the input's type is DIRECTORY)"
+    if kind != FileType.DIRECTORY.value and not stat.S_ISREG(mode):
+        hint = '; for a directory, say "type": "DIRECTORY"' if stat.S_ISDIR(mode) else ""
+        return f"{path} is not a regular file (the input's type is FILE){hint}"
+    return None
 
 
 #: Keys people write for what TES asks elsewhere (difflib would suggest `gpus` for `cpus`).

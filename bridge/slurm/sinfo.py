@@ -112,6 +112,8 @@ class Partition:
     #: GRES name (and type) -> count over the partition's nodes: {"gpu": 4, "gpu:a100": 4}.
     gres: dict[str, int]
     min_tmp_disk_mb: int
+    #: GRES name (and type) -> the most one node has: what one task can get (it runs on one).
+    max_gres_per_node: dict[str, int] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -157,9 +159,11 @@ def parse_sinfo_partitions(text: str) -> list[Partition]:
         memory = [int(f[3]) for f in by_node.values() if f[3].isdigit()]
         tmp = [int(f[6]) for f in by_node.values() if f[6].isdigit()]
         gres: dict[str, int] = {}
+        per_node: dict[str, int] = {}
         for f in by_node.values():
             for key, count in _gres_counts(f[5]).items():
                 gres[key] = gres.get(key, 0) + count
+                per_node[key] = max(count, per_node.get(key, 0))
         partitions.append(
             Partition(
                 name=name,
@@ -172,6 +176,7 @@ def parse_sinfo_partitions(text: str) -> list[Partition]:
                 max_time=lines[0][4],
                 gres=gres,
                 min_tmp_disk_mb=min(tmp, default=0),
+                max_gres_per_node=per_node,
             )
         )
     return partitions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from falcon import testing
 from bridge.api.app import create_app
 from bridge.config import load_config
 from bridge.core.tes import State
+from bridge.store import Store
 
 PREFIXES = ["/ga4gh/tes/v1", "/v1"]
 ECHO = {"executors": [{"image": "alpine", "command": ["echo", "hello"]}]}
@@ -114,7 +116,7 @@ def test_service_info_lists_each_allowed_and_shared_directory_not_a_bare_file_sc
 
 def test_file_urls_in_shared_directories_are_accepted(tmp_path, store):
     shared = tmp_path / "shared"
-    shared.mkdir()
+    (shared / "js").mkdir(parents=True)
     config = load_config(
         environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
         overrides={"storage.shared_dirs": [str(shared)]},
@@ -130,6 +132,75 @@ def test_file_urls_in_shared_directories_are_accepted(tmp_path, store):
     assert [e["field"] for e in result.json["errors"]] == ["outputs[0].url"]
     task["outputs"][0]["url"] = f"file://{shared}/out.txt"
     assert client.simulate_post("/ga4gh/tes/v1/tasks", json=task).status_code == 200
+
+
+def _data_client(tmp_path: Path, store: Store, **storage: Any) -> testing.TestClient:
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={f"storage.{k}": v for k, v in storage.items()},
+    )
+    return testing.TestClient(create_app(config, store=store))
+
+
+def test_a_file_input_this_host_sees_missing_or_of_another_type_is_a_400_naming_it(tmp_path, store):
+    """The job would end SYSTEM_ERROR before any executor ran; create says so at once. A link
+    that leads out of the directories is not looked through (the job refuses it itself)."""
+    data = tmp_path / "data"
+    (data / "refs").mkdir(parents=True)
+    (data / "in.txt").write_text("x")
+    (data / "out-link").symlink_to("/etc")
+    client = _data_client(tmp_path, store, allowed_dirs=[str(data)])
+
+    def task(*inputs: tuple[str, str]) -> dict[str, Any]:
+        items = [
+            {"url": url, "path": f"/in/{i}", "type": kind} for i, (url, kind) in enumerate(inputs)
+        ]
+        return {**ECHO, "inputs": items}
+
+    fine = task(
+        (f"file://{data}/in.txt", "FILE"),
+        (f"{data}/refs", "DIRECTORY"),
+        (f"file://{data}/out-link/no-such-file", "FILE"),
+        ("https://example.org/missing.txt", "FILE"),
+    )
+    assert client.simulate_post("/ga4gh/tes/v1/tasks", json=fine).status_code == 200
+    bad = task(
+        ("https://example.org/x", "FILE"),
+        (f"file://{data}/missing.txt", "FILE"),
+        (f"file://{data}/in.txt", "DIRECTORY"),
+        (f"file://{data}/refs", "FILE"),
+        (f"{data}/in.txt/below", "FILE"),
+    )
+    result = client.simulate_post("/ga4gh/tes/v1/tasks", json=bad)
+    assert result.status_code == 400
+    assert {e["field"]: e["message"] for e in result.json["errors"]} == {
+        "inputs[1].url": f"{data}/missing.txt does not exist",
+        "inputs[2].url": f"{data}/in.txt is not a directory (the input's type is DIRECTORY)",
+        "inputs[3].url": f"{data}/refs is not a regular file (the input's type is FILE); "
+        'for a directory, say "type": "DIRECTORY"',
+        "inputs[4].url": f"{data}/in.txt/below does not exist",
+    }
+    # Outputs are made by the task; with the check off, the job finds out.
+    outputs = {**ECHO, "outputs": [{"url": f"file://{data}/new/out.txt", "path": "/o.txt"}]}
+    assert client.simulate_post("/ga4gh/tes/v1/tasks", json=outputs).status_code == 200
+    unchecked = _data_client(tmp_path, store, allowed_dirs=[str(data)], check_inputs=False)
+    assert unchecked.simulate_post("/ga4gh/tes/v1/tasks", json=bad).status_code == 200
+
+
+def test_a_path_outside_the_directories_is_refused_naming_them(tmp_path, store):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    client = _data_client(tmp_path, store, allowed_dirs=["/data/"], shared_dirs=[str(shared)])
+    task = {**ECHO, "inputs": [{"url": "file:///home/me/in.txt", "path": "/in.txt"}]}
+    result = client.simulate_post("/ga4gh/tes/v1/tasks", json=task)
+    assert result.status_code == 400
+    assert result.json["errors"] == [
+        {
+            "field": "inputs[0].url",
+            "message": "/home/me/in.txt is outside the directories this server may read and "
+            f"write: /data, {shared}",
+        }
+    ]
 
 
 def test_wrong_method_is_405_with_the_error_shape(client):
@@ -1215,3 +1286,27 @@ def test_a_store_opened_read_only_answers_503_then_writes_once_it_can(config, tm
             other.close()
         subprocess.run(["umount", "-l", str(view)], check=True)
         subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_an_input_this_host_may_not_look_at_is_left_to_the_job(tmp_path, monkeypatch):
+    """In site mode the job reads as the owner, whom the service account does not stand for:
+    a path the service account may not look at says nothing either way."""
+    from bridge.core import tes
+
+    data = tmp_path / "data"
+    data.mkdir()
+    locked = f"{data}/private/in.txt"
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).startswith(f"{data}/private"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    real_stat = tes.os.stat
+    monkeypatch.setattr(tes.os, "stat", stat)
+    document = {"inputs": [{"url": f"file://{locked}", "path": "/in", "type": "FILE"}]}
+    assert tes.local_input_problems(document, [str(data)]) == []
+    document["inputs"][0]["url"] = f"file://{data}/absent"
+    assert tes.local_input_problems(document, [str(data)]) == [
+        ("inputs[0].url", f"{data}/absent does not exist")
+    ]

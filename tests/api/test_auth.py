@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import stat
 import subprocess
 import sys
 import time
@@ -385,6 +386,76 @@ def test_a_jwks_endpoint_answering_503_leaves_known_keys_working(tmp_path: Path,
             assert user == "tesalice" and seconds < 2
         # One refresh, and no other within the cooldown (30 s).
         assert len(oidc.jwks_requests) == before + 1
+    finally:
+        oidc.recover()
+
+
+def test_a_new_worker_takes_the_keys_another_fetched_while_the_issuer_hangs(
+    tmp_path: Path, oidc: OIDC
+):
+    """Workers share the state directory. Once the key set's lifetime had passed and the
+    issuer's key endpoint hung, a worker that had no keys in hand yet (new, or restarted)
+    refused valid tokens after 5 s. It takes the set another worker fetched last, at that
+    fetch's age: a token of a key nobody fetched is still refused, and once the issuer is back
+    the set comes from it again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = _bearer_config(tmp_path, oidc, jwks_cache_seconds=1, jwks_refresh_cooldown_seconds=0)
+    config.state_dir.mkdir(parents=True)
+    token = oidc.token("tesalice")
+    assert _timed(build_authenticator(config), token)[0] == "tesalice"
+    time.sleep(1.2)  # the set is past its lifetime
+    oidc.release.clear()
+    oidc.outage = "hang"
+    try:
+        cold = [build_authenticator(config) for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda worker: _timed(worker, token), cold))
+        assert [user for user, _ in results] == ["tesalice"] * 4, results
+        assert max(seconds for _, seconds in results) < 3, results
+        stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        forged = oidc.token("tesalice", key=stranger, kid=oidc.kid)
+        assert _timed(cold[0], forged)[0] is None
+        key, kid = oidc.rotate()
+    finally:
+        oidc.recover()
+    try:
+        rotated = oidc.token("tesbob", key=key, kid=kid)
+        deadline = time.monotonic() + 10
+        while _timed(cold[1], rotated)[0] != "tesbob":
+            assert time.monotonic() < deadline, "the issuer's new key was never fetched"
+            time.sleep(0.2)
+        # What that worker fetched is shared in turn, readable by the service account only.
+        shared = config.state_dir / "jwks.json"
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o600
+        assert json.loads(shared.read_text())["jwks"]["keys"][-1]["kid"] == kid
+    finally:
+        oidc.keys[:] = [jwk for jwk in oidc.keys if jwk["kid"] != kid]
+
+
+def test_a_shared_key_set_others_may_write_or_of_another_issuer_is_not_used(
+    tmp_path: Path, oidc: OIDC
+):
+    config = _bearer_config(tmp_path, oidc, jwks_cache_seconds=60)
+    config.state_dir.mkdir(parents=True)
+    token = oidc.token("tesalice")
+    assert _timed(build_authenticator(config), token)[0] == "tesalice"
+    shared = config.state_dir / "jwks.json"
+    oidc.outage = "503"
+    try:
+        shared.chmod(0o622)
+        assert _timed(build_authenticator(config), token)[0] is None
+        shared.chmod(0o600)
+        assert _timed(build_authenticator(config), token)[0] == "tesalice"
+        # Another key URL of the same issuer (the configuration changed): not its keys.
+        other = _config(
+            tmp_path,
+            mode="bearer",
+            issuer=oidc.issuer,
+            audience=AUDIENCE,
+            jwks_url=oidc.jwks_url + "?moved",
+        )
+        assert _timed(build_authenticator(other), token)[0] is None
     finally:
         oidc.recover()
 

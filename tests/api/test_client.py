@@ -34,6 +34,7 @@ from tests.fixtures.service import serve_api_only
 from tests.tes_cli import TES_TASK, client_env, follow_logs, tes_task
 
 ALPINE = {"executors": [{"image": "alpine", "command": ["true"]}]}
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -361,6 +362,26 @@ def test_basic_authentication_from_the_environment_or_netrc(basic_server: Server
     assert "no password for tesbob: set TES_PASSWORD or add a netrc entry" in nopass.stderr
 
 
+def test_only_who_may_read_a_task_may_resubmit_it_and_the_copy_is_theirs(
+    basic_server: Server,
+):
+    alice = {"TES_USER": "tesalice", "TES_PASSWORD": PASSWORDS["tesalice"]}
+    bob = {"TES_USER": "tesbob", "TES_PASSWORD": PASSWORDS["tesbob"]}
+    created = tes_task(basic_server.url, "run", "alpine", "--", "true", **alice)
+    assert created.returncode == 0, created.stderr
+    original = created.stdout.strip()
+    refused = tes_task(basic_server.url, "resubmit", original, **bob)
+    assert refused.returncode == 1 and ": 404 " in refused.stderr
+    again = tes_task(basic_server.url, "resubmit", original, "-t", "5", **alice)
+    assert again.returncode == 0, again.stderr
+    store = Store.from_url(f"sqlite:///{basic_server.state_dir / 'tes-bridge.db'}")
+    try:
+        record = store.get_task(again.stdout.strip())
+        assert record is not None and record.owner == "tesalice"
+    finally:
+        store.db.close()
+
+
 def test_bearer_token_from_option_or_environment(tmp_path: Path, oidc: OIDC):
     for bearer in serve(tmp_path, bearer_auth_toml(oidc)):
         token = oidc.token("tesalice")
@@ -436,7 +457,8 @@ def test_wait_says_why_a_queued_task_waits(server: Server):
 
 
 def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
-    ids = [server.create() for _ in range(3)]
+    names = [unique("waited"), "", unique("waited")]
+    ids = [server.create(**({"name": name} if name else {})) for name in names]
     primary, replica = pty.openpty()
     process = subprocess.Popen(
         [*TES_TASK, "wait", "--interval", "0.2", *ids],
@@ -470,8 +492,10 @@ def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
     text = seen.decode()
     # The status line is redrawn in place; each change is a line of its own.
     assert "\r\x1b[K" in text
-    for task_id, state in [(ids[0], "RUNNING"), (ids[0], "COMPLETE"), (ids[2], "EXECUTOR_ERROR")]:
-        assert f"  {task_id}  {state}\r\n" in text
+    # Each with its name, when it has one.
+    for index, state in [(0, "RUNNING"), (0, "COMPLETE"), (1, "COMPLETE"), (2, "EXECUTOR_ERROR")]:
+        name = f"  {names[index]}" if names[index] else ""
+        assert f"  {ids[index]}  {state}{name}\r\n" in text
 
 
 # ------------------------------------------------------------------------------ logs
@@ -663,7 +687,7 @@ def test_list_watch_prints_the_table_again(server: Server):
     assert out.count("every 0.3 s, ") >= 2 and out.count(prefix) >= 2
 
 
-def test_resubmit_posts_a_copy_of_the_task(server: Server):
+def test_resubmit_posts_a_copy_of_the_task_that_names_it(server: Server):
     original = server.create(name=unique("again"), tags={"k": "v"})
     server.update(original, state="SYSTEM_ERROR", logs=[_attempt("x")])
     result = tes_task(server.url, "resubmit", original)
@@ -672,10 +696,60 @@ def test_resubmit_posts_a_copy_of_the_task(server: Server):
     assert copy != original
     first, second = server.task(original), server.task(copy)
     assert second["state"] == "QUEUED" and "logs" not in second
-    dropped = ("id", "state", "creation_time", "logs")
+    assert second["tags"] == {"k": "v", "tes-bridge.resubmit_of": original}
+    dropped = ("id", "state", "creation_time", "logs", "tags")
     assert {k: v for k, v in first.items() if k not in dropped} == {
         k: v for k, v in second.items() if k not in dropped
     }
+
+
+def test_resubmit_after_a_timeout_with_more_time_memory_cpus_and_another_partition(
+    server: Server,
+):
+    """The Slurm user's way: `-t` was refused with the top level's usage and no word of what
+    the command takes."""
+    original = server.create(
+        name=unique("timeout"),
+        resources={
+            "cpu_cores": 1,
+            "ram_gb": 2,
+            "zones": ["short"],
+            "backend_parameters": {"time": "10", "max_time": "0.25", "qos": "normal"},
+        },
+    )
+    server.update(original, state="EXECUTOR_ERROR")
+    result = tes_task(
+        server.url, "resubmit", original, "-t", "2:00:00", "--ram", "8", "--cpus", "4",
+        "-p", "long", "--mem", "8G",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    copy = server.task(result.stdout.strip())
+    assert copy["resources"] == {
+        "cpu_cores": 4,
+        "ram_gb": 8.0,
+        "backend_parameters": {"qos": "normal", "time": "2:00:00", "partition": "long"},
+    }
+    assert copy["tags"] == {"tes-bridge.resubmit_of": original}
+    assert copy["name"] == server.task(original)["name"] and copy["state"] == "QUEUED"
+
+
+def test_run_names_the_task_after_its_command_and_says_what_a_relative_path_became(
+    server: Server, tmp_path: Path
+):
+    named = tes_task(server.url, "run", "alpine", "--", "python3", "/work/job.py", "-v")
+    assert named.returncode == 0, named.stderr
+    assert server.task(named.stdout.strip())["name"] == "job.py"
+    # This server takes no local paths: its refusal follows what the path was sent as.
+    result = subprocess.run(
+        [*TES_TASK, "run", "--input", "in.txt=/in.txt", "alpine", "--", "true"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env=client_env(server.url, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert result.returncode == 1
+    note, refusal = result.stderr.splitlines()
+    assert note == f"tes-bridge task: --input in.txt is file://{tmp_path}/in.txt"
+    assert refusal.endswith(": 400 inputs[0].url: file:// URLs and local paths are disabled on "
+                            "this server")  # fmt: skip
 
 
 def test_logs_follow_prints_only_new_text_until_the_task_is_final(server: Server):

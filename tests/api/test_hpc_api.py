@@ -115,6 +115,7 @@ def test_sinfo_partitions_parse_nodes_cpus_memory_time_and_gpus() -> None:
     assert gpu.nodes == ("g1", "g2") and not gpu.default and gpu.max_time == "2-00:00:00"
     assert gpu.gpus == 6 and gpu.gpu_types == {"a100": 4, "h100": 2}
     assert gpu.gres["shard"] == 8
+    assert gpu.max_gres_per_node == {"gpu": 4, "gpu:a100": 4, "gpu:h100": 2, "shard": 8}
     assert cpu.default and cpu.nodes == ("c1", "c2") and cpu.cpus == 224
     assert cpu.max_cpus_per_node == 128 and cpu.min_tmp_disk_mb == 0
 
@@ -247,3 +248,69 @@ def test_what_the_cluster_cannot_run_is_a_400_once_its_partitions_are_known(
     # A node's whole memory in decimal GB fits (the job gets the whole node).
     in_cpu["resources"]["ram_gb"] = 256
     assert client.simulate_post("/ga4gh/tes/v1/tasks", json=in_cpu).status_code == 200
+
+
+def test_cpus_or_gpus_no_node_has_are_a_400_naming_the_field_and_what_exists(
+    tmp_path, sqlite_store
+) -> None:
+    """More CPUs or GPUs than one node has, or a GPU type no node has: sbatch refuses the first
+    ("More processors requested than permitted"), and a task runs on one node, so none of them
+    could run. The nodes: gpu g1 (64 CPUs, 4 a100) and g2 (64 CPUs, 2 h100); cpu c1 (128) and
+    c2 (96), no GPUs."""
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
+    Poller(config, sqlite_store, slurm_client=FakeSlurm(sinfo_partitions=GPU_SINFO),
+           images=FakeImages()).cycle()  # fmt: skip
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+
+    def resources(partition: str | None = None, **fields: Any) -> dict[str, Any]:
+        params = {k: v for k, v in fields.items() if k in ("gpus", "gpus_per_task", "gres")}
+        if partition:
+            params["partition"] = partition
+        other = {k: v for k, v in fields.items() if k not in params}
+        return {**ECHO, "resources": {**other, "backend_parameters": params}}
+
+    def accepted(body: dict[str, Any]) -> bool:
+        return client.simulate_post("/ga4gh/tes/v1/tasks", json=body).status_code == 200
+
+    assert errors_of(client, resources(cpu_cores=200)) == {
+        "resources.cpu_cores": "200 CPUs are more than the largest node of any partition has: "
+        "128 CPUs"
+    }
+    assert errors_of(client, resources("gpu", cpu_cores=65)) == {
+        "resources.cpu_cores": "65 CPUs are more than the largest node of gpu has: 64 CPUs"
+    }
+    assert accepted(resources("gpu", cpu_cores=63.5)) and accepted(resources(cpu_cores=128))
+
+    field = "resources.backend_parameters"
+    assert errors_of(client, resources("gpu", gpus="6")) == {
+        f"{field}.gpus": "6 GPUs are more than one node of gpu has: 4 (a task runs on one node)"
+    }
+    assert errors_of(client, resources("gpu", gpus_per_task="h100:3")) == {
+        f"{field}.gpus_per_task": "3 GPUs of type 'h100' are more than one node of gpu has: 2 "
+        "(a task runs on one node)"
+    }
+    assert errors_of(client, resources("gpu", gres="gpu:v100:1")) == {
+        f"{field}.gres": "no node of gpu has GPUs of type 'v100'; types there: a100, h100"
+    }
+    assert errors_of(client, resources("cpu", gpus="1")) == {
+        f"{field}.gpus": "no node of cpu has GPUs"
+    }
+    # Each problem at once, each under its own field.
+    several = errors_of(client, resources("cpu", cpu_cores=129, ram_gb=300, gres="gpu:1"))
+    assert set(several) == {"resources.cpu_cores", "resources.ram_gb", f"{field}.gres"}
+    for fine in (
+        resources("gpu", gpus="a100:4", cpu_cores=64),
+        resources(gpus="h100:2"),
+        resources("gpu", gres="gpu:2,shard:8"),
+        resources("cpu", gres="shard:1"),  # not a GPU: left to Slurm
+    ):
+        assert accepted(fine), fine
+
+    # Partitions stored by a poller that did not count GPUs per node: the types still tell.
+    facts = json.loads(sqlite_store.meta(CAPABILITIES_KEY))
+    for partition in facts["partitions"]:
+        del partition["max_gres_per_node"]
+    sqlite_store.put_meta(CAPABILITIES_KEY, json.dumps(facts))
+    client = testing.TestClient(create_app(config, store=sqlite_store))
+    assert accepted(resources("gpu", gpus="6"))
+    assert f"{field}.gpus" in errors_of(client, resources("gpu", gpus="v100:1"))

@@ -262,14 +262,18 @@ def test_a_system_error_is_reported_from_the_last_logs_system_logs(
     quickstart: Quickstart, workdir: Path, monitor: CrankshaftMonitor
 ) -> None:
     body, _ = sprocket_task(workdir, "lost-input-0", "cat /mnt/inputs/data.txt\n", monitor.tag)
-    missing = workdir / "inputs" / "never-uploaded"
+    # An input gone by the time the job runs (one missing at create is a 400 of its own).
+    vanishing = workdir / "inputs" / "removed-after-create"
+    vanishing.write_text("soon gone\n")
+    give_to_account(vanishing, workdir)
     body["inputs"].append(
-        {"url": file_url(missing), "path": "/mnt/inputs/data.txt", "type": "FILE"}
+        {"url": file_url(vanishing), "path": "/mnt/inputs/data.txt", "type": "FILE"}
     )
     task_id = monitor.create(body)
+    vanishing.unlink()
     assert monitor.wait([task_id], timeout=quickstart.wait_timeout)[task_id] == "SYSTEM_ERROR"
     message = system_error_as_crankshaft(monitor.get_full(task_id))
-    assert "/mnt/inputs/data.txt" in message or str(missing) in message, message
+    assert "/mnt/inputs/data.txt" in message and str(vanishing) in message, message
 
 
 def test_a_cancel_as_crankshaft_sends_it(

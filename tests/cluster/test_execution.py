@@ -260,7 +260,8 @@ def test_hostile_values_run_exactly_what_was_asked(bridge_service, local_cluster
 
 def test_more_memory_than_any_node_has_is_refused_at_create(bridge_service):
     """Once the poller has read the partitions (GET /capabilities), a task sbatch would refuse
-    for its memory is a 400 naming resources.ram_gb and the largest node's memory."""
+    for its memory is a 400 naming resources.ram_gb and the largest node's memory; so are
+    CPUs and GPUs no node has."""
     deadline = time.monotonic() + 60
     while not requests.get(f"{bridge_service.api}/capabilities", timeout=10).json()["partitions"]:
         assert time.monotonic() < deadline, "the poller never read the partitions"
@@ -278,6 +279,25 @@ def test_more_memory_than_any_node_has_is_refused_at_create(bridge_service):
     }
     answer = requests.post(f"{bridge_service.api}/tasks", json=body, timeout=10)
     assert answer.status_code == 400 and "its partitions: " in answer.text and "main" in answer.text
+    # So are CPUs and GPUs no node has (the nodes: 2 fake GPUs each), and an input not there.
+    cpus = max(p["max_cpus_per_node"] for p in requests.get(
+        f"{bridge_service.api}/capabilities", timeout=10).json()["partitions"])  # fmt: skip
+    where = "resources.backend_parameters"
+    for resources, field, said in [
+        ({"cpu_cores": cpus + 1}, "resources.cpu_cores", f"has: {cpus} CPUs"),
+        ({"backend_parameters": {"gpus": "fake:3"}}, f"{where}.gpus", "one node of any "),
+        ({"backend_parameters": {"gres": "gpu:a100:1"}}, f"{where}.gres", "types there: fake"),
+    ]:
+        body = {"resources": resources, "executors": [executor("true")]}
+        answer = requests.post(f"{bridge_service.api}/tasks", json=body, timeout=10)
+        assert answer.status_code == 400, answer.text
+        assert [(e["field"], said in e["message"]) for e in answer.json()["errors"]] == [
+            (field, True)
+        ], answer.text
+    missing = f"file://{bridge_service.data_dir}/never-written.txt"
+    body = {"inputs": [{"url": missing, "path": "/in.txt"}], "executors": [executor("true")]}
+    answer = requests.post(f"{bridge_service.api}/tasks", json=body, timeout=10)
+    assert answer.status_code == 400 and "inputs[0].url" in answer.text, answer.text
 
 
 def test_cancel_of_a_running_task(bridge_service):

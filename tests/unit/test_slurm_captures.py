@@ -180,6 +180,8 @@ def test_the_partitions(release: Path) -> None:
     # Two fake GPUs on each of the two nodes, counted over the partition.
     assert main.nodes == ("node1", "node2") and main.max_cpus_per_node == 2
     assert main.gpus == 4 and main.gpu_types == {"fake": 4}
+    # What one task can have: it runs on one node.
+    assert main.max_gres_per_node == {"gpu": 2, "gpu:fake": 2}
 
 
 def _proc(release: Path, name: str, argv: list[str]) -> subprocess.CompletedProcess[str]:

@@ -45,15 +45,19 @@ def test_file_urls_outside_the_allowed_directories_are_a_400(tmp_path, sqlite_st
 def test_file_urls_inside_the_allowed_directories_and_other_schemes_are_accepted(
     tmp_path, sqlite_store
 ):
-    client = make_client(tmp_path, sqlite_store, '[storage]\nallowed_dirs = ["/data"]\n')
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for name in ("a", "sub/b"):
+        (data / name).write_text(name)  # inputs this host sees missing are a 400 of their own
+    client = make_client(tmp_path, sqlite_store, f'[storage]\nallowed_dirs = ["{data}"]\n')
     task = {
         **ECHO,
         "inputs": [
-            {"path": "/in/a", "url": "file:///data/a"},
-            {"path": "/in/b", "url": "/data/sub/b"},
+            {"path": "/in/a", "url": f"file://{data}/a"},
+            {"path": "/in/b", "url": f"{data}/sub/b"},
             {"path": "/in/c", "url": "s3://bucket/../c"},  # judged by the job side
         ],
-        "outputs": [{"path": "/o", "url": "file:///data", "type": "DIRECTORY"}],
+        "outputs": [{"path": "/o", "url": f"file://{data}", "type": "DIRECTORY"}],
     }
     result = client.simulate_post("/ga4gh/tes/v1/tasks", json=task)
     assert result.status_code == 200, result.text

@@ -22,6 +22,8 @@ const CUT_LINE = /^\[tes-bridge: ([0-9,]+) of ([0-9,]+) bytes left out here; the
 const AUTH_KEY = "tes-bridge-authorization";
 const WORKFLOW_PAGE_SIZE = 200;
 const WORKFLOW_MAX_TASKS = 2000;
+// A resubmitted task names the one it copies, as `tes-bridge task resubmit` tags it.
+const RESUBMIT_TAG = "tes-bridge.resubmit_of";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 const $ = (id) => document.getElementById(id);
@@ -879,6 +881,9 @@ function renderTask(task, owner) {
     ["State", el("span", { id: "task-state", class: `state state-${task.state}` }, task.state)],
     ["Owner", owner ? el("span", { id: "task-owner" }, owner) : ""],
     ["Created", when(task.creation_time)],
+    ["Resubmit of", (task.tags || {})[RESUBMIT_TAG] ? el("a", {
+      id: "resubmit-of", href: `#/task/${encodeURIComponent(task.tags[RESUBMIT_TAG])}`,
+    }, task.tags[RESUBMIT_TAG]) : ""],
     ["Description", task.description],
     // Each tag leads to the workflow of the tasks that share it.
     ["Tags", tags.length ? el("span", { id: "task-tags" }, ...tags.flatMap((tag, index) => [
@@ -898,6 +903,7 @@ function renderTask(task, owner) {
   ]).childNodes);
   const final = FINAL.has(task.state);
   $("cancel").hidden = final;
+  $("resubmit").hidden = false;
   if (final) $("cancel-confirm").hidden = true;
   clear($("executors")).append(...executorsPart(task));
   clear($("inputs")).append(...filesPart(task.inputs, "inputs"));
@@ -992,6 +998,8 @@ function showTask(id) {
   $("live").hidden = true;
   clear($("live-streams"));
   $("cancel-confirm").hidden = true;
+  $("resubmit").hidden = true;
+  $("resubmit-form").hidden = true;
   current = { id, task: null, owner: undefined, whole: new Map(), loading: new Set() };
   return guarded(() => loadTask(id)).then(() => scheduleTask(id));
 }
@@ -1008,6 +1016,79 @@ function confirmCancel() {
     await api(`tasks/${encodeURIComponent(id)}:cancel`, { method: "POST", body: {} });
     await loadTask(id);
   }).then(() => scheduleTask(id));
+}
+
+// ------------------------------------------------------------------------------ resubmit
+// A copy of the task shown, posted as a new task (tasks never change) with the changes of the
+// form, as `tes-bridge task resubmit` makes it: the server's answer to a GET without what it
+// added, tagged with the task's id. The API's own rules apply: who may read the task may post
+// its copy, and the copy is theirs.
+const RESUBMIT_FIELDS = [
+  // input, where the value goes, the backend parameters it replaces (any case)
+  ["resubmit-time", "time", ["time", "time_limit", "max_time"]],
+  ["resubmit-partition", "partition", ["partition"]],
+  ["resubmit-cpus", "cpu_cores", null],
+  ["resubmit-ram", "ram_gb", null],
+];
+
+function parameter(params, key) {
+  const found = Object.keys(params).find((name) => name.toLowerCase() === key);
+  return found === undefined ? "" : params[found];
+}
+
+function openResubmit() {
+  const task = current && current.task;
+  if (!task) return;
+  const resources = task.resources || {};
+  const params = resources.backend_parameters || {};
+  const shown = {
+    "resubmit-time": parameter(params, "time") || parameter(params, "time_limit"),
+    "resubmit-partition": parameter(params, "partition"),
+    "resubmit-cpus": resources.cpu_cores ?? "",
+    "resubmit-ram": resources.ram_gb ?? "",
+  };
+  for (const [id] of RESUBMIT_FIELDS) {
+    $(id).value = String(shown[id]);
+    $(id).dataset.shown = $(id).value;
+  }
+  $("resubmit-form").hidden = false;
+}
+
+function resubmittedCopy(task) {
+  const copy = Object.fromEntries(Object.entries(task)
+    .filter(([key]) => !["id", "state", "creation_time", "logs"].includes(key)));
+  const resources = { ...(copy.resources || {}) };
+  let params = { ...(resources.backend_parameters || {}) };
+  for (const [id, key, replaces] of RESUBMIT_FIELDS) {
+    const value = $(id).value.trim();
+    if (value === $(id).dataset.shown) continue;  // left as it was: kept
+    if (replaces) {
+      params = Object.fromEntries(Object.entries(params)
+        .filter(([name]) => !replaces.includes(name.toLowerCase())));
+      if (value) params[key] = value;
+      if (key === "partition") delete resources.zones;
+    } else if (value) {
+      resources[key] = Number(value);
+    } else {
+      delete resources[key];
+    }
+  }
+  if (Object.keys(params).length) resources.backend_parameters = params;
+  else delete resources.backend_parameters;
+  if (Object.keys(resources).length) copy.resources = resources;
+  else delete copy.resources;
+  copy.tags = { ...(copy.tags || {}), [RESUBMIT_TAG]: task.id };
+  return copy;
+}
+
+function submitResubmit(event) {
+  event.preventDefault();
+  const task = current && current.task;
+  if (!task) return;
+  guarded(async () => {
+    const answer = await api("tasks", { method: "POST", body: resubmittedCopy(task) });
+    go(`#/task/${encodeURIComponent(answer.id)}`);
+  });
 }
 
 // ------------------------------------------------------------------------------ routing
@@ -1058,6 +1139,9 @@ function start() {
   });
   $("cancel").addEventListener("click", cancelTask);
   $("cancel-confirm").addEventListener("click", confirmCancel);
+  $("resubmit").addEventListener("click", openResubmit);
+  $("resubmit-close").addEventListener("click", () => { $("resubmit-form").hidden = true; });
+  $("resubmit-form").addEventListener("submit", submitResubmit);
   window.addEventListener("hashchange", route);
   route();
 }
