@@ -79,7 +79,7 @@ class JobWatch:
         (submissions and cancels are waiting for it), the reads take at most half its rate:
         they come no sooner than the last one's calls take at that pace."""
         budget = self.ctx.slurm.budget
-        if not budget.low():
+        if not budget.rate or budget.available() * 2 >= budget.burst:
             return True
         return self.ctx.clock() - self._read_at >= self._read_cost / (budget.rate / 2)
 

@@ -87,10 +87,6 @@ class CallBudget:
         assert isinstance(spent, int)
         return max(0, self.burst - spent)
 
-    def low(self) -> bool:
-        """Whether the budget sets the pace: it has a rate and less than half its burst left."""
-        return bool(self.rate) and self.available() * 2 < self.burst
-
     def allows(self, keep: int = 0, command: str = "", cost: int = 1) -> bool:
         """Whether a call of `cost` tokens may go now and still leave `keep` tokens for more
         urgent ones; a refusal is counted as a wait of `command` (the work is left for a later

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import stat
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -382,30 +381,6 @@ def test_a_round_of_submissions_leaves_the_cycles_reserve_and_the_rest_wait_queu
         clock.now += 1.0
         poller.cycle()
     assert slurm.calls.count("sbatch") == 30  # all went, none failed, each once
-
-
-def test_slow_submissions_go_on_in_one_round_until_the_budget_runs_low(
-    budget_env: tuple[Poller, Store, FakeSlurm, Clock],
-) -> None:
-    poller, store, slurm, clock = budget_env
-    slurm.budget = CallBudget(2.0, 28, clock=clock, sleep=clock.sleep)
-    submit = slurm.submit
-
-    def slow_submit(*args: Any, **kwargs: Any) -> str:
-        clock.now += 0.2  # each sbatch (and its task's preparation) takes 0.2 s
-        return submit(*args, **kwargs)
-
-    slurm.submit = slow_submit  # type: ignore[method-assign]
-    for _ in range(30):
-        store.create_task(ECHO)
-    before = waits("sbatch")
-    stats = poller.cycle()
-    # Past one poll interval (1 s: 5 sbatches), the round went on while the bucket held half
-    # its burst (refilling 2 a second as the sbatches took their time), then stopped.
-    assert 20 <= stats.submitted < 30, stats.submitted
-    assert slurm.budget.available() * 2 < 28 + 2 * 2
-    assert waits("sbatch") == before + 1
-    assert clock.slept == []
 
 
 def test_the_follow_reads_slurm_at_half_the_rate_while_the_budget_is_low(

@@ -52,10 +52,8 @@ class Sbatch:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
         stops the round (the back-off it starts)."""
         paused_until = self.backoff.paused_until
-        # While the budget sets the pace (below half its burst), a round lasts one poll interval
-        # at most: the follow and the cancels of this cycle come in between. Before that a round
-        # goes on, however long its sbatches take: a burst's arrays (500 tasks each, seconds
-        # apiece on a busy login node) would otherwise go one or two a cycle.
+        # While the budget sets the pace, a round lasts one poll interval at most: the follow
+        # and the cancels of this cycle come in between.
         until = self.ctx.clock() + self.ctx.config.slurm.poll_interval
         for index, unit in enumerate(units):
             if self.backoff.paused_until > paused_until and self.backoff.paused:
@@ -75,12 +73,11 @@ class Sbatch:
 
     def _budget_spent(self, until: float) -> bool:
         """Whether this round stops for the call budget: it would leave fewer than
-        BUDGET_RESERVE tokens, or the budget is low and the round has used its time (counted
-        as a wait either way)."""
+        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
         budget = self.ctx.slurm.budget
         if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
             return True
-        if budget.low() and self.ctx.clock() > until:
+        if budget.rate and self.ctx.clock() > until:
             budget.note_wait("sbatch")
             return True
         return False
