@@ -7,7 +7,7 @@ settings the job needs into the task directory, next to the task document.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,9 @@ class JobSettings:
     version: int = SETTINGS_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, ensure_ascii=True) + "\n"
+        # Every field holds JSON values already: no deep copy (asdict), and no indent, which
+        # takes json's pure-Python encoder: 20 times the time of a burst's 500 tasks' files.
+        return json.dumps(vars(self), ensure_ascii=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> JobSettings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from bridge.jobscript.array import read_directives, render_array_script, shape
 from bridge.poller import Poller
 from bridge.poller.arrays import ARRAY_INDEX_KEY, ARRAY_JOB_KEY, ARRAY_NAME_KEY, JOB_NAME_KEY
 from bridge.poller.attempt import LOST_JOBS_KEY
+from bridge.poller.submit import prepare
 from bridge.slurm import expand_array_range, parse_max_array_size, parse_sacct, parse_squeue
 from bridge.store import Store
 from bridge.system import metrics
@@ -215,6 +217,39 @@ def test_a_burst_that_goes_on_is_submitted_after_the_longest_gathering(tmp_path,
     assert not any(sqlite_store.get_task(t.id).job_id for t in later)
 
 
+def test_tasks_held_to_gather_are_written_once_unless_their_images_changed(
+    tmp_path, sqlite_store, monkeypatch
+):
+    """A task held for several rounds keeps the directory and script its first round wrote
+    (a burst's tasks are held while more arrive: writing them each round cost the poller most
+    of its time); one whose image resolves to another SIF meanwhile is written again."""
+    writes: Counter[str] = Counter()
+    real = prepare.prepare_task_dir
+
+    def counted(document: dict[str, Any], **kwargs: Any) -> Path:
+        writes[document["id"]] += 1
+        return real(document, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare_task_dir", counted)
+    poller, _, now = clocked_poller(tmp_path, sqlite_store)
+    many, _ = burst(sqlite_store)
+    assert poller.cycle().submitted == 0
+    now[0] += 0.5
+    assert poller.cycle().submitted == 0
+    assert set(writes.values()) == {1} and len(writes) == 12
+    images = poller.submitter.images
+    assert isinstance(images, FakeImages)
+    monkeypatch.setattr(images, "resolve", lambda names: {n: f"/new/{n}.sif" for n in names})
+    now[0] += 0.2
+    assert poller.cycle().submitted == 0
+    assert set(writes.values()) == {2}
+    now[0] += 1.0
+    assert poller.cycle().submitted == 12
+    assert set(writes.values()) == {2}
+    script = (tmp_path / "state" / "work" / many[0].id / "job.sh").read_text()
+    assert "/new/alpine.sif" in script
+
+
 def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
     poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     _, few = burst(sqlite_store)
@@ -296,6 +331,29 @@ def test_one_element_is_canceled_alone(tmp_path, sqlite_store):
     assert [j for j, info in fake.jobs.items() if info.state == "CANCELLED"] == ["100_2"]
     assert sqlite_store.get_task(tasks[2].id).state == "CANCELED"
     assert sqlite_store.get_task(tasks[1].id).state != "CANCELED"
+
+
+def test_elements_canceled_while_the_array_sbatch_ran_are_scanceled_at_once(tmp_path, sqlite_store):
+    """The members are recorded in one transaction; the elements of tasks canceled while
+    sbatch ran (the API saw no job) are scanceled right after it, the others left alone."""
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    tasks = [sqlite_store.create_task(ECHO) for _ in range(5)]
+    submit = fake.submit
+
+    def submit_while_two_are_canceled(*args: Any, **kwargs: Any) -> str:
+        for task in tasks[1:3]:
+            sqlite_store.update_task(task.id, state="CANCELED", cancel_pending=False)
+        return submit(*args, **kwargs)
+
+    fake.submit = submit_while_two_are_canceled  # type: ignore[method-assign]
+    assert poller.cycle().submitted == 5 and fake.arrays == [5]
+    records = [sqlite_store.get_task(t.id) for t in tasks]
+    states = [fake.jobs[r.job_id].state for r in records]
+    assert [r.state for r in records[1:3]] == ["CANCELED", "CANCELED"]
+    assert states[1:3] == ["CANCELLED", "CANCELLED"]
+    assert "CANCELLED" not in states[:1] + states[3:]
+    assert not any(r.cancel_pending for r in records)
+    assert fake.calls.index("scancel") == fake.calls.index("sbatch") + 1
 
 
 def test_a_lost_element_is_submitted_again_alone(tmp_path, sqlite_store):

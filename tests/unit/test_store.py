@@ -263,6 +263,28 @@ def test_job_recorded_for_a_task_canceled_during_its_sbatch_is_marked_for_scance
     assert not store.get_task(task.id).cancel_pending
 
 
+def test_a_batch_of_poller_writes_is_one_transaction(store: Store):
+    """An array's members are marked, then recorded, in one batch each: all or nothing, and
+    a member canceled meanwhile is still told apart inside the batch."""
+    first, second = store.create_task(ECHO), store.create_task(ECHO)
+    with pytest.raises(RuntimeError), store.batch():
+        assert store.mark_submitting(first.id, attempt=1, now=5.0)
+        assert store.mark_submitting(second.id, attempt=1, now=5.0)
+        raise RuntimeError("the array's script could not be written")
+    assert [store.get_task(t.id).submit_started_at for t in (first, second)] == [None, None]
+    with store.batch():
+        assert store.mark_submitting(first.id, attempt=1, now=5.0)
+        assert store.mark_submitting(second.id, attempt=1, now=5.0)
+    store.cancel_task(second.id)
+    logs = [{"logs": [], "outputs": [], "metadata": {"slurm_job_id": "9_0"}}]
+    with store.batch():
+        assert not store.record_job(first.id, "9_0", logs=logs)
+        assert store.record_job(second.id, "9_1")
+    one, two = store.get_task(first.id), store.get_task(second.id)
+    assert (one.job_id, one.submit_started_at, one.logs) == ("9_0", None, logs)
+    assert (two.state, two.job_id, two.cancel_pending) == ("CANCELED", "9_1", True)
+
+
 def test_a_submission_that_created_no_job_gives_its_attempt_back(store: Store):
     task = store.create_task(ECHO)
     assert store.mark_submitting(task.id, attempt=1, now=5.0)

@@ -101,6 +101,7 @@ class Submitter:
         self.prepare.waiting_for_images = 0
         self.held_by_admission = 0
         if not tasks:
+            self.prepare.keep([])
             metrics.observe_submission_round(0, 0)
             return
         admission = Admission(self.ctx)
@@ -110,6 +111,7 @@ class Submitter:
         ready, held = self._admit_and_prepare(tasks, admission, stats)
         self.held_by_admission = held
         gathering = 0
+        held_to_gather: list[Ready] = []
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one; those
             # held back to gather into an array stay QUEUED, untouched, for a later round.
@@ -118,7 +120,9 @@ class Submitter:
             may_gather = not held and len(tasks) < MAX_SUBMISSIONS_PER_CYCLE
             plan = self.arrays.plan(ready, stats, gather=may_gather)
             gathering = len(plan.held)
+            held_to_gather = plan.held
             self.sbatch.submit_round(plan.units, stats)
+        self.prepare.keep(held_to_gather)
         metrics.observe_submission_round(held, self.waiting_for_images, gathering)
 
     def _admit_and_prepare(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,20 @@ class Preparer:
         self.nodes = NodeSizesCache(ctx)
         #: Tasks of this submission round waiting for an image pull (a gauge).
         self.waiting_for_images = 0
+        #: Tasks held back to gather into an array (`keep`), as prepared, with their images:
+        #: the next round submits them without writing their directories again (a burst's
+        #: tasks are held for several rounds while more of their shape arrive).
+        self._kept: dict[str, tuple[int, dict[str, str], Ready]] = {}
+        #: The images each task of this round was prepared with.
+        self._round_images: dict[str, dict[str, str]] = {}
+
+    def keep(self, held: list[Ready]) -> None:
+        """The round is over: remember `held` as prepared, for the next round only."""
+        images = self._round_images
+        self._kept = {
+            r.task.id: (r.task.attempt, images[r.task.id], r) for r in held if r.task.id in images
+        }
+        self._round_images = {}
 
     def ready(self, task: TaskRecord, stats: CycleStats) -> Ready | None:
         """The task's directory and job script written, or None (it waits, or failed)."""
@@ -81,6 +96,12 @@ class Preparer:
         image_paths = self._images(task)
         if image_paths is None:
             return None  # pulling in the background (or failed); tried again next cycle
+        self._round_images[task.id] = image_paths
+        kept = self._kept.get(task.id)
+        if kept is not None and kept[0] == task.attempt and kept[1] == image_paths:
+            # Written last round, for the same attempt and images: the document cannot have
+            # changed (tasks are immutable), the nodes' sizes are kept for minutes anyway.
+            return replace(kept[2], task=task)
         document = {**task.document, "id": task.id}
         owner = task.owner if self.owners is not None else None
         try:

@@ -3,7 +3,9 @@ of the job."""
 
 from __future__ import annotations
 
-from bridge.poller.arrays import ARRAY_JOB_KEY, PreparedJob
+from collections.abc import Sequence
+
+from bridge.poller.arrays import ARRAY_JOB_KEY, PreparedJob, Ready
 from bridge.poller.attempt import TaskLogs
 from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, PollerContext
@@ -20,15 +22,33 @@ class Recorder:
         self.canceller = canceller
 
     def record(
+        self, task: TaskRecord, attempt: int, job_id: str, prepared: PreparedJob, stats: CycleStats
+    ) -> None:
+        """Store the task's job id; scancel it at once when the task was canceled meanwhile."""
+        if self._store(task, attempt, job_id, prepared):
+            self._cancel_now([task.id], stats)
+
+    def record_array(self, members: Sequence[Ready], array_id: str, stats: CycleStats) -> None:
+        """Store each member's element of array `array_id` (member i is element i), all in one
+        transaction; then scancel the elements whose tasks were canceled meanwhile."""
+        canceled: list[str] = []
+        with self.ctx.store.batch():
+            for index, ready in enumerate(members):
+                task = ready.task
+                job_id = f"{array_id}_{index}"
+                if self._store(task, task.attempt + 1, job_id, ready.prepared, array_id):
+                    canceled.append(task.id)
+        self._cancel_now(canceled, stats)
+
+    def _store(
         self,
         task: TaskRecord,
         attempt: int,
         job_id: str,
         prepared: PreparedJob,
-        stats: CycleStats,
         array_id: str | None = None,
-    ) -> None:
-        """Store the task's job id; scancel it at once when the task was canceled meanwhile."""
+    ) -> bool:
+        """The job id and the attempt's log stored; whether the task was canceled meanwhile."""
         logs = TaskLogs(task.logs)
         entry = logs.attempt(attempt)
         entry.set_condition(None)
@@ -38,9 +58,10 @@ class Recorder:
             metadata[ARRAY_JOB_KEY] = array_id
         if prepared.time_limit:
             metadata[TIME_LIMIT_KEY] = prepared.time_limit.describe()
-        canceled = self.ctx.store.record_job(task.id, job_id, logs=logs.to_json())
-        if canceled:
-            # Canceled while sbatch ran (the API saw no job yet): scancel before it can start.
-            now = self.ctx.store.get_task(task.id)
-            if now is not None:
-                self.canceller.carry_out([now], stats)
+        return self.ctx.store.record_job(task.id, job_id, logs=logs.to_json())
+
+    def _cancel_now(self, task_ids: list[str], stats: CycleStats) -> None:
+        """Canceled while sbatch ran (the API saw no job yet): scancel before they can start."""
+        tasks = [t for t in (self.ctx.store.get_task(i) for i in task_ids) if t is not None]
+        if tasks:
+            self.canceller.carry_out(tasks, stats)

@@ -136,10 +136,7 @@ class Sbatch:
             return 0
         self.backoff.failures = 0
         self.arrays.accepted(len(members))
-        for index, ready in enumerate(members):
-            task = ready.task
-            job_id = f"{array_id}_{index}"
-            self.recorder.record(task, task.attempt + 1, job_id, ready.prepared, stats, array_id)
+        self.recorder.record_array(members, array_id, stats)
         log.info("submitted %d tasks as Slurm job array %s (%s)", len(members), array_id, name)
         return len(members)
 
@@ -148,14 +145,15 @@ class Sbatch:
         before sbatch runs; the tasks canceled meanwhile are left out."""
         members: list[Ready] = []
         now = self.ctx.clock()
-        for ready in unit:
-            task = ready.task
-            attempt = task.attempt + 1
-            logs = marked_logs(task, attempt, (name, len(members)))
-            if self.ctx.store.mark_submitting(task.id, attempt=attempt, now=now, logs=logs):
-                if logs is not None:
-                    task.logs = logs
-                members.append(ready)
+        with self.ctx.store.batch():  # one commit: all marked before sbatch, or none
+            for ready in unit:
+                task = ready.task
+                attempt = task.attempt + 1
+                logs = marked_logs(task, attempt, (name, len(members)))
+                if self.ctx.store.mark_submitting(task.id, attempt=attempt, now=now, logs=logs):
+                    if logs is not None:
+                        task.logs = logs
+                    members.append(ready)
         return members
 
     def _unmark(self, members: list[Ready], exc: OSError) -> None:
