@@ -52,14 +52,22 @@ def executor_dir(records_dir: Path, index: int) -> Path:
 # --------------------------------------------------------------------------- writers
 
 
+class RecordsUnwritable(Exception):
+    """A record could not be written (the work filesystem full, read-only or away): the job
+    ends as its script does when `record` fails, as a job lost through no fault of the task."""
+
+
 def _append_json_line(path: Path, entry: dict[str, Any]) -> None:
     line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
-    # One write() on an O_APPEND descriptor: concurrent writers never interleave a line.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+        # One write() on an O_APPEND descriptor: concurrent writers never interleave a line.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise RecordsUnwritable(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def write_value(path: Path, value: str) -> None:
@@ -74,7 +82,10 @@ class RecordsWriter:
 
     def __init__(self, records_dir: Path) -> None:
         self.dir = Path(records_dir)
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RecordsUnwritable(f"cannot make {self.dir}: {exc.strerror or exc}") from exc
 
     def system_log(self, message: str) -> None:
         _append_json_line(self.dir / SYSTEM_LOGS, {"time": format_time_now(), "message": message})

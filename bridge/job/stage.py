@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from bridge.core.reasons import IMAGE_UNREADABLE
 from bridge.job import safepath
 from bridge.job.items import TaskInput, TaskOutput, items
 from bridge.job.layout import LayoutError, TaskLayout, has_wildcards, relative_parts, static_dir
-from bridge.job.records import RecordsWriter
+from bridge.job.records import RecordsUnwritable, RecordsWriter
 from bridge.job.settings import JobSettings, read_settings
 from bridge.job.staging import (
     FileKind,
@@ -39,6 +40,9 @@ from bridge.job.staging.content import write_content
 STAGE_OK = 0
 STAGE_FAILED = 1
 STAGE_MISSING_OUTPUTS = 2
+#: The records could not be written (RecordsUnwritable): the job script exits with
+#: NO_RECORDS_EXIT_CODE, and the poller submits the task again.
+STAGE_NO_RECORDS = 3
 
 #: A FILE output the executors made a directory: uploaded as a DIRECTORY output is (Nextflow's
 #: nf-ga4gh sends every output not declared `type: 'dir'` as FILE, nf-core modules declare
@@ -127,12 +131,19 @@ def _naming_unexpected_errors(
     """Run `stage`; an error no staging step expects (a defect, not the task's items) is named
     in the task's system_logs before its traceback goes to the job's output file, so that the
     task's logs say more than "staging failed"."""
-    log = _RedactingWriter(records_dir)
     try:
-        return stage(TaskLayout(task_dir), log)
-    except Exception as exc:
-        log.system_log(f"{what} stopped on an unexpected error: {type(exc).__name__}: {exc}")
-        raise
+        log = _RedactingWriter(records_dir)
+        try:
+            return stage(TaskLayout(task_dir), log)
+        except RecordsUnwritable:
+            raise
+        except Exception as exc:
+            log.system_log(f"{what} stopped on an unexpected error: {type(exc).__name__}: {exc}")
+            raise
+    except RecordsUnwritable as exc:
+        # Nothing more can be said in the records: the job's output file says it.
+        print(f"tes-bridge: {what}: {exc}", file=sys.stderr)
+        return STAGE_NO_RECORDS
 
 
 def _stage_in(layout: TaskLayout, log: RecordsWriter) -> int:

@@ -30,6 +30,7 @@ from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED
 from bridge.core.tes import ExecutorModel
 from bridge.job.layout import LEASE_FENCE, TaskLayout, write_atomically
 from bridge.job.settings import JobSettings
+from bridge.job.stage import STAGE_NO_RECORDS
 from bridge.jobscript.binds import SCRATCH_TARGETS, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import directives_and_rule
 from bridge.jobscript.task import RenderError, TesTask, container_path, parse_task
@@ -47,6 +48,7 @@ _ENDINGS: dict[str, object] = {
     "stage_in_exit_code": naming.STAGE_IN_EXIT_CODE,
     "scratch_exit_code": naming.SCRATCH_EXIT_CODE,
     "stage_out_exit_code": naming.STAGE_OUT_EXIT_CODE,
+    "stage_no_records": STAGE_NO_RECORDS,
     "stage_in_failed": reasons.STAGE_IN_FAILED,
     "stage_out_failed": reasons.STAGE_OUT_FAILED,
     "image_unreadable": reasons.IMAGE_UNREADABLE,

@@ -992,6 +992,29 @@ def test_job_script_that_cannot_write_a_system_log_line_exits_with_the_no_record
     assert read_records(script.parent, "9", keep_bytes=1024).outcome is None
 
 
+def test_job_script_whose_stage_out_cannot_record_its_outputs_exits_with_the_no_records_code(
+    tmp_path: Path,
+) -> None:
+    """The work filesystem fills after the executors ran: the upload went, but stage-out
+    cannot record it (nor say why). The job ends with the no-records code, to be submitted
+    again; it was a SYSTEM_ERROR ("uploading outputs failed after every executor succeeded"),
+    as the nemesis found on Slurm 26.05. A directory in the outputs record's place stands in
+    for the full filesystem."""
+    task_dir = tmp_path / "state" / "work" / "job-1"
+    outputs_record = task_dir / "records" / "9" / "outputs.jsonl"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    task = {
+        "outputs": [{"path": "/out/x", "url": str(shared / "x")}],
+        # The stand-in runtime runs on the host: the container's /out is root/out there.
+        "executors": [sh(f"echo y > {task_dir}/root/out/x && mkdir -p {outputs_record}")],
+    }
+    code, records = run_job(tmp_path, task)
+    assert code == NO_RECORDS_EXIT_CODE
+    assert records.outcome is None and records.phase == "uploading"
+    assert [e.exit_code for e in records.executors] == [0]
+
+
 def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
     tmp_path: Path,
 ) -> None:
