@@ -346,6 +346,18 @@ def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> f
 
 
 # ------------------------------------------------------------------------------ Slurm's record
+def array_manifests(work_dir: Path) -> dict[str, list[str]]:
+    """Each job array's name and its elements' task ids in order, from the array scripts
+    (`<work_dir>/<first task>/[<name>-]tes-array-*.sh`, written before their sbatch)."""
+    manifests: dict[str, list[str]] = {}
+    for script in work_dir.glob("*/*tes-array-*.sh"):
+        lines = script.read_text().splitlines()
+        start = lines.index("TASK_DIRS=(") + 1
+        end = lines.index(")", start)
+        manifests[script.stem] = [Path(shlex.split(line)[0]).name for line in lines[start:end]]
+    return manifests
+
+
 def slurm_jobs_by_task(work_dir: Path, tasks: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Every Slurm job that ran or may run each task (a TES document: its id and name), by what
     Slurm knows (squeue and sacct by job name): the jobs named after the task
@@ -358,12 +370,7 @@ def slurm_jobs_by_task(work_dir: Path, tasks: list[dict[str, Any]]) -> dict[str,
     by_name = {job_name(t["id"], t.get("name")): t["id"] for t in tasks}
     task_ids = list(by_name.values())
     wanted = set(task_ids)
-    manifests: dict[str, list[str]] = {}
-    for script in work_dir.glob("*/*tes-array-*.sh"):
-        lines = script.read_text().splitlines()
-        start = lines.index("TASK_DIRS=(") + 1
-        end = lines.index(")", start)
-        manifests[script.stem] = [Path(shlex.split(line)[0]).name for line in lines[start:end]]
+    manifests = array_manifests(work_dir)
     names = sorted(by_name) + sorted(manifests)
     found = SlurmClient().find_by_names(names)
     jobs: dict[str, list[str]] = {task_id: [] for task_id in task_ids}

@@ -7,11 +7,13 @@ import itertools
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import requests
 
 from bench.common import (
+    array_manifests,
     list_tasks,
     percentile,
 )
@@ -24,14 +26,19 @@ def list_all(api: str, view: str = "FULL") -> list[dict[str, Any]]:
     return list_tasks(api, {"view": view, "page_size": "256"})
 
 
-def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
+def sacct_jobs(
+    since: str, names: set[str], arrays: dict[str, list[str]] | None = None
+) -> dict[str, list[dict[str, str]]]:
     """The Slurm jobs named `names`, every run of each (-D), once none is in the queue any
-    more (sacct keeps a job that slurmctld forgot, killed -9, as RUNNING for ever)."""
+    more (sacct keeps a job that slurmctld forgot, killed -9, as RUNNING for ever); with the
+    elements of the job arrays `arrays` names (array name -> the job name of each element's
+    task, in order) under their task's job name."""
+    arrays = arrays or {}
 
     def queued() -> bool:
         out = subprocess.run(["squeue", "-h", "-o", "%j"], env=slurm_env(), capture_output=True,
                              text=True, check=False).stdout  # fmt: skip
-        return bool(set(out.split()) & names)
+        return bool(set(out.split()) & (names | set(arrays)))
 
     wait_until(lambda: not queued(), 180, 2)
     time.sleep(5)  # slurmdbd records a job's end a moment after it leaves the queue
@@ -44,6 +51,9 @@ def sacct_jobs(since: str, names: set[str]) -> dict[str, list[dict[str, str]]]:
     jobs: dict[str, list[dict[str, str]]] = {}
     for line in out.splitlines():
         job_id, name, state, code, node, start, end = line.split("|")
+        element = job_id.partition("_")[2]
+        if name in arrays and element.isdigit() and int(element) < len(arrays[name]):
+            name = arrays[name][int(element)]  # an element: its task's
         if name in names:
             jobs.setdefault(name, []).append({"id": job_id, "state": state.split()[0],
                 "exit": code, "node": node, "start": start, "end": end})  # fmt: skip
@@ -207,13 +217,19 @@ def check(
     since: str,
     retries: int,
     node_kills: Sequence[tuple[str, str]],
+    work_dir: Path,
 ) -> dict[str, Any]:
-    """Every task final, listed, retrievable, run once, in the state its own command explains
-    and with the right outputs; the Snakemake tasks (not planned here) must complete."""
+    """Every task final, listed, retrievable, run once (array elements counted by the array
+    scripts in `work_dir`), in the state its own command explains and with the right
+    outputs; the Snakemake tasks (not planned here) must complete."""
     tasks = list_all(api)
     lost = _lost(api, created, {t["id"]: t for t in tasks})
     job_names = {t["id"]: job_name(t["id"], t.get("name")) for t in tasks}
-    jobs = sacct_jobs(since, set(job_names.values()))
+    arrays = {
+        name: [job_names.get(task_id, "") for task_id in elements]
+        for name, elements in array_manifests(work_dir).items()
+    }
+    jobs = sacct_jobs(since, set(job_names.values()), arrays)
     found: dict[str, list[Any]] = {
         "lost": lost, "not_final": [], "twice": [], "falsely_failed": [], "wrong_outputs": []
     }  # fmt: skip

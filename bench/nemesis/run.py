@@ -186,6 +186,7 @@ def run_nemesis(
             since,
             retries=2,
             node_kills=nemesis.node_kills,
+            work_dir=shared / "work",
         )
         figures["created_unanswered_retries"] = load.create_failures
         api = api_figures(recorder.calls, nemesis.down, nemesis.worker_windows)

@@ -43,3 +43,35 @@ def test_two_completed_runs_are_twice_whatever_the_kills():
     # A job that could not start its records ran nothing of the task.
     nothing = [dict(LOST_THEN_RUN[0], state="FAILED", exit="75:0"), LOST_THEN_RUN[1]]
     assert ran_twice(TASK, nothing, kill) is None
+
+
+def test_array_elements_count_as_their_tasks_jobs(monkeypatch):
+    """A task submitted as an array's element is found under its own job name: its runs are
+    judged (run twice, falsely failed) as a job of its own is."""
+    import subprocess
+
+    from bench.nemesis import checks
+
+    sacct = "\n".join(
+        [
+            "40|one-tes-1|COMPLETED|0:0|node1|2026-11-29T05:00:00|2026-11-29T05:00:01",
+            "41_0|x-tes-array-ab|COMPLETED|0:0|node1|2026-11-29T05:00:00|2026-11-29T05:00:01",
+            "41_1|x-tes-array-ab|NODE_FAIL|0:0|node2|2026-11-29T05:00:00|2026-11-29T05:00:01",
+            "42|x-tes-2|COMPLETED|0:0|node1|2026-11-29T05:01:00|2026-11-29T05:01:01",
+            "43_0|other-tes-array-cd|COMPLETED|0:0|node1|2026-11-29T05:00:00|2026-11-29T05:00:01",
+        ]
+    )
+
+    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        out = sacct if argv[0] == "sacct" else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    monkeypatch.setattr(checks.subprocess, "run", run)
+    monkeypatch.setattr(checks.time, "sleep", lambda seconds: None)
+    arrays = {"x-tes-array-ab": ["x-tes-3", "x-tes-2"]}
+    jobs = checks.sacct_jobs("now", {"one-tes-1", "x-tes-2", "x-tes-3"}, arrays)
+    assert {name: [j["id"] for j in found] for name, found in jobs.items()} == {
+        "one-tes-1": ["40"],
+        "x-tes-3": ["41_0"],
+        "x-tes-2": ["41_1", "42"],
+    }
