@@ -109,6 +109,10 @@ class Follower:
             return  # the tasks keep their last known states
         batch: list[_Decided] = []
         for task in tasks:
+            if self.watch.records_unreadable(task) and not in_queue(self.watch.job_of(task)):
+                # Decided from Slurm alone, a job that recorded its outcome could end wrong
+                # (a failed executor's job ends FAILED, as a job stopped before its end does).
+                continue
             try:
                 batch.append(self._decide(task))
             except Exception:

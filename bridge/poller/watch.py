@@ -16,6 +16,10 @@ from bridge.store import TaskRecord
 
 log = logging.getLogger("bridge.poller")
 
+#: Site mode: how long an ended job waits for its owner's records to be readable again (sudo
+#: or the owner's account away) before it is decided from Slurm's word alone.
+RECORDS_UNREADABLE_GRACE = 300.0
+
 
 class JobWatch:
     """squeue's and sacct's answers for the followed jobs, when Slurm stopped knowing a job,
@@ -33,6 +37,8 @@ class JobWatch:
         self._accounting: dict[str, JobInfo] = {}
         #: Site mode: the records read as each owner, by task id.
         self._records: dict[str, JobRecords] = {}
+        #: Site mode: tasks whose owner's records could not be read: since when.
+        self._unreadable_since: dict[str, float] = {}
         #: Followed jobs that neither squeue nor sacct knows: since when.
         #: (job id, job name) -> when neither squeue nor sacct knew that job.
         self._missing_since: dict[tuple[str, str], float] = {}
@@ -88,7 +94,19 @@ class JobWatch:
     ) -> dict[str, JobRecords]:
         """One read per owner, of the jobs that have started (a pending one recorded nothing)."""
         waiting = {j for j, info in self._queue.items() if info.tes_state == State.QUEUED.value}
-        return owners.read_records([t for t in tasks if t.job_id not in waiting])
+        asked = [t for t in tasks if t.job_id not in waiting and t.owner]
+        found = owners.read_records(asked)
+        now = self.ctx.clock()
+        self._unreadable_since = {
+            t.id: self._unreadable_since.get(t.id, now) for t in asked if t.id not in found
+        }
+        return found
+
+    def records_unreadable(self, task: TaskRecord) -> bool:
+        """Site mode: the owner's records of the task's job could not be read, lately (for
+        less than RECORDS_UNREADABLE_GRACE): nothing is decided of an ended job meanwhile."""
+        since = self._unreadable_since.get(task.id)
+        return since is not None and self.ctx.clock() - since < RECORDS_UNREADABLE_GRACE
 
     def _squeue_with_leaving(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
         """squeue's word on the followed jobs, and on the jobs of decided tasks Slurm still

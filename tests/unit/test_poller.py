@@ -1832,6 +1832,70 @@ def test_a_full_database_while_submitting_postpones_and_never_fails_the_task(env
     assert slurm.calls.count("sbatch") == 1
 
 
+def test_site_mode_waits_for_the_owners_records_before_deciding_an_ended_job(
+    tmp_path: Path, sqlite_store: Store
+) -> None:
+    """A failed executor's job ends FAILED 3:0, as a job stopped before its end does: while
+    the owner's records cannot be read (sudo or the account away), the task keeps its state;
+    once they can, it is decided from them; after RECORDS_UNREADABLE_GRACE, from Slurm alone."""
+    from bridge.poller.watch import RECORDS_UNREADABLE_GRACE
+
+    htpasswd = tmp_path / "htpasswd"
+    htpasswd.touch()
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={
+            "site.run_as_owner": True,
+            "auth.mode": "basic",
+            "auth.htpasswd_file": str(htpasswd),
+        },
+    )
+    slurm = FakeSlurm()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    now = [time.time()]
+    poller.clock = lambda: now[0]
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    failed = JobRecords(
+        job_id="7",
+        phase="done",
+        outcome="executor_error",
+        executors=[ExecutorRecord(0, t0, t0, 3, "", "")],
+    )
+    readable = [False]
+
+    class Owners:
+        def read_records(self, tasks):
+            return {t.id: failed for t in tasks} if readable[0] else {}
+
+    poller.follower.watch.owners = Owners()  # type: ignore[assignment]
+    tasks = []
+    for _ in range(2):
+        task = sqlite_store.create_task(ECHO, owner="alice")
+        assert sqlite_store.mark_submitting(task.id, attempt=1, now=now[0])
+        sqlite_store.record_job(task.id, "7" if not tasks else "8")
+        sqlite_store.update_task(task.id, state="RUNNING")
+        tasks.append(task)
+    for job_id in ("7", "8"):
+        slurm.jobs[job_id] = job(job_id, "FAILED", name="", exit_code=3)
+    poller.cycle()
+    assert [sqlite_store.get_task(t.id).state for t in tasks] == ["RUNNING", "RUNNING"]
+    readable[0] = True
+    poller.cycle()
+    assert [sqlite_store.get_task(t.id).state for t in tasks] == ["EXECUTOR_ERROR"] * 2
+    # Never readable: decided from Slurm's word once the grace is over.
+    late = sqlite_store.create_task(ECHO, owner="alice")
+    assert sqlite_store.mark_submitting(late.id, attempt=1, now=now[0])
+    sqlite_store.record_job(late.id, "9")
+    sqlite_store.update_task(late.id, state="RUNNING")
+    slurm.jobs["9"] = job("9", "FAILED", name="", exit_code=3)
+    readable[0] = False
+    poller.cycle()
+    assert sqlite_store.get_task(late.id).state == "RUNNING"
+    now[0] += RECORDS_UNREADABLE_GRACE + 1
+    poller.cycle()
+    assert sqlite_store.get_task(late.id).state == "SYSTEM_ERROR"
+
+
 def test_owner_commands_run_through_the_one_sudo_argv(tmp_path: Path) -> None:
     from bridge.poller.owners import OwnerCommandError, OwnerRunner
 
