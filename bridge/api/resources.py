@@ -419,7 +419,7 @@ class Capabilities:
                 {
                     "key": key,
                     "pattern": parameter.pattern.pattern,
-                    "sbatch_option": parameter.option,
+                    **({"sbatch_option": parameter.option} if parameter.option else {}),
                     "description": parameter.description,
                 }
                 for key, parameter in backend_params.BACKEND_PARAMETERS.items()

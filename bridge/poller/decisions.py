@@ -69,7 +69,8 @@ def decide(
     """The TES state of a task from what Slurm says of its job and what the job recorded.
     `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY);
     `missing_for`: how long neither squeue nor sacct has known the job (None: they know it);
-    `on_preemption`: slurm.on_preemption, for a job Slurm preempted."""
+    `on_preemption`: for a job Slurm preempted, the task's own or the site's choice
+    (backend_params.on_preemption): "report" ends it PREEMPTED, "resubmit" runs it again."""
     if records.outcome is not None:
         # The script writes its outcome last: the task is done, whatever Slurm says yet.
         return Decision(OUTCOME_STATES[records.outcome])
@@ -98,7 +99,7 @@ def decide(
         # itself is lost, not canceled (_lost_because). The same cycle asks sacct for jobs that
         # squeue lists as ended; this waits only while slurmdbd is a moment behind.
         return Decision(current)
-    if job.state == "PREEMPTED" and on_preemption == "preempted":
+    if job.state == "PREEMPTED" and on_preemption == "report":
         return _preempted(job)
     return _decide_ended(job, records, attempt, retries, time_limit)
 
@@ -111,7 +112,7 @@ def _ended(job: JobInfo) -> str:
 
 
 def _preempted(job: JobInfo) -> Decision:
-    """Final here (slurm.on_preemption = "preempted"): the client decides whether to run the
+    """Final here (on_preemption "report"): the client decides whether to run the
     task again. A job Slurm requeues itself is never seen PREEMPTED by squeue: it is
     followed under its id as it runs again."""
     where = f" in partition {job.partition}" if job.partition else ""

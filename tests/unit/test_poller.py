@@ -161,7 +161,7 @@ def test_preempted_job_ends_the_task_preempted_when_the_site_says_so():
         attempt=1,
         retries=2,
         current=State.RUNNING,
-        on_preemption="preempted",
+        on_preemption="report",
     )
     assert decision.state is State.PREEMPTED and decision.final and not decision.retry
     (message,) = decision.messages
@@ -179,7 +179,7 @@ def test_a_preempted_job_that_recorded_its_outcome_keeps_it():
         attempt=1,
         retries=2,
         current=State.RUNNING,
-        on_preemption="preempted",
+        on_preemption="report",
     )
     assert decision.state is State.COMPLETE
 
@@ -1196,14 +1196,11 @@ def preempting_poller(tmp_path: Path, store: Store, on_preemption: str) -> tuple
 
 
 def test_preempted_job_ends_its_task_preempted_and_final(tmp_path, sqlite_store):
-    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "report")
     task = sqlite_store.create_task(ECHO)
     poller.cycle()
     job_id = sqlite_store.get_task(task.id).job_id
-    # What squeue shows once Slurm preempted a --no-requeue job (seen on the local cluster).
-    slurm.jobs[job_id] = replace(
-        slurm.jobs[job_id], state="PREEMPTED", exit_code=0, partition="scavenger"
-    )
+    preempt(slurm, job_id)
     poller.cycle()
     poller.cycle()
     record = sqlite_store.get_task(task.id)
@@ -1219,10 +1216,45 @@ def test_preempted_job_ends_its_task_preempted_and_final(tmp_path, sqlite_store)
     assert "squeue" not in slurm.calls and "scancel" not in slurm.calls
 
 
+def preempt(slurm: FakeSlurm, job_id: str) -> None:
+    """What squeue shows once Slurm preempted a --no-requeue job (seen on the local cluster)."""
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="PREEMPTED", exit_code=0, partition="scavenger"
+    )
+
+
+@pytest.mark.parametrize(
+    ("site", "asked", "state"),
+    [
+        # "preempted" is the site setting's older name of "report".
+        ("preempted", None, "PREEMPTED"),
+        ("resubmit", "report", "PREEMPTED"),
+        ("report", "resubmit", "QUEUED"),
+        ("report", None, "PREEMPTED"),
+    ],
+)
+def test_a_task_says_what_becomes_of_it_when_preempted_and_the_site_says_it_otherwise(
+    tmp_path, sqlite_store, site, asked, state
+):
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, site)
+    params = {} if asked is None else {"on_preemption": asked}
+    task = sqlite_store.create_task({**ECHO, "resources": {"backend_parameters": params}})
+    poller.cycle()
+    job_id = sqlite_store.get_task(task.id).job_id
+    preempt(slurm, job_id)
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == state
+    if state == "QUEUED":  # submitted again, as a job lost to a node failure
+        poller.cycle()
+        assert slurm.calls.count("sbatch") == 2
+        assert sqlite_store.get_task(task.id).logs[0]["metadata"]["slurm_lost_job_ids"] == job_id
+
+
 def test_job_requeued_by_slurm_is_followed_not_failed_nor_submitted_again(
     tmp_path, sqlite_store, monkeypatch
 ):
-    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "report")
     task = sqlite_store.create_task(ECHO)
     poller.cycle()
     job_id = sqlite_store.get_task(task.id).job_id
