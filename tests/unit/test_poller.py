@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -1441,6 +1441,50 @@ def test_pending_reason_is_one_line_that_goes_when_the_task_moves_on(env, monkey
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
     assert not any("pending" in line for line in record.logs[0].get("system_logs", []))
+
+
+def test_a_pending_job_shows_slurms_expected_start_in_its_attempt_until_it_runs(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task_id = store.create_task(ECHO).id
+
+    def expected_now() -> str | None:
+        return store.get_task(task_id).logs[0]["metadata"].get("slurm_expected_start")
+
+    poller.cycle()
+    job_id = store.get_task(task_id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Resources")
+    poller.cycle()
+    assert expected_now() is None  # squeue's N/A
+
+    estimate = datetime(2026, 11, 29, 14, 5, tzinfo=UTC)
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], expected_start=estimate)
+    slurm.calls.clear()
+    poller.cycle()
+    assert expected_now() == "2026-11-29T14:05:00.000000Z"
+    assert slurm.calls == ["squeue"]  # read with the squeue of every cycle
+    # Backfill's drift of seconds is not written again; a minute is.
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], expected_start=estimate + timedelta(seconds=59)
+    )
+    poller.cycle()
+    assert expected_now() == "2026-11-29T14:05:00.000000Z"
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], expected_start=estimate - timedelta(hours=1))
+    poller.cycle()
+    assert expected_now() == "2026-11-29T13:05:00.000000Z"
+    # Held: Slurm has no estimate any more.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="JobHeldUser", expected_start=None)
+    poller.cycle()
+    assert expected_now() is None
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Priority", expected_start=estimate)
+    poller.cycle()
+    assert expected_now() is not None
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="RUNNING", reason=None, expected_start=None
+    )
+    running = JobRecords(job_id=job_id, phase="running 0")
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
+    poller.cycle()
+    assert store.get_task(task_id).state == "RUNNING" and expected_now() is None
 
 
 def test_final_log_has_sacct_facts_never_a_leftover_running(env, monkeypatch):
