@@ -22,6 +22,7 @@ from bridge.core.tes import (
     Limits,
     State,
     TaskValidationError,
+    ValidatedTask,
     View,
     parse_state,
     parse_view,
@@ -93,7 +94,19 @@ class Tasks:
         self._partitions_read_at = float("-inf")
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json_body(req, self.config.limits.max_body_bytes)
+        task = self.validated(read_json_body(req, self.config.limits.max_body_bytes))
+        record = self.store.create_task(
+            task.document, system_logs=task.warnings, owner=req.context.identity.user
+        )
+        TASKS_CREATED.inc()
+        if self.wake is not None:
+            self.wake.nudge()  # the poller submits it now (bridge.system.wake)
+        resp.media = {"id": record.id}
+
+    def validated(self, body: Any) -> ValidatedTask:
+        """The posted task as it would be stored, or a 400 naming the field: the TES document,
+        then what it asks of Slurm (patterns, the time limit within slurm.max_time, the
+        partitions and memory the poller last read)."""
         try:
             task = validate_task(
                 body,
@@ -113,13 +126,7 @@ class Tasks:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        record = self.store.create_task(
-            task.document, system_logs=task.warnings, owner=req.context.identity.user
-        )
-        TASKS_CREATED.inc()
-        if self.wake is not None:
-            self.wake.nudge()  # the poller submits it now (bridge.system.wake)
-        resp.media = {"id": record.id}
+        return task
 
     def _partitions(self) -> list[dict[str, Any]]:
         """The partitions the poller last read (bridge.poller.capabilities), read again from

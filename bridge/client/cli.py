@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -63,8 +64,13 @@ and --backend-parameter KEY=VALUE (any other, e.g. qos=long) go into the task's
 resources.backend_parameters. Options are never abbreviated: --time is not --timeout (how
 long --wait waits).
 
+With --test-only nothing is created: the server (tes-slurm-bridge) asks Slurm with sbatch
+--test-only where and when a task of that shape would start, and that is printed (exit
+status 1 when Slurm would refuse it).
+
 examples:
   tes-bridge task run alpine -- echo hello
+  tes-bridge task run --test-only --cpus 8 --ram 64 -t 1-00:00:00 tool:1 -- run.sh
   tes-bridge task run -t 2:00:00 -p long --gpus a100:1 --wait tool:1 -- train.sh
   tes-bridge task run --wait --cpus 2 --ram 4 --tag project=x \\
       --input s3://bucket/reads.fq=/data/reads.fq --output /data/out/=s3://bucket/out/ \\
@@ -76,6 +82,7 @@ examples:
         """\
 Create a task from FILE, a TES task document in JSON or YAML (- reads standard input). The
 document is sent as it is, so fields this client does not know about reach the server.
+--test-only creates nothing and says where and when Slurm would start it, as for `run`.
 
 examples:
   tes-bridge task submit task.yaml
@@ -252,6 +259,15 @@ def _add_wait_options(
         )
 
 
+def _add_test_only(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--test-only",
+        action="store_true",
+        help="create nothing: say where and when Slurm would start such a task "
+        "(sbatch --test-only; tes-slurm-bridge only)",
+    )
+
+
 def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Turn off argparse's prefix matching in `parser` and every subparser below it: an
     abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
@@ -343,10 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="any backend parameter, e.g. qos=long or constraint=avx2 (repeatable)",
     )
     _add_wait_options(run, wait_flag=True)
+    _add_test_only(run)
 
     submit = sub["submit"]
     submit.add_argument("file", metavar="FILE", help="task document, JSON or YAML; - for stdin")
     _add_wait_options(submit, wait_flag=True)
+    _add_test_only(submit)
 
     listing = sub["list"]
     listing.add_argument(
@@ -508,6 +526,8 @@ def read_document(name: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ commands
 def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) -> int:
+    if getattr(args, "test_only", False):  # run and submit have it
+        return test_only(client, task)
     task_id = client.create(task)
     print(task_id, flush=True)
     if not args.wait:
@@ -520,6 +540,41 @@ def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) ->
         interval=args.interval,
         timeout=args.timeout,
     )
+
+
+def test_only(client: TesClient, task: dict[str, Any]) -> int:
+    """Where and when Slurm would start the task (tes-slurm-bridge's sbatch --test-only);
+    exit status 1 when Slurm would refuse it."""
+    try:
+        answer = client.test_only(task)
+    except TesError as exc:
+        if exc.status in (404, 405):
+            raise TesError(
+                f"{exc}: this server cannot say when a task would start (--test-only asks "
+                "tes-slurm-bridge's POST /tasks:test-only)",
+                exc.status,
+            ) from None
+        raise
+    if "refused" in answer:
+        print(f"Slurm would refuse it: {answer['refused']}")
+        return EXIT_FAILED
+    print(start_line(answer))
+    return 0
+
+
+def start_line(answer: dict[str, Any]) -> str:
+    """`Slurm would start it at 2026-11-29 14:05:00 UTC on node1 (2 processors, partition
+    main)`, and the jobs it would preempt."""
+    when = str(answer.get("start_time") or "an unknown time")
+    with contextlib.suppress(ValueError):
+        when = f"{datetime.fromisoformat(when).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+    where = [f"{answer.get('processors', '?')} processors"]
+    if answer.get("partition"):
+        where.append(f"partition {answer['partition']}")
+    line = f"Slurm would start it at {when} on {answer.get('nodes', '?')} ({', '.join(where)})"
+    if answer.get("preempts"):
+        line += f", preempting job(s) {','.join(map(str, answer['preempts']))}"
+    return line
 
 
 def run_task(client: TesClient, args: argparse.Namespace) -> int:
