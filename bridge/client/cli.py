@@ -93,7 +93,8 @@ examples:
         "list tasks, newest first",
         """\
 List tasks as a table or, with --json, as a JSON array. The table shows each task's id,
-state, creation time and name, and of its last attempt the Slurm job id, the elapsed time,
+state, creation time and name, and of its last attempt the Slurm job id, the elapsed time
+(for a job still pending, when Slurm expects it to start: `start 2026-11-29 14:05:00`, UTC),
 the exit code (the first failing executor's, else the last one's) and the peak memory, as
 far as the server records them (this bridge does). Follows the server's page tokens to the
 last page, or until --limit tasks or a task older than --since.
@@ -163,7 +164,9 @@ examples:
 Wait until every task is final (COMPLETE, EXECUTOR_ERROR, SYSTEM_ERROR, CANCELED or
 PREEMPTED). On a terminal, each change of state is shown as it happens under one status
 line (for many tasks, the count in each state, and only the tasks that fail); otherwise one
-`ID STATE` line per change. A server that cannot be reached for a while is waited for.
+`ID STATE` line per change. Why a waiting task waits, and when Slurm expects its pending job
+to start (this bridge says it), is said on stderr as it changes. A server that cannot be
+reached for a while is waited for.
 
 {EXIT_CODES_HELP}
 

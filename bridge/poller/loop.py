@@ -278,7 +278,7 @@ def relay_handler(config: Config, store: Store, client: SlurmBackend) -> Handler
     estimates = StartEstimates(PollerContext(config, store, client), owners)
 
     def answer(request: dict[str, Any]) -> dict[str, Any]:
-        kind = request.get("kind", "output")  # the live output's requests name no kind
+        kind = request.get("kind", "output")  # an API from before kinds asks for output
         if kind == "test-only":
             return estimates.answer(request)
         if kind == "output" and owners is not None:

@@ -3,14 +3,15 @@
 
 sbatch asks slurmctld (one RPC, REQUEST_JOB_WILL_RUN) and creates no job. The answer is a line
 the client library prints at info level on stderr, with sbatch's exit code 0; a job Slurm
-would refuse exits 1 with the same error as a real sbatch (read by
-:func:`~bridge.slurm.errors.command_error`). Its form (src/api/allocate.c,
+would refuse exits 1 with Slurm's reason (26.05: ``allocation failure: Invalid feature
+specification``, without sbatch's usual prefix), read by
+:func:`~bridge.slurm.errors.command_error` as a real sbatch's refusal. Its form (src/api/allocate.c,
 ``slurm_job_will_run``):
 
 - 22.05 to 25.05: ``sbatch: Job 12 to start at 2026-11-29T10:00:00 using 2 processors on
   nodes node1 in partition main``;
 - 25.11 and later: ``... to start at 2026-11-29T10:00:00 on cluster C a using 2 processors
-  ...`` (" on cluster C" where the answer names a cluster, and a stray " a");
+  ...`` (" on cluster C" where the answer names a cluster, and a stray " a": seen on 26.05);
 - then, where starting it would preempt jobs, ``sbatch:   Preempts: 41,42``.
 
 The job id is one slurmctld gives no job. The time is in the client's zone (UTC:

@@ -35,7 +35,8 @@ from bridge.system.budget import CallBudget
 
 #: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"
-#: What sbatch --test-only prints (tests/data/slurm/22.05/sbatch-test-only.txt.stderr's form).
+#: What sbatch --test-only prints, in the form of 22.05 to 25.05 (src/api/allocate.c; 25.11's
+#: is in tests/data/slurm/26.05/sbatch-test-only.txt.stderr).
 WILL_RUN = (
     "sbatch: Job 99 to start at 2026-11-29T10:00:00 using 1 processors on nodes n1 in "
     "partition main\n"
