@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import sqlite3
@@ -48,6 +49,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import (
     PYTHON,
+    REPO,
+    SLURM_ENV,
     bridge_env,
     list_tasks,
     log_file,
@@ -75,16 +78,43 @@ SIDES = [
 ]
 TERMINAL = {"COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED"}
 SLEEP = [{"image": "alpine", "command": ["sleep", "1"]}]
-#: The [slurm] settings of the bridge without a call budget, and of the one under Slurm's.
-UNLIMITED = 'arrays = "auto"\ncalls_per_second = 0'
+#: The account the bridge and the raw sides run as; root by default. Slurm's rate limit
+#: (`SlurmctldParameters=rl_enable`, 23.02 and later) spares root and SlurmUser, so a plain
+#: account (`BENCH_ARRAYS_USER=tesbridge`) is how both sides meet it: the raw loop's sbatch
+#: waits whenever slurmctld tells it to back off, and the bridge keeps its default call budget,
+#: which it lowers under slurmctld's limit itself.
+USER = os.environ.get("BENCH_ARRAYS_USER", "")
+#: A Python USER can run (one under /root is not); it runs the bridge from this checkout.
+USER_PYTHON = os.environ.get("BENCH_ARRAYS_PYTHON", PYTHON)
+#: The bridges' log level; with BENCH_KEEP=1 their files (serve.log, tasks.db) are kept.
+LOG_LEVEL = os.environ.get("BENCH_ARRAYS_LOG_LEVEL", "WARNING")
+#: The [slurm] settings of the bridge without a call budget (its defaults for a plain account,
+#: which Slurm limits anyway), and of the one under Slurm's.
+UNLIMITED = 'arrays = "auto"' + ("" if USER else "\ncalls_per_second = 0")
 BUDGET = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
+
+
+def as_user() -> dict[str, Any]:
+    """subprocess's arguments that run a command as USER (nothing for root)."""
+    if not USER:
+        return {}
+    gid = pwd.getpwnam(USER).pw_gid
+    return {"user": USER, "group": gid, "extra_groups": os.getgrouplist(USER, gid)}
+
+
+def user_slurm(*argv: str) -> str:
+    """A Slurm command as USER, as a user of the cluster runs it."""
+    env = {**os.environ, **SLURM_ENV}
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env, **as_user())
+    return str(done.stdout)
 
 
 def rpc_counts() -> dict[str, int]:
     """slurmctld's RPC counts (sdiag): submissions, and every RPC of this user."""
     out = slurm("sdiag")
     submits = re.search(r"REQUEST_SUBMIT_BATCH_JOB\s+\(\s*\d+\)\s+count:(\d+)", out)
-    user = re.search(rf"^\s*root\s+\(\s*{os.geteuid()}\)\s+count:(\d+)", out, re.MULTILINE)
+    name, uid = (USER, pwd.getpwnam(USER).pw_uid) if USER else ("root", os.geteuid())
+    user = re.search(rf"^\s*{name}\s+\(\s*{uid}\)\s+count:(\d+)", out, re.MULTILINE)
     return {
         "submit": int(submits.group(1)) if submits else 0,
         "user": int(user.group(1)) if user else 0,
@@ -104,7 +134,7 @@ def wait_jobs_gone(ids: list[str]) -> None:
 def raw_loop(count: int, script: Path, directives: list[str]) -> float:
     started = time.perf_counter()
     ids = [
-        slurm("sbatch", "--parsable", f"--job-name=bench-loop-{i}", "-o", "/dev/null",
+        user_slurm("sbatch", "--parsable", f"--job-name=bench-loop-{i}", "-o", "/dev/null",
               *directives, str(script)).strip().split(";")[0]
         for i in range(count)
     ]  # fmt: skip
@@ -123,7 +153,7 @@ def raw_array(count: int, script: Path, directives: list[str], array: bool = Tru
     size = SlurmClient().max_array_size()
     started = time.perf_counter()
     ids = [
-        slurm(
+        user_slurm(
             "sbatch", "--parsable", "--job-name=bench-array", "-o", "/dev/null",
             *([f"--array=0-{min(size, count - first) - 1}"] if array else []),
             *directives, str(script),
@@ -181,9 +211,14 @@ def bridge(info: dict[str, str], root: Path, name: str, slurm: str) -> Iterator[
     extra = f"{container_toml(info, root / 'images')}[slurm]\n{slurm}\n"
     config = write_config(home, f"sqlite:///{home}/tasks.db", extra=extra)
     bind = config.read_text().split('bind = "')[1].split('"')[0]
+    if USER:  # its state and the image cache are the account's, as on a login node
+        (root / "images").mkdir(exist_ok=True)
+        for path in [root / "images", home, *home.rglob("*")]:
+            shutil.chown(path, USER, pwd.getpwnam(USER).pw_gid)
     server = subprocess.Popen(
-        [PYTHON, "-m", "bridge", "--config", str(config), "--log-level", "WARNING", "serve"],
-        env=bridge_env(), stderr=log_file(home / "serve.log"),
+        [USER_PYTHON, "-m", "bridge", "--config", str(config), "--log-level", LOG_LEVEL,
+         "serve"],
+        env=bridge_env(), stderr=log_file(home / "serve.log"), cwd=REPO, **as_user(),
     )  # fmt: skip
     try:
         running = Bridge(home, f"http://{bind}")
@@ -353,7 +388,10 @@ def main() -> dict[str, object]:
     # Another size, or some sides only, are kept beside the default run's figures.
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
     write_result("arrays" if whole else f"arrays-{TASKS}-{'+'.join(SIDES)}", data)
-    shutil.rmtree(root, ignore_errors=True)
+    if os.environ.get("BENCH_KEEP") == "1":
+        print(f"kept: {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return data
 
 

@@ -346,21 +346,25 @@ def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> f
 
 
 # ------------------------------------------------------------------------------ Slurm's record
-def slurm_jobs_by_task(work_dir: Path, task_ids: list[str]) -> dict[str, list[str]]:
-    """Every Slurm job that ran or may run each task, by what Slurm knows (squeue and sacct by
-    job name): the jobs named `tes-<id>`, and the elements of every job array whose script
-    (`<work_dir>/<first task>/tes-array-*.sh`, written before its sbatch) lists the task in its
-    manifest, at its index. Counts what was submitted, whatever the store says."""
+def slurm_jobs_by_task(work_dir: Path, tasks: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Every Slurm job that ran or may run each task (a TES document: its id and name), by what
+    Slurm knows (squeue and sacct by job name): the jobs named after the task
+    (`naming.job_name`), and the elements of every job array whose script
+    (`<work_dir>/<first task>/[<name>-]tes-array-*.sh`, written before its sbatch) lists the
+    task in its manifest, at its index. Counts what was submitted, whatever the store says."""
+    from bridge.core.naming import job_name
     from bridge.slurm import SlurmClient, expand_array_range
 
+    by_name = {job_name(t["id"], t.get("name")): t["id"] for t in tasks}
+    task_ids = list(by_name.values())
     wanted = set(task_ids)
     manifests: dict[str, list[str]] = {}
-    for script in work_dir.glob("*/tes-array-*.sh"):
+    for script in work_dir.glob("*/*tes-array-*.sh"):
         lines = script.read_text().splitlines()
         start = lines.index("TASK_DIRS=(") + 1
         end = lines.index(")", start)
         manifests[script.stem] = [Path(shlex.split(line)[0]).name for line in lines[start:end]]
-    names = [f"tes-{task_id}" for task_id in task_ids] + sorted(manifests)
+    names = sorted(by_name) + sorted(manifests)
     found = SlurmClient().find_by_names(names)
     jobs: dict[str, list[str]] = {task_id: [] for task_id in task_ids}
     for name, infos in found.items():
@@ -370,7 +374,7 @@ def slurm_jobs_by_task(work_dir: Path, task_ids: list[str]) -> dict[str, list[st
                     index = int(job_id.partition("_")[2])
                     task_id = manifests[name][index]
                 else:
-                    task_id = name.removeprefix("tes-")
+                    task_id = by_name[name]
                 if task_id in wanted:
                     jobs[task_id].append(job_id)
     return jobs

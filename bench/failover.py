@@ -189,7 +189,7 @@ def burst(
 def outcome(api: str, run: str, work_dir: Path) -> dict[str, Any]:
     """lost: tasks not COMPLETE; twice: tasks with more than one Slurm job."""
     tasks = list_run(api, run)
-    jobs = slurm_jobs_by_task(work_dir, [t["id"] for t in tasks])
+    jobs = slurm_jobs_by_task(work_dir, tasks)
     return {
         "tasks": len(tasks),
         "lost": sum(t["state"] != "COMPLETE" for t in tasks),

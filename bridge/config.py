@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from bridge.core.backend_params import DEFAULT_SUPPORTED, SiteTimes, parse_time
+from bridge.core.drs import DrsUriError, host_problem, parse_drs_uri
 
 ENV_CONFIG = "TES_BRIDGE_CONFIG"
 #: Where the systemd units (deploy/systemd) and docs/operations.md put the configuration.
@@ -345,7 +346,7 @@ class StorageConfig(_Section):
 _RUNTIME_DIRS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 #: URL schemes the job side can stage (bridge.job.staging).
-STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp"]
+STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp", "drs"]
 
 
 class StagingConfig(_Section):
@@ -378,6 +379,16 @@ class StagingConfig(_Section):
     ftp_passive: bool = True
     #: Bind a `streamable` file:// input read-only into the container instead of copying it.
     streamable_bind: bool = False
+    #: A PEM file of CA certificates for HTTPS (http(s)://, S3 endpoints, DRS servers) in place
+    #: of the bundled ones, for servers with certificates of the site's own CA; readable on the
+    #: compute nodes.
+    ca_bundle: Path | None = None
+    #: A TOML file of bearer tokens for DRS servers, `"host" = "token"` (`host:port` for a
+    #: server on another port), readable on the compute nodes.
+    drs_tokens_file: Path | None = None
+    #: Compact DRS identifiers (`drs://prefix:accession`) the site resolves itself:
+    #: prefix -> the DRS server's `host` or `host:port`. Others are refused at create.
+    drs_prefixes: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("protocols")
     @classmethod
@@ -386,6 +397,26 @@ class StagingConfig(_Section):
         if unknown:
             raise ValueError(f"unknown {unknown}; known: {', '.join(STAGING_PROTOCOLS)}")
         return value
+
+    @field_validator("drs_prefixes")
+    @classmethod
+    def _drs_prefixes(cls, value: dict[str, str]) -> dict[str, str]:
+        mapped = {}
+        for prefix, host in value.items():
+            try:
+                uri = parse_drs_uri(f"drs://{prefix}:x")
+            except DrsUriError:
+                uri = None
+            if uri is None or uri.prefix != prefix.lower():
+                raise ValueError(
+                    f"{prefix!r} is not a compact identifier prefix ([provider/]namespace: "
+                    "letters, digits, `_` and `.`)"
+                )
+            problem = host_problem(host)
+            if problem:
+                raise ValueError(f"{prefix!r}: {problem} (a DRS server's host[:port])")
+            mapped[prefix.lower()] = host.lower()
+        return mapped
 
     @field_validator("s3_endpoint_url")
     @classmethod
@@ -410,7 +441,8 @@ class JobConfig(_Section):
     template_dir: Path | None = None
     #: The Python that runs job-side commands on the compute node.
     python: str = sys.executable
-    #: How much of each executor's stdout/stderr is kept in the task log (the tail).
+    #: How much of each executor's stdout/stderr the task document keeps: a longer stream keeps
+    #: its head (a fifth) and its tail, with a line between them (bridge.job.excerpt).
     log_tail_bytes: int = Field(default=10 * 1024, ge=0)
     #: Where each job attempt makes the disk-backed directory bound on /tmp and /var/tmp in its
     #: executors, on the compute node (e.g. a node-local disk); None: Slurm's $TMPDIR of the job,

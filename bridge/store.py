@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +42,18 @@ from playhouse.db_url import connect as connect_url
 from bridge.core.naming import format_time_now
 from bridge.core.tes import CONDITION_KINDS_KEY, TERMINAL_STATES, State
 
+#: The version of the tables below. A release that changes them raises it, adds the step from
+#: the one before to MIGRATIONS, and checks in a dump of its schema in tests/data/schema/
+#: (tests/unit/test_schema_upgrade.py upgrades a database of every earlier schema).
 SCHEMA_VERSION = 1
+
+#: MIGRATIONS[n] brings a database of schema n to n + 1, inside init_schema's transaction,
+#: before the tables and indexes of this schema are created (a new index may need a column a
+#: step adds). Schema 1 is the first (release 0.1.0): nothing to migrate yet.
+MIGRATIONS: dict[int, Callable[[Store], None]] = {}
+
+#: The PostgreSQL advisory lock init_schema holds: one process upgrades at a time.
+_SCHEMA_LOCK = 0x7E5B_0001
 
 database_proxy = peewee.DatabaseProxy()
 
@@ -132,6 +143,9 @@ class LeaseState:
 LEASE_TABLE = "poller_lease"
 LEASE_NAME = "poller"
 
+
+#: SQLite: the file in the state directory whose lock the one poller holds.
+POLLER_LOCK = "poller.lock"
 
 #: Said when the service starts on SQLite, and by `tes-bridge check`.
 SQLITE_ONE_NODE = (
@@ -282,6 +296,29 @@ def open_database(url: str) -> peewee.Database:
         url = f"{pooled}{sep}max_connections=8&stale_timeout=300"
     # types-peewee leaves playhouse's connect() unannotated.
     database: peewee.Database = connect_url(url)  # type: ignore[no-untyped-call]
+    return database
+
+
+def open_read_only(url: str) -> peewee.Database:
+    """A database for a URL that reads and never writes, nor creates anything: for `tes-bridge
+    check`, which may run as root beside the service's files.
+
+    SQLite: a missing file is an error (never an empty new database); the file is opened
+    `mode=ro` where its `-wal` and `-shm` files exist (the service has it open), else
+    `immutable=1`: a read-only WAL connection creates the `-wal` and `-shm` files it lacks,
+    and cannot remove them, and none of the service's WAL switch is done. PostgreSQL: a
+    session whose transactions are read-only."""
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        path = Path(url[len("sqlite:///") :] if url.startswith("sqlite:///") else parsed.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        shared = all(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+        mode = "mode=ro" if shared else "immutable=1"
+        return peewee.SqliteDatabase(f"{path.resolve().as_uri()}?{mode}", uri=True)
+    database: peewee.Database = connect_url(url)  # type: ignore[no-untyped-call]
+    if isinstance(database, peewee.PostgresqlDatabase):
+        database.connect_params["options"] = "-c default_transaction_read_only=on"
     return database
 
 
@@ -550,6 +587,18 @@ class _PollerQueries(_Part):
             .scalar()
         )
         return datetime.fromisoformat(oldest).timestamp() if oldest else None
+
+    def oldest_queued_time(self) -> float | None:
+        """Creation time (epoch seconds) of the oldest QUEUED task (the first of the state
+        index); None when none is QUEUED."""
+        created = (
+            TaskRow.select(TaskRow.creation_time)
+            .where(TaskRow.state == State.QUEUED.value)
+            .order_by(TaskRow.seq)
+            .limit(1)
+            .scalar()
+        )
+        return datetime.fromisoformat(created).timestamp() if created else None
 
     def count_by_state(self) -> dict[str, int]:
         """How many tasks are in each state (one GROUP BY over the state index)."""
@@ -951,6 +1000,11 @@ class Store(_PollerQueries, _Transitions, _Listing):
     def from_url(cls, url: str) -> Store:
         return cls(open_database(url))
 
+    @classmethod
+    def read_only(cls, url: str) -> Store:
+        """A store that only reads (:func:`open_read_only`)."""
+        return cls(open_read_only(url))
+
     def _sql(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """A raw statement; returns the cursor."""
         # peewee's stubs leave execute_sql untyped.
@@ -958,33 +1012,27 @@ class Store(_PollerQueries, _Transitions, _Listing):
 
     # ----------------------------------------------------------------------------- schema
     def init_schema(self, version: str = "") -> None:
-        """Create missing tables and record the schema version (safe to run concurrently)."""
+        """Create missing tables, bring a database of an earlier schema up to this one
+        (`MIGRATIONS`), and record the schema version (safe to run concurrently: one process
+        at a time upgrades, the others find it done)."""
         with self.db.connection_context(), self.db.atomic():
-            self.db.create_tables(MODELS, safe=True)
-            # The poller counts pending cancels every 0.1 s: a seek, not a scan of every task.
-            self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
             if not self.is_sqlite:
-                # For the name_prefix range, which compares with the "C" collation.
-                self._sql(
-                    'CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)'
-                )
-                self._sql(_LEASE_DDL)
-                self._sql(
-                    f'INSERT INTO "{LEASE_TABLE}" ("name") VALUES (%s) ON CONFLICT DO NOTHING',
-                    [LEASE_NAME],
-                )
-            recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
-            if recorded is not None and int(recorded.value) > SCHEMA_VERSION:
+                # SQLite's transactions take the write lock as they begin (BEGIN IMMEDIATE).
+                self._sql("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
+            recorded = self._recorded_schema()
+            if recorded is not None and recorded > SCHEMA_VERSION:
                 raise RuntimeError(
-                    f"the database has schema version {recorded.value}, newer than this "
+                    f"the database has schema version {recorded}, newer than this "
                     f"tes-bridge ({SCHEMA_VERSION}); upgrade tes-bridge"
                 )
+            for step in range(SCHEMA_VERSION if recorded is None else recorded, SCHEMA_VERSION):
+                MIGRATIONS[step](self)
+            self._create_schema()
             now = format_time_now()
-            for key, value in (
-                ("schema_version", str(SCHEMA_VERSION)),
-                ("created_at", now),
-                ("page_token_secret", secrets.token_hex(32)),
-            ):
+            MetaRow.insert(key="schema_version", value=str(SCHEMA_VERSION)).on_conflict(
+                conflict_target=[MetaRow.key], update={MetaRow.value: str(SCHEMA_VERSION)}
+            ).execute()
+            for key, value in (("created_at", now), ("page_token_secret", secrets.token_hex(32))):
                 MetaRow.insert(key=key, value=value).on_conflict_ignore().execute()
             if version:
                 previous = MetaRow.get_or_none(MetaRow.key == "version")
@@ -993,6 +1041,27 @@ class Store(_PollerQueries, _Transitions, _Listing):
                         MetaRow.insert(key=key, value=value).on_conflict(
                             conflict_target=[MetaRow.key], update={MetaRow.value: value}
                         ).execute()
+
+    def _recorded_schema(self) -> int | None:
+        """The schema version the database records; None for a new one."""
+        if not self.db.table_exists(MetaRow._meta.table_name):
+            return None
+        recorded = MetaRow.get_or_none(MetaRow.key == "schema_version")
+        return None if recorded is None else int(recorded.value)
+
+    def _create_schema(self) -> None:
+        """The tables and indexes this schema has (what exists already is left as it is)."""
+        self.db.create_tables(MODELS, safe=True)
+        # The poller counts pending cancels every 0.1 s: a seek, not a scan of every task.
+        self._sql("CREATE INDEX IF NOT EXISTS tasks_cancel_pending ON tasks (cancel_pending)")
+        if not self.is_sqlite:
+            # For the name_prefix range, which compares with the "C" collation.
+            self._sql('CREATE INDEX IF NOT EXISTS tasks_name_c ON tasks (name COLLATE "C", seq)')
+            self._sql(_LEASE_DDL)
+            self._sql(
+                f'INSERT INTO "{LEASE_TABLE}" ("name") VALUES (%s) ON CONFLICT DO NOTHING',
+                [LEASE_NAME],
+            )
 
     # ----------------------------------------------------------------------------- create/read
     def create_task(

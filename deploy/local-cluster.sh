@@ -1386,6 +1386,8 @@ main() {
     cmd_up
     ;;
   _node) node_namespace "$1" ;;
+  # slurmctld alone, of the running release (a fault's undoing: `up` would start the nodes too).
+  _slurmctld) start_slurmctld ;;
   down) cmd_down "$@" ;;
   add-user) cmd_add_user "$@" ;;
   status)

@@ -19,6 +19,7 @@ pytest_plugins = [
     "tests.fixtures.service",
     "tests.fixtures.auth",
     "tests.fixtures.storage",
+    "tests.fixtures.drs",
     "tests.fixtures.quickstart",
     "tests.fixtures.engines",
 ]

@@ -14,8 +14,9 @@ The tasks: one-second tasks, tasks with inputs and outputs on the shared filesys
 HTTP and S3 (rclone serve webdav and s3), a few that fail by themselves (exit 3), and the
 Snakemake 7 workflow of the engine tests, with their client and image (built by their recipe
 first when not cached yet), again and again. At the end, against sacct and the API: every
-task final and listed (none lost), one COMPLETED job per task and every other job of it a real
-failure named in its logs[] (none twice), every task in the state its own command explains
+task final and listed (none lost), one job per task that ran it to its end (COMPLETED, or
+FAILED with its executor's exit code) and every other job of it a real failure named in its
+logs[] (none twice), every task in the state its own command explains
 (none falsely failed), the outputs right, no 5xx while the API was up (the seconds it was
 really down come from the faults injected), the p99 latency outside those seconds, and the
 poller's RSS and open files over the run.
@@ -68,6 +69,7 @@ def main() -> dict[str, Any]:
             "store",
             "tasks",
             "lost",
+            "not final",
             "twice",
             "falsely failed",
             "5xx while up",
@@ -81,6 +83,7 @@ def main() -> dict[str, Any]:
                 r["store"],
                 r["tasks"],
                 r["lost"],
+                r["not_final"],
                 r["twice"],
                 r["falsely_failed"],
                 r["five_xx_while_up"],
@@ -93,6 +96,7 @@ def main() -> dict[str, Any]:
         ],
     )
     for r in runs:
+        print(f"{r['store']}: {'passed' if passed(r) else 'FAILED'}")
         print(f"{r['store']}: faults {r['faults_by_kind']}; workflow {r['workflow']}")
         for error in r["fault_errors"]:
             print(f"  fault not run as planned: {error}")

@@ -17,6 +17,7 @@ from bench.common import (
 )
 from bench.nemesis.cluster import slurm_env, wait_until
 from bench.nemesis.workload import TERMINAL, Call, Task
+from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE, job_name
 
 
 def list_all(api: str, view: str = "FULL") -> list[dict[str, Any]]:
@@ -78,17 +79,28 @@ def ended_by_node_kill(
     return job
 
 
+def ran_to_its_end(job: dict[str, str]) -> bool:
+    """The job's script ran the task to its end: COMPLETED, or FAILED with the code of an
+    executor that failed or of a staging failure (never one of the script's own codes for a
+    job that ran nothing or stood down, nor a signal)."""
+    if job["state"] == "COMPLETED":
+        return True
+    code, _, signal = job["exit"].partition(":")
+    own = (str(NO_RECORDS_EXIT_CODE), str(SUPERSEDED_EXIT_CODE))
+    return job["state"] == "FAILED" and signal in ("", "0") and code not in own
+
+
 def ran_twice(
     task: dict[str, Any], jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]] = ()
 ) -> str | None:
-    """Why the task ran more than once, or None: more than one COMPLETED run, a job its logs
-    do not name, a run that completed before another one started, or two runs at once
+    """Why the task ran more than once, or None: more than one run to its end, a job its logs
+    do not name, a run that ended before another one started, or two runs at once
     (a job's run ends at the latest when the nemesis killed its node's processes)."""
     # A job slurmctld forgot before it started stays PENDING in sacct for ever: not a run.
     jobs = [j for j in jobs if j["start"] not in ("", "None", "Unknown")]
-    completed = [j for j in jobs if j["state"] == "COMPLETED"]
-    if len(completed) > 1:
-        return f"{len(completed)} COMPLETED runs: {jobs}"
+    ended = [j for j in jobs if ran_to_its_end(j)]
+    if len(ended) > 1:
+        return f"{len(ended)} runs to their end: {jobs}"
     unnamed = _unnamed(task, jobs)
     if unnamed:
         return f"jobs {unnamed} not in its logs: {jobs}"
@@ -116,8 +128,8 @@ def _one_after_another(
     )
     for before, after in itertools.pairwise(ordered):
         before = ended_by_node_kill(before, node_kills)
-        if before["state"] == "COMPLETED":
-            return f"job {after['id']} after job {before['id']} COMPLETED: {jobs}"
+        if ran_to_its_end(before):
+            return f"job {after['id']} after job {before['id']} ran to its end: {jobs}"
         started = after["start"] not in ("", "None", "Unknown")
         if started and before["end"] not in ("", "Unknown") and after["start"] < before["end"]:
             return f"jobs {before['id']} and {after['id']} ran at once: {jobs}"
@@ -200,7 +212,8 @@ def check(
     and with the right outputs; the Snakemake tasks (not planned here) must complete."""
     tasks = list_all(api)
     lost = _lost(api, created, {t["id"]: t for t in tasks})
-    jobs = sacct_jobs(since, {f"tes-{t['id']}" for t in tasks})
+    job_names = {t["id"]: job_name(t["id"], t.get("name")) for t in tasks}
+    jobs = sacct_jobs(since, set(job_names.values()))
     found: dict[str, list[Any]] = {
         "lost": lost, "not_final": [], "twice": [], "falsely_failed": [], "wrong_outputs": []
     }  # fmt: skip
@@ -209,7 +222,7 @@ def check(
         plan = planned.get(task.get("name", ""))
         kind = plan.kind if plan else ("warm-up" if task.get("name") == "warm-up" else "workflow")
         by_kind[kind] = by_kind.get(kind, 0) + 1
-        _judge(task, jobs.get(f"tes-{task['id']}", []), plan, retries, node_kills, found)
+        _judge(task, jobs.get(job_names[task["id"]], []), plan, retries, node_kills, found)
     names = [t.get("name") for t in tasks if t.get("name", "").startswith("nemesis-")]
     return {
         "tasks": len(tasks),

@@ -102,11 +102,14 @@ def slurmctld_answers() -> bool:
 
 
 def start_slurmctld() -> None:
-    """As deploy/local-cluster.sh's start_slurmctld: it recovers its jobs from its state."""
+    """deploy/local-cluster.sh's start_slurmctld: it recovers its jobs from its state. Through
+    the script, which runs the running release's slurmctld: the one on PATH is Debian's 22.05,
+    which refuses a newer release's state ("CLUSTER NAME MISMATCH") and exits."""
+    env = {**slurm_env(), "LOCAL_CLUSTER_DIR": str(STATE_DIR)}
     with open(STATE_DIR / "log" / "slurmctld.out", "ab") as out:
         subprocess.run(
-            ["slurmctld"],
-            env=slurm_env(),
+            [str(CLUSTER_SCRIPT), "_slurmctld"],
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

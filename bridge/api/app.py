@@ -14,7 +14,7 @@ import falcon
 
 from bridge.api.auth import Authenticator, AuthError, NoLocalUser, build_authenticator
 from bridge.api.estimate import TaskTestOnly
-from bridge.api.metrics_api import MetricsResource, RequestMetrics
+from bridge.api.metrics_api import MetricsResource, Readings, RequestMetrics
 from bridge.api.resources import (
     Capabilities,
     LegacyServiceInfo,
@@ -206,7 +206,8 @@ def create_app(
     add_ui_routes(app)
     add_ui_data_routes(app, config, store)
     if config.metrics.enabled and not config.metrics.bind:
-        app.add_route("/metrics", MetricsResource(store.count_by_state))
+        readings = Readings(store.count_by_state, store.oldest_queued_time, config.state_dir)
+        app.add_route("/metrics", MetricsResource(readings))
     return app
 
 

@@ -14,6 +14,12 @@ from bridge.config import Config
 from bridge.core.tes import State, TaskModel
 
 _REF = "#/components/schemas/"
+#: ExecutorLog.stdout/stderr as this server fills them (bridge.job.excerpt).
+EXCERPT = (
+    "The executor's {stream} (FULL view): all of it up to job.log_tail_bytes (10 KiB), else its "
+    "head and tail with a line between them: `[tes-bridge: N of M bytes left out here; the "
+    "whole {stream}: GET /ga4gh/tes/v1/tasks/ID/output?executor=I&stream={stream}]`."
+)
 
 
 def _string(description: str = "") -> dict[str, Any]:
@@ -29,8 +35,8 @@ def _response_schemas(request_properties: dict[str, Any]) -> dict[str, Any]:
             "properties": {
                 "start_time": _string("RFC 3339"),
                 "end_time": _string("RFC 3339"),
-                "stdout": _string("The tail of the executor's stdout (FULL view)."),
-                "stderr": _string("The tail of the executor's stderr (FULL view)."),
+                "stdout": _string(EXCERPT.format(stream="stdout")),
+                "stderr": _string(EXCERPT.format(stream="stderr")),
                 "exit_code": {"type": "integer", "format": "int32"},
             },
         },

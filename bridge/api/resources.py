@@ -18,6 +18,7 @@ from bridge.api.openapi import openapi_document
 from bridge.api.output import LiveOutput, OutputRefused, OutputRequest, OutputUnavailable, job_of
 from bridge.config import Config
 from bridge.core import backend_params
+from bridge.core.reasons import canceled_by
 from bridge.core.tes import (
     Limits,
     State,
@@ -117,6 +118,7 @@ class Tasks:
                 ),
                 allowed_dirs=[str(d) for d in self.config.file_dirs],
                 local_image_dirs=[str(d) for d in self.config.container.local_image_dirs],
+                drs_prefixes=self.config.staging.drs_prefixes,
             )
             # What the task asks of Slurm (patterns, the time limit within slurm.max_time).
             problems = backend_params.check_task(
@@ -256,7 +258,7 @@ class Task:
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
         identity = req.context.identity
-        note = f"canceled by {identity.user}" if identity.user else None
+        note = canceled_by(identity.user) if identity.user else None
         if note and identity.is_admin:
             note += " (an administrator)"
         record = self.store.cancel_task(task_id, owner=identity.owner_filter, note=note)

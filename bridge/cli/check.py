@@ -11,38 +11,68 @@ import argparse
 import contextlib
 import grp
 import json
+import logging
 import os
 import pwd
 import re
 import shutil
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge import config as config_module
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
 from bridge.system.proc import CommandError, run
 
+if TYPE_CHECKING:
+    from bridge.store import LeaseState, Store
+
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     check = commands.add_parser(
         "check",
-        help="check this host's setup: config, database, directories, Slurm, Apptainer, sudo",
-        description="Check that the configuration loads, the database takes writes, the work "
-        "directory, image cache and file directories exist with the right permissions for the "
-        "service account, sinfo and sacct answer, which Slurm release runs (tested or not) and "
-        "whether the call budget fits under slurmctld's RPC rate limit, the container runtime "
-        "runs an image, and (site mode) the sudo rule is installed. One line per check, with "
-        "what to fix; exit status 1 when any check fails. Run it as the service account (as "
-        "root, permissions are checked for the owner of the state directory).",
+        help="check this host's setup: config, database, poller, directories, Slurm, "
+        "Apptainer, sudo; with --job, a compute node",
+        description="Check that the configuration loads, the database has the tables and the "
+        "service account may write it, a poller runs (its lock or lease, and its heartbeat), "
+        "the work directory, image cache and file directories exist with the right "
+        "permissions for the service account, sinfo and sacct answer, which Slurm release "
+        "runs (tested or not) and whether the call budget fits under slurmctld's RPC rate "
+        "limit, the container runtime runs an image, and (site mode) the sudo rule is "
+        "installed. With --job, a small job on a compute node runs job.python and shows "
+        "that the work directory there is the one this host sees. One line per check, with "
+        "what to fix; exit status 1 when any check fails. It reads the file of --config, "
+        "$TES_BRIDGE_CONFIG or /etc/tes-bridge/tes-bridge.toml, and stops when there is "
+        "none. It writes nothing of the service's (the database is opened read-only; the "
+        "image is pulled into a temporary cache) and logs nothing (--log-level DEBUG: the "
+        "log on stderr). Run it as the service account (as root, permissions are checked "
+        "for the owner of the state directory, and the job is submitted as that account).",
     )
     check.add_argument(
         "--image",
         default="alpine",
         help="image the runtime must run, as tasks name it (default: alpine, from "
         "container.default_registry)",
+    )
+    check.add_argument(
+        "--job",
+        action="store_true",
+        help="also submit a small job (slurm.default_partition, 2 minutes, 1 CPU) that runs "
+        "job.python on a compute node and writes into the work directory; it is removed "
+        "after",
+    )
+    check.add_argument(
+        "--job-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long --job waits for its job to end, pending included (default: 300); "
+        "then it is canceled",
     )
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     # It loads the configuration itself: one that does not load is a failed check.
@@ -51,7 +81,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def config_file(given: str | None) -> str | None:
     """The file to check: --config, else $TES_BRIDGE_CONFIG, else the one the systemd units
-    name (DEFAULT_CONFIG_FILE) when it exists; None: the defaults."""
+    name (DEFAULT_CONFIG_FILE) when it exists; None: there is none."""
     if given or os.environ.get(ENV_CONFIG):
         return given or os.environ.get(ENV_CONFIG)
     default = config_module.DEFAULT_CONFIG_FILE
@@ -61,22 +91,44 @@ def config_file(given: str | None) -> str | None:
 def check_command(args: argparse.Namespace) -> int:
     """One line per check (or JSON); 1 when any failed."""
     path = config_file(args.config)
-    try:
-        config = load_config(path)
-    except ConfigError as exc:
-        results = [Result("config", False, str(exc), "correct the configuration file")]
-    else:
-        where = path or (
-            f"defaults: no --config, ${ENV_CONFIG} unset and no {config_module.DEFAULT_CONFIG_FILE}"
-        )
-        results = [Result("config", True, f"loaded ({where})")]
-        results += Doctor(config, image=args.image).run()
+    results = [_load(path)]
+    config = results[0].config
+    if config is not None:
+        job = args.job_timeout if args.job else None
+        # What the checks find is in their lines; a log line would land among them.
+        quiet = args.log_level.upper() != "DEBUG"
+        logging.disable(logging.CRITICAL if quiet else logging.NOTSET)
+        try:
+            results += Doctor(config, image=args.image, job_timeout=job).run()
+        finally:
+            logging.disable(logging.NOTSET)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     else:
         for result in results:
             print(result.line(), flush=True)
     return 0 if all(r.ok for r in results) else 1
+
+
+def _load(path: str | None) -> Result:
+    """The `config` check: the file found and loaded; none found stops the checks (the
+    defaults would check, and make, a state directory no service uses)."""
+    if path is None:
+        return Result(
+            "config",
+            False,
+            f"no configuration found: no --config, ${ENV_CONFIG} unset and no "
+            f"{config_module.DEFAULT_CONFIG_FILE}; nothing else was checked",
+            "give the service's file: `tes-bridge --config FILE check` (the file its units "
+            f"name), or install it as {config_module.DEFAULT_CONFIG_FILE}",
+        )
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        return Result("config", False, str(exc), "correct the configuration file")
+    result = Result("config", True, f"loaded ({path})")
+    result.config = config
+    return result
 
 
 @dataclass
@@ -87,6 +139,8 @@ class Result:
     message: str
     #: How to fix it (failed checks only).
     fix: str = ""
+    #: The `config` check's: the configuration it loaded.
+    config: Config | None = field(default=None, repr=False)
 
     def line(self) -> str:
         status = "ok  " if self.ok else "FAIL"
@@ -94,7 +148,7 @@ class Result:
         return text + (f"\n      fix: {self.fix}" if self.fix else "")
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {"name": self.name, "ok": self.ok, "message": self.message, "fix": self.fix}
 
 
 class Failed(Exception):
@@ -170,56 +224,191 @@ class CheckGroup:
         self.account = account
 
 
-def database(config: Config) -> str:
-    """The database answers and takes writes."""
-    from bridge.job.staging import redact
-    from bridge.store import Store
-
-    url = redact(config.database_url)
-    fix = f"check `database` ({url}): the server must be up and the account may write it"
-    try:
-        store = Store.from_url(config.database_url)
-        with store.db.connection_context():
-            if not store.db.table_exists("tasks"):
-                raise Failed(f"{url} has no tables", "run `tes-bridge init-db`")
-            # A write that changes nothing, rolled back: the database takes writes.
-            with store.db.atomic() as transaction:
-                store._sql("UPDATE bridge_meta SET value = value WHERE key = 'schema_version'")
-                transaction.rollback()
-    except Failed:
-        raise
-    except Exception as exc:
-        raise Failed(f"{url}: {' '.join(str(exc).split())[:300]}", fix) from None
-    return f"{url} reachable and writable"
+#: The tables whose rows the service writes, and what it does to them.
+_WRITTEN_TABLES = {
+    "tasks": ("INSERT", "UPDATE", "DELETE"),
+    "task_tags": ("INSERT", "DELETE"),
+    "bridge_meta": ("INSERT", "UPDATE"),
+    "poller_lease": ("UPDATE",),
+}
 
 
-def poller_lease(config: Config) -> str:
-    """Which node's poller leads (PostgreSQL), or that SQLite is one node only."""
-    from bridge.store import SQLITE_ONE_NODE, Store
+class StoreChecks(CheckGroup):
+    """The database, opened read-only (`Store.read_only`): it has the tables, the service
+    account may write it, and a poller runs."""
 
-    store = Store.from_url(config.database_url)
-    try:
-        with store.db.connection_context():
-            state = store.lease_state()
-    except Exception as exc:
-        raise Failed(
-            f"cannot read the lease: {' '.join(str(exc).split())[:300]}",
-            "see the database check; `tes-bridge init-db` creates the lease's table",
-        ) from None
-    if state is None:
-        return SQLITE_ONE_NODE
-    if state.holder is None or state.age is None or state.remaining is None:
-        return "no poller has led yet (start `tes-bridge poller` or `serve`)"
-    if state.remaining < 0:
-        raise Failed(
-            f"no poller leads: the lease of {state.holder} (epoch {state.epoch}) ended "
-            f"{-state.remaining:.1f} s ago",
-            "start a poller (tes-bridge-poller.service, or serve) on a node",
+    # The store is imported when first needed: `tes-bridge` loads this module for every
+    # command, and the service's must not pay for what only `check` uses.
+    def _store(self) -> Store:
+        from bridge.store import Store
+
+        return Store.read_only(self.config.database_url)
+
+    def database(self) -> str:
+        """The tables and their schema version; SQLite: the service account may write the
+        file, its directory (the -wal and -shm files) and those files; PostgreSQL: the
+        database user may change every table's rows."""
+        from bridge.job.staging import redact
+        from bridge.store import SCHEMA_VERSION
+
+        url = redact(self.config.database_url)
+        fix = f"check `database` ({url}): the server must be up and the account may write it"
+        try:
+            store = self._store()
+            with store.db.connection_context():
+                if not store.db.table_exists("tasks"):
+                    raise Failed(f"{url} has no tables", "run `tes-bridge init-db`")
+                version = int(store.meta("schema_version") or 0)
+                lacking = [] if store.is_sqlite else self._lacking_privileges(store)
+        except FileNotFoundError:
+            raise Failed(
+                f"{url}: the database file does not exist",
+                f"run `tes-bridge init-db` as {self.account.name} (or start the service)",
+            ) from None
+        except Failed:
+            raise
+        except Exception as exc:
+            raise Failed(f"{url}: {' '.join(str(exc).split())[:300]}", fix) from None
+        if version > SCHEMA_VERSION:
+            raise Failed(
+                f"{url} has schema version {version}, newer than this tes-bridge's "
+                f"({SCHEMA_VERSION})",
+                "run the tes-bridge release that made it, or a newer one",
+            )
+        if lacking:
+            raise Failed(f"the database user may not {'; '.join(lacking)}", fix)
+        if store.is_sqlite:
+            self._sqlite_writable(Path(url.partition(":///")[2]))
+        schema = f"schema version {version}"
+        if version < SCHEMA_VERSION:
+            schema += (
+                f", upgraded to {SCHEMA_VERSION} by `tes-bridge init-db` or the service's start"
+            )
+        return f"{url} reachable, writable by {self.account.name}; {schema}"
+
+    @staticmethod
+    def _lacking_privileges(store: Store) -> list[str]:
+        lacking = []
+        for table, privileges in _WRITTEN_TABLES.items():
+            for privilege in privileges:
+                held = store._sql(
+                    "SELECT has_table_privilege(%s, %s)", [table, privilege]
+                ).fetchone()[0]
+                if not held:
+                    lacking.append(f"{privilege} {table}")
+        return lacking
+
+    def _sqlite_writable(self, path: Path) -> None:
+        name = self.account.name
+        for each in (path.parent, path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            if each.exists() and not may(self.account, each, 2):
+                raise Failed(
+                    f"{name} cannot write {each}",
+                    f"`chown {name} {each}` (a file made by another account, e.g. root)",
+                )
+
+    def poller(self) -> str:
+        """A poller runs: SQLite: a process holds the lock file; PostgreSQL: a node's poller
+        holds the lease. Where this node's poller leads, its heartbeat is recent."""
+        try:
+            store = self._store()
+            with store.db.connection_context():
+                lease = store.lease_state()
+        except Exception as exc:
+            raise Failed(
+                f"cannot read the database: {' '.join(str(exc).split())[:300]}",
+                "see the database check",
+            ) from None
+        if lease is None:
+            said, here = self._lock_holder(), True
+        else:
+            said = self._leader(lease)
+            here = lease.holder is not None and lease.holder.startswith(self._node + " (")
+        return said + (self._heartbeat() if here else "")
+
+    @property
+    def _node(self) -> str:
+        return self.config.poller.node_name or socket.gethostname()
+
+    def _lock_holder(self) -> str:
+        from bridge.store import POLLER_LOCK, SQLITE_ONE_NODE
+
+        lock = self.config.state_dir / POLLER_LOCK
+        pid = flock_holder(lock)
+        if pid is None:
+            last = self._last_cycle()
+            raise Failed(
+                f"no poller runs for {self.config.state_dir} (no process holds {lock})"
+                + (f"; the last cycle of one ended {last:.0f} s ago" if last is not None else ""),
+                "start the poller: `systemctl start tes-bridge-poller` (or `tes-bridge serve`)",
+            )
+        return f"pid {pid} holds {lock} ({SQLITE_ONE_NODE.partition(' (')[0]})"
+
+    @staticmethod
+    def _leader(lease: LeaseState) -> str:
+        if lease.holder is None or lease.age is None or lease.remaining is None:
+            raise Failed(
+                "no poller has led yet",
+                "start the poller on a node: `systemctl start tes-bridge-poller` (or serve)",
+            )
+        if lease.remaining < 0:
+            raise Failed(
+                f"no poller leads: the lease of {lease.holder} (epoch {lease.epoch}) ended "
+                f"{-lease.remaining:.1f} s ago",
+                "start a poller (tes-bridge-poller.service, or serve) on a node",
+            )
+        return (
+            f"{lease.holder} leads (epoch {lease.epoch}), renewed {lease.age:.1f} s ago, "
+            f"ends in {lease.remaining:.1f} s"
         )
-    return (
-        f"{state.holder} leads (epoch {state.epoch}), renewed {state.age:.1f} s ago, "
-        f"ends in {state.remaining:.1f} s"
-    )
+
+    def _last_cycle(self) -> float | None:
+        """Seconds since this node's poller last ended a cycle (its heartbeat); None: none
+        recorded (or metrics are off)."""
+        from bridge.system.metrics import read_heartbeat
+
+        if not self.config.metrics.enabled:
+            return None
+        beat = read_heartbeat(self.config.state_dir / "metrics")
+        return None if beat is None else max(0.0, time.time() - beat)
+
+    def _heartbeat(self) -> str:
+        if not self.config.metrics.enabled:
+            return "; its heartbeat is not recorded (metrics.enabled = false)"
+        slurm = self.config.slurm
+        # A cycle runs every poll_interval; a slow one waits out a few Slurm commands.
+        stale = max(60.0, 10 * slurm.poll_interval + 2 * slurm.command_timeout)
+        last = self._last_cycle()
+        if last is None or last > stale:
+            ended = (
+                "has not ended a cycle" if last is None else f"last ended a cycle {last:.0f} s ago"
+            )
+            raise Failed(
+                f"the poller runs but {ended} (a cycle every {slurm.poll_interval:g} s)",
+                "read its log (journalctl -u tes-bridge-poller): Slurm commands or the "
+                "database may hang; restart it",
+            )
+        return f"; its last cycle ended {last:.1f} s ago"
+
+
+def flock_holder(path: Path) -> int | None:
+    """The process that holds an flock(2) lock on `path`, read from /proc/locks: nothing is
+    opened or locked (a lock taken to test it would turn away a poller starting then)."""
+    try:
+        info = path.stat()
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    wanted = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
+    for line in locks.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (device numbers in hex)
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        major, minor, inode = fields[5].split(":")
+        if (int(major, 16), int(minor, 16), int(inode)) == wanted:
+            return int(fields[4])
+    return None
 
 
 class FilesystemChecks(CheckGroup):
@@ -438,12 +627,11 @@ class RuntimeChecks(CheckGroup):
                 "install Apptainer, or set container.runtime to its path",
             )
         with contextlib.ExitStack() as stack:
-            config = self.config
-            if self.account.uid != os.geteuid():
-                # Files this process made in the service's cache would not be the service's.
-                scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="tes-check-"))
-                cached = container.model_copy(update={"cache_dir": Path(scratch)})
-                config = config.model_copy(update={"container": cached})
+            # A cache of its own, removed after: nothing is written into the service's (as
+            # root, files there would not be the service's).
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="tes-check-"))
+            cached = container.model_copy(update={"cache_dir": Path(scratch)})
+            config = self.config.model_copy(update={"container": cached})
             cache = ImageCache(config, max_workers=1)
             stack.callback(cache.close)
             try:
@@ -554,19 +742,29 @@ class SiteChecks(CheckGroup):
 class Doctor:
     """Runs the checks, in the order a site sets things up."""
 
-    def __init__(self, config: Config, *, image: str, account: Account | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        image: str,
+        account: Account | None = None,
+        job_timeout: float | None = None,
+    ) -> None:
         self.config = config
         self.image = image
         self.account = account or service_account(config)
+        #: --job: how long the compute node's job may take; None: no job.
+        self.job_timeout = job_timeout
 
     def checks(self) -> list[tuple[str, Callable[[], str]]]:
         config, account = self.config, self.account
         files = FilesystemChecks(config, account)
         slurm = SlurmChecks(config, account)
+        store = StoreChecks(config, account)
         checks: list[tuple[str, Callable[[], str]]] = [
-            ("database", lambda: database(config)),
+            ("database", store.database),
             ("admins", lambda: admins(config)),
-            ("poller lease", lambda: poller_lease(config)),
+            ("poller", store.poller),
             ("work dir", files.work_dir),
             ("image cache", files.image_cache),
             ("metrics dir", files.metrics_dir),
@@ -579,6 +777,11 @@ class Doctor:
         ]
         if config.site.run_as_owner:
             checks.append(("sudo rule", SiteChecks(config, account).sudo_rule))
+        if self.job_timeout is not None:
+            from bridge.cli.check_job import NodeJob
+
+            job = NodeJob(config, account.name, account.uid, timeout=self.job_timeout)
+            checks.append(("compute node", lambda: _failing(job.run)))
         return checks
 
     def run(self) -> Iterator[Result]:
@@ -587,3 +790,13 @@ class Doctor:
                 yield Result(name, True, check())
             except Failed as exc:
                 yield Result(name, False, str(exc), exc.fix)
+
+
+def _failing(check: Callable[[], str]) -> str:
+    """A check of another module, whose failures are (message, fix) pairs."""
+    from bridge.cli.check_job import JobFailed
+
+    try:
+        return check()
+    except JobFailed as exc:
+        raise Failed(str(exc), exc.fix) from None

@@ -150,7 +150,7 @@ def start_metrics_server(config: Config) -> None:
     The store is opened for each scrape only, so no worker inherits an open connection."""
     if not (config.metrics.enabled and config.metrics.bind):
         return
-    from bridge.api.metrics_api import serve_metrics
+    from bridge.api.metrics_api import Readings, serve_metrics
     from bridge.store import Store
 
     store = Store.from_url(config.database_url)
@@ -159,7 +159,12 @@ def start_metrics_server(config: Config) -> None:
         with store.db.connection_context():
             return store.count_by_state()
 
-    serve_metrics(config.metrics.bind, count_by_state)
+    def oldest_queued() -> float | None:
+        with store.db.connection_context():
+            return store.oldest_queued_time()
+
+    readings = Readings(count_by_state, oldest_queued, config.state_dir)
+    serve_metrics(config.metrics.bind, readings)
     log.info("metrics served", extra={"bind": config.metrics.bind})
 
 

@@ -22,9 +22,9 @@ from bridge.client.listing import matching_tasks, since_option, states_option, t
 from bridge.client.watch import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
-    LogPrinter,
     follow_logs,
     outcome,
+    print_logs,
     wait_for,
 )
 
@@ -94,10 +94,13 @@ examples:
         """\
 List tasks as a table or, with --json, as a JSON array. The table shows each task's id,
 state, creation time and name, and of its last attempt the Slurm job id, the elapsed time
-(for a job still pending, when Slurm expects it to start: `start 2026-11-29 14:05:00`, UTC),
-the exit code (the first failing executor's, else the last one's) and the peak memory, as
-far as the server records them (this bridge does). Follows the server's page tokens to the
-last page, or until --limit tasks or a task older than --since.
+(as sacct writes it: [D-]HH:MM:SS; for a job still pending, when Slurm expects it to start:
+`start 2026-11-29 14:05:00`, UTC), the exit code (the first failing executor's, else the
+last one's), the peak memory (sacct's MaxRSS, or the job's cgroup peak where Slurm sampled
+none) and why a final task ended so (REASON: exit 42, TIMEOUT, OUT_OF_MEMORY, image, input,
+output, canceled by alice...), as far as the server records them (this bridge does). Follows
+the server's page tokens to the last page, or until --limit tasks or a task older than
+--since.
 
 --state takes several states, comma-separated or repeated, in any case (running,queued).
 --since takes a duration back from now (30m, 2h, 1d, 1w) or a date/time in UTC
@@ -142,16 +145,20 @@ example:
 """,
     ),
     "logs": (
-        "print a task's output: executor stdout and stderr, system logs",
+        "print a task's whole output: executor stdout and stderr, system logs",
         """\
-Print the executors' stdout (on stdout) and stderr (on stderr) of the task's last attempt,
-each finished executor's exit code (on stderr, as `executor N: exit code X`), then its system
-logs (on stderr, as `system: ...`). A server may keep only the tail of each. The exit status
-is the task's outcome once it is final (0 COMPLETE, 3 EXECUTOR_ERROR, ...; see below), 0
-while it is not.
+Print what the executors of the task's last attempt have written so far, in any state
+(running, finished, canceled, stopped at its time limit): executor by executor, its stdout (on
+stdout) and stderr (on stderr), then its exit code once it has one (on stderr, as `executor N:
+exit code X`); then the attempt's system logs (on stderr, as `system: ...`). With several
+executors, a line `--- executor N stdout ---` (or `stderr`) comes before each executor's text
+on that stream. From tes-slurm-bridge the output is whole (its live output endpoint); other
+servers keep part of a finished executor's output in the task, which is printed. The exit
+status is the task's outcome once it is final (0 COMPLETE, 3 EXECUTOR_ERROR, ...; see below),
+0 while it is not.
 With --follow, poll until the task is final, printing only new text, and exit like `wait`:
-from tes-slurm-bridge each line as the executor writes it (its live output endpoint), from
-other servers an executor's output once it has finished.
+from tes-slurm-bridge each line as the executor writes it, from other servers an executor's
+output once it has finished.
 
 examples:
   tes-bridge task logs 3f2a9c1e-... > out.txt
@@ -624,7 +631,7 @@ def show_logs(client: TesClient, args: argparse.Namespace) -> int:
     if args.follow:
         return follow_logs(client, args.id, out=sys.stdout, err=sys.stderr, interval=args.interval)
     task = client.get(args.id, view="FULL")
-    LogPrinter(sys.stdout, sys.stderr).show(task)
+    print_logs(client, task, out=sys.stdout, err=sys.stderr)
     state = str(task.get("state"))
     if state not in FINAL_STATES:
         print(f"task {args.id} is {state}; --follow prints what comes", file=sys.stderr)

@@ -1,6 +1,6 @@
 """`tes-bridge task list`: filters as Slurm users write them (several states, a time window),
-the table (with the Slurm job, elapsed time, exit code and peak memory this bridge records),
-and `--watch`."""
+the table (with the Slurm job, elapsed time, exit code, peak memory and the reason a task
+failed, as this bridge records them), and `--watch`."""
 
 from __future__ import annotations
 
@@ -114,13 +114,12 @@ def _when(value: Any) -> str:
 
 
 def duration(seconds: float) -> str:
-    """Slurm's elapsed format: `MM:SS`, `HH:MM:SS`, `D-HH:MM:SS`."""
+    """As sacct writes Elapsed: `[D-]HH:MM:SS` (`00:00:05`, `1-02:03:04`)."""
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     days, hours = divmod(hours, 24)
-    if days:
-        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
-    return f"{hours:02d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+    clock = f"{hours:02d}:{minutes:02d}:{secs:02d}"
+    return f"{days}-{clock}" if days else clock
 
 
 def size(value: Any) -> str:
@@ -149,6 +148,24 @@ def _elapsed(attempt: dict[str, Any], metadata: dict[str, Any], now: datetime) -
     return duration(max((end - start).total_seconds(), 0.0))
 
 
+def _positive(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
+def peak_memory(metadata: dict[str, Any]) -> float | None:
+    """The attempt's peak memory as the web page shows it: sacct's MaxRSS where it measured one,
+    else the peak of the job's memory cgroup. sacct's MaxRSS is sampled
+    (JobAcctGatherFrequency): a job shorter than a sample has none, or 0, while its cgroup kept
+    the true peak."""
+    return _positive(metadata.get("slurm_max_rss_bytes")) or _positive(
+        metadata.get("memory_peak_bytes")
+    )
+
+
 def exit_code(attempt: dict[str, Any]) -> str:
     """The first failing executor's exit code, else the last one's ("" before any ended)."""
     codes = [log.get("exit_code") for log in attempt.get("logs") or [] if log]
@@ -168,7 +185,7 @@ def row(task: dict[str, Any], now: datetime) -> tuple[str, ...]:
     attempts = task.get("logs") or []
     attempt: dict[str, Any] = (attempts[-1] if attempts else None) or {}
     metadata: dict[str, Any] = attempt.get("metadata") or {}
-    memory = metadata.get("slurm_max_rss_bytes") or metadata.get("memory_peak_bytes")
+    memory = peak_memory(metadata)
     return (
         str(task.get("id", "")),
         str(task.get("state", "")),
@@ -177,11 +194,13 @@ def row(task: dict[str, Any], now: datetime) -> tuple[str, ...]:
         _elapsed_or_start(attempt, metadata, now),
         exit_code(attempt),
         size(memory) if memory else "",
+        # Why a final task ended so, as this bridge tells it (`exit 42`, `TIMEOUT`, `input`...).
+        str(metadata.get("reason") or ""),
         str(task.get("name") or ""),
     )
 
 
-HEADER = ("ID", "STATE", "CREATED (UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "NAME")
+HEADER = ("ID", "STATE", "CREATED (UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "REASON", "NAME")
 
 
 def table(tasks: Iterable[dict[str, Any]], now: datetime | None = None) -> list[str]:

@@ -22,6 +22,11 @@ EXIT_TIMEOUT = 7
 MANY = 20
 #: The states in which a task's latest system log line says why it waits.
 WAITING_STATES = ("QUEUED", "INITIALIZING")
+#: `logs` reads a whole stream in parts this large (the most the bridge's endpoint answers).
+WHOLE_READ_BYTES = 1024 * 1024
+#: The output endpoint cannot give this stream (409: not a regular file; 503: not now, e.g. the
+#: poller that reads it in site mode is down): `logs` says so and prints the document's copy.
+UNREADABLE_NOW = (409, 503)
 
 EXIT_CODES_HELP = """\
 exit status:
@@ -210,6 +215,39 @@ def new_text(shown: str, current: str) -> str:
     return current
 
 
+class ExecutorText:
+    """Writes executors' text to stdout and stderr. With several executors, a line
+    `--- executor N stdout ---` (or `stderr`) comes before an executor's first text on each
+    stream, so that either stream read alone says whose text follows."""
+
+    def __init__(self, out: TextIO, err: TextIO):
+        self.targets = {"stdout": out, "stderr": err}
+        self.several = False
+        self.headed: set[tuple[int, str]] = set()
+
+    def write(self, executor: int, stream: str, text: str) -> None:
+        if not text:
+            return
+        target = self.targets[stream]
+        if self.several and (executor, stream) not in self.headed:
+            self.headed.add((executor, stream))
+            target.write(f"--- executor {executor} {stream} ---\n")
+        target.write(text)
+
+    def new_attempt(self) -> None:
+        self.headed.clear()
+
+
+def _last_attempt_logs(task: dict[str, Any]) -> list[Any]:
+    attempts = task.get("logs") or []
+    return ((attempts[-1] or {}).get("logs") or []) if attempts else []
+
+
+def _documented(logs: list[Any], executor: int, stream: str) -> str:
+    """An executor's stream as the task document keeps it."""
+    return str((logs[executor] or {}).get(stream) or "")
+
+
 class LogPrinter:
     """Prints the last attempt's executor stdout (to `out`), stderr and system logs (to `err`),
     each time only what was not printed before."""
@@ -217,6 +255,7 @@ class LogPrinter:
     def __init__(self, out: TextIO, err: TextIO):
         self.out = out
         self.err = err
+        self.text = ExecutorText(out, err)
         self.attempt: int | None = None
         self.shown: dict[tuple[int, str], str] = {}
         self.system_seen: set[str] = set()
@@ -224,17 +263,18 @@ class LogPrinter:
         self.codes_seen: set[tuple[int, int]] = set()
 
     def show(self, task: dict[str, Any], *, streams: bool = True) -> None:
-        """With `streams` False, only the system logs (the streams are followed live)."""
+        """With `streams` False, only the exit codes and system logs (the streams are read
+        from the output endpoint)."""
         attempts = task.get("logs") or []
         if not attempts:
             return
+        self.text.several = len(task.get("executors") or []) > 1
         self._follow_attempt(len(attempts) - 1, announce=streams)
         last = attempts[-1] or {}
-        executor_logs = last.get("logs") or []
-        for number, log in enumerate(executor_logs):
+        for number, log in enumerate(last.get("logs") or []):
             if streams:
                 self._print_streams(number, log or {})
-            self._print_exit_code(len(attempts) - 1, number, log or {})
+            self.exit_code(task, number)
         for line in last.get("system_logs") or []:
             if line not in self.system_seen:
                 self.system_seen.add(line)
@@ -248,19 +288,23 @@ class LogPrinter:
             if announce:
                 self.err.write(f"--- attempt {index + 1} ---\n")
             self.shown.clear()
+            self.text.new_attempt()
         self.attempt = index
 
-    def _print_exit_code(self, attempt: int, number: int, log: dict[str, Any]) -> None:
-        code = log.get("exit_code")
+    def exit_code(self, task: dict[str, Any], number: int) -> None:
+        """Executor `number`'s exit code in the last attempt, once, when it has one."""
+        attempt = len(task.get("logs") or []) - 1
+        logs = _last_attempt_logs(task)
+        code = (logs[number] or {}).get("exit_code") if number < len(logs) else None
         if isinstance(code, int) and (attempt, number) not in self.codes_seen:
             self.codes_seen.add((attempt, number))
             self.out.flush()
             self.err.write(f"executor {number}: exit code {code}\n")
 
     def _print_streams(self, number: int, log: dict[str, Any]) -> None:
-        for stream, target in (("stdout", self.out), ("stderr", self.err)):
+        for stream in ("stdout", "stderr"):
             text = log.get(stream) or ""
-            target.write(new_text(self.shown.get((number, stream), ""), text))
+            self.text.write(number, stream, new_text(self.shown.get((number, stream), ""), text))
             self.shown[(number, stream)] = text
 
 
@@ -276,13 +320,17 @@ class LiveOutput:
     def __init__(self, client: TesClient, task_id: str, out: TextIO, err: TextIO):
         self.client = client
         self.task_id = task_id
-        self.targets = {"stdout": out, "stderr": err}
+        self.text = ExecutorText(out, err)
         self.attempt: int | None = None
-        self.position = {stream: (0, 0) for stream in self.targets}  # (executor, offset)
+        self.position = {stream: (0, 0) for stream in self.text.targets}  # (executor, offset)
 
-    def _read(self, executor: int, stream: str, offset: int) -> dict[str, Any]:
+    def _read(
+        self, executor: int, stream: str, offset: int, max_bytes: int | None = None
+    ) -> dict[str, Any]:
         try:
-            return self.client.output(self.task_id, executor=executor, stream=stream, offset=offset)
+            return self.client.output(
+                self.task_id, executor=executor, stream=stream, offset=offset, max_bytes=max_bytes
+            )
         except TesError as exc:
             if self.attempt is None and exc.status in (404, 405, 501):
                 raise OutputUnsupported(str(exc)) from None
@@ -293,11 +341,46 @@ class LiveOutput:
         every executor's streams to their ends. An executor whose files are gone (a task
         directory cleaned up) or were never seen here gives its log from the task document."""
         executors = max(len(task.get("executors") or []), 1)
-        attempts = task.get("logs") or []
-        documented = ((attempts[-1] or {}).get("logs") or []) if attempts else []
-        for stream, target in self.targets.items():
+        self.text.several = executors > 1
+        documented = _last_attempt_logs(task)
+        for stream, target in self.text.targets.items():
             self._read_on(stream, executors, documented, final=final)
             target.flush()
+
+    def whole(self, task: dict[str, Any], printer: LogPrinter) -> None:
+        """What `logs` prints: executor by executor, its streams from their start to where they
+        end now, then its exit code (through `printer`), whatever the task's state. An executor
+        whose files are gone gives its log from the task document."""
+        executors = max(len(task.get("executors") or []), 1)
+        self.text.several = executors > 1
+        documented = _last_attempt_logs(task)
+        for executor in range(executors):
+            for stream, target in self.text.targets.items():
+                try:
+                    started = self._read_whole(executor, stream)
+                except TesError as exc:
+                    if exc.status not in UNREADABLE_NOW:
+                        raise
+                    self.text.targets["stderr"].write(f"tes-bridge task: {exc}\n")
+                    started = False
+                if not started and executor < len(documented):
+                    self.text.write(executor, stream, _documented(documented, executor, stream))
+                target.flush()
+            printer.exit_code(task, executor)
+
+    def _read_whole(self, executor: int, stream: str) -> bool:
+        """Print `stream` of `executor` from its start to its size at the first read (one that
+        still grows is not chased); whether the executor has started."""
+        offset, end = 0, None
+        while True:
+            answer = self._read(executor, stream, offset, WHOLE_READ_BYTES)
+            self.attempt = int(answer.get("attempt") or 1)
+            self.text.write(executor, stream, str(answer.get("text") or ""))
+            next_offset = int(answer.get("next_offset") or 0)
+            end = int(answer.get("size") or 0) if end is None else end
+            if not offset < next_offset < end:
+                return bool(answer.get("started"))
+            offset = next_offset
 
     def _read_on(self, stream: str, executors: int, documented: list[Any], *, final: bool) -> None:
         """Print `stream` from where it stopped, executor after executor, up to the end of
@@ -308,7 +391,7 @@ class LiveOutput:
             if self._new_attempt(int(answer.get("attempt") or 1)):
                 continue
             if not answer.get("started") and final and executor < len(documented):
-                self.targets[stream].write(str((documented[executor] or {}).get(stream) or ""))
+                self.text.write(executor, stream, _documented(documented, executor, stream))
                 self.position[stream] = (executor + 1, 0)
                 continue
             if not self._print(stream, answer, final=final):
@@ -319,18 +402,18 @@ class LiveOutput:
         again from the first executor."""
         moved = self.attempt is not None and attempt != self.attempt
         if moved:
-            self.targets["stderr"].write(f"--- attempt {attempt} ---\n")
-            self.position = {s: (0, 0) for s in self.targets}
+            self.text.targets["stderr"].write(f"--- attempt {attempt} ---\n")
+            self.text.new_attempt()
+            self.position = {s: (0, 0) for s in self.text.targets}
         self.attempt = attempt
         return moved
 
     def _print(self, stream: str, answer: dict[str, Any], *, final: bool) -> bool:
         """Print one read of the current executor's `stream` and move past it; False while
         that executor is still writing (read on at the next step)."""
-        target = self.targets[stream]
-        target.write(str(answer.get("text") or ""))
-        target.flush()
         executor = self.position[stream][0]
+        self.text.write(executor, stream, str(answer.get("text") or ""))
+        self.text.targets[stream].flush()
         next_offset = int(answer.get("next_offset") or 0)
         self.position[stream] = (executor, next_offset)
         if next_offset < int(answer.get("size") or 0):
@@ -339,6 +422,19 @@ class LiveOutput:
             return False
         self.position[stream] = (executor + 1, 0)
         return True
+
+
+def print_logs(client: TesClient, task: dict[str, Any], *, out: TextIO, err: TextIO) -> None:
+    """What `logs` prints: the last attempt's executors in order, each one's stdout and stderr
+    as far as written and its exit code, then the system logs. The streams are whole from
+    the server's output endpoint; from other servers, what the task document keeps."""
+    printer = LogPrinter(out, err)
+    try:
+        LiveOutput(client, str(task.get("id")), out, err).whole(task, printer)
+    except OutputUnsupported:
+        printer.show(task)
+        return
+    printer.show(task, streams=False)
 
 
 def follow_logs(

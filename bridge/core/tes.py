@@ -38,7 +38,9 @@ from pydantic import (
     model_validator,
 )
 
+from bridge.core.drs import DrsUriError, is_drs_url, parse_drs_uri, resolve
 from bridge.core.naming import FileUrlError, has_wildcards, is_local_url, local_path
+from bridge.core.reasons import REASON_KEY, task_reason
 
 
 class State(StrEnum):
@@ -434,13 +436,17 @@ def validate_task(
     refuse_unsupported_backend_parameters: bool = False,
     allowed_dirs: Iterable[str] | None = None,
     local_image_dirs: Iterable[str] = (),
+    drs_prefixes: Mapping[str, str] | None = None,
 ) -> ValidatedTask:
     """Check a posted task and return the document to store, or raise TaskValidationError.
 
     With `allowed_dirs` (the deployment's storage.allowed_dirs), a `file://` URL or bare path
     must lie inside one of them (judged lexically; the job side judges again after resolving
-    links). An executor image that is an absolute path must be a `.sif` file inside one of
-    `local_image_dirs` (container.local_image_dirs), links resolved."""
+    links). A `drs://` input must be a DRS URI the job side can resolve: hostname-based, or a
+    compact identifier whose prefix is one of `drs_prefixes` (staging.drs_prefixes); DRS is
+    read-only, so no output goes to one. An executor image that is an absolute path must be a
+    `.sif` file inside one of `local_image_dirs` (container.local_image_dirs), links
+    resolved."""
     if not isinstance(body, dict):
         raise TaskValidationError([("", "the request body must be a JSON object (a tesTask)")])
     oversized = _oversized_collections(body, limits)
@@ -452,6 +458,7 @@ def validate_task(
     problems = _check_limits(model, limits)
     if allowed_dirs is not None:
         problems += _check_local_urls(model, [d.rstrip("/") or "/" for d in allowed_dirs])
+    problems += _check_drs_urls(model, drs_prefixes or {})
     image_dirs = list(local_image_dirs)
     for index, executor in enumerate(model.executors):
         if executor.image.startswith("/"):
@@ -593,6 +600,22 @@ def _check_local_urls(model: TaskModel, allowed: list[str]) -> list[tuple[str, s
     return problems
 
 
+def _check_drs_urls(model: TaskModel, prefixes: Mapping[str, str]) -> list[tuple[str, str]]:
+    problems = []
+    for index, item in enumerate(model.inputs or ()):
+        if item.url and is_drs_url(item.url):
+            try:
+                resolve(parse_drs_uri(item.url), prefixes)
+            except DrsUriError as exc:
+                problems.append((f"inputs[{index}].url", str(exc)))
+    for index, output in enumerate(model.outputs or ()):
+        if is_drs_url(output.url):
+            problems.append(
+                (f"outputs[{index}].url", "DRS is read-only: an output cannot go to a drs:// URI")
+            )
+    return problems
+
+
 #: Keys people write for what TES asks elsewhere (difflib would suggest `gpus` for `cpus`).
 _TES_FIELDS = {
     **dict.fromkeys(("cpus", "cpu", "ncpus", "cores", "cpus_per_task"), "resources.cpu_cores"),
@@ -710,13 +733,24 @@ def render_task(
             value = {**value, "cpu_cores": math.ceil(value["cpu_cores"])}
         task[key] = value
     if logs:
-        # A final task waits for nothing: a condition line left by a path the poller never
-        # follows (a task canceled while it waited to be submitted) is not shown.
-        final = state in {s.value for s in TERMINAL_STATES}
-        task["logs"] = [_render_task_log(entry, view, final=final) for entry in logs]
+        task["logs"] = _render_logs(state, logs, view)
     if creation_time:
         task["creation_time"] = creation_time
     return task
+
+
+def _render_logs(state: str, logs: list[dict[str, Any]], view: View) -> list[dict[str, Any]]:
+    """The task's logs in `view`; a final task's last attempt says why it ended so in its
+    metadata (bridge.core.reasons), for the lists, which read no system logs."""
+    # A final task waits for nothing: a condition line left by a path the poller never
+    # follows (a task canceled while it waited to be submitted) is not shown.
+    final = state in {s.value for s in TERMINAL_STATES}
+    rendered = [_render_task_log(entry, view, final=final) for entry in logs]
+    reason = task_reason(state, logs) if final else ""
+    if reason:
+        last = rendered[-1]
+        last["metadata"] = {**(last.get("metadata") or {}), REASON_KEY: reason}
+    return rendered
 
 
 def _without_conditions(entry: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -7,7 +7,9 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
 - ``adopt --work-dir WORK --task-dir DIR``: create DIR (0700) as the owner and write the
   rendered task.json, job-config.json and job.sh into it, read as one JSON object from stdin;
 - ``read-records --work-dir WORK --tail-bytes N DIR:JOBID...``: the records of those jobs, as
-  JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks);
+  JSON on stdout (one call per owner and poll cycle, for all of that owner's running tasks),
+  with N bytes of each executor stream (its excerpt, bridge.job.excerpt: the option keeps its
+  older name, which the sudo rule pins);
 - ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
 - ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at token N (a lease epoch,
   or a lone poller's clock in ms): a job whose sbatch started before stands down
@@ -145,7 +147,7 @@ def records_from_json(data: dict[str, Any]) -> JobRecords:
     )
 
 
-def read_many(pairs: list[str], tail_bytes: int, work_dir: str) -> dict[str, Any]:
+def read_many(pairs: list[str], keep_bytes: int, work_dir: str) -> dict[str, Any]:
     """`DIR:JOBID` pairs -> {"DIR:JOBID": records}; an unreadable directory is left out."""
     result: dict[str, Any] = {}
     for pair in pairs:
@@ -155,7 +157,7 @@ def read_many(pairs: list[str], tail_bytes: int, work_dir: str) -> dict[str, Any
         task_dir = _task_dir(directory, work_dir)
         try:
             _own_dir(task_dir)
-            result[pair] = records_to_json(read_records(task_dir, job_id, tail_bytes=tail_bytes))
+            result[pair] = records_to_json(read_records(task_dir, job_id, keep_bytes=keep_bytes))
         except (OSError, OwnerError):
             continue
     return result

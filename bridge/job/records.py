@@ -13,7 +13,8 @@ line, which the reader skips)::
     outputs.jsonl                  {"url": ..., "path": ..., "size_bytes": "123"}
     executors/<N>/start_time, end_time, exit_code
     executors/<N>/stdout, stderr   the full streams, unless the executor named its own
-                                   stdout/stderr path (then that file under root/ holds it)
+                                   stdout/stderr path (then that file under root/ holds it);
+                                   the reader keeps an excerpt of each (bridge.job.excerpt)
 
 Everything is written by the job script (bash) and by `python -m bridge.job` on the node.
 """
@@ -29,6 +30,7 @@ from typing import Any, Literal, TypeGuard, get_args
 
 from bridge.core.naming import format_time_now
 from bridge.job import safepath
+from bridge.job.excerpt import read_excerpt
 from bridge.job.layout import LayoutError, TaskLayout, relative_parts
 
 Outcome = Literal["complete", "executor_error", "system_error"]
@@ -92,7 +94,8 @@ class ExecutorRecord:
     end_time: datetime | None = None
     #: None while the executor runs (or when the job was killed during it).
     exit_code: int | None = None
-    #: The last `tail_bytes` of each stream, decoded with errors="replace".
+    #: What the task document keeps of each stream (bridge.job.excerpt): all of it, or its
+    #: head and tail around a line that says what was left out; invalid UTF-8 replaced.
     stdout: str = ""
     stderr: str = ""
 
@@ -180,21 +183,27 @@ def _stdio_paths(layout: TaskLayout) -> list[dict[str, str]]:
         return []
 
 
-def _stream_tail(
-    layout: TaskLayout, records_dir: Path, index: int, stream: str, own: str | None, tail: int
+def _stream_excerpt(
+    layout: TaskLayout, records_dir: Path, index: int, stream: str, own: str | None, keep: int
 ) -> str:
     try:
         if own:
-            data = safepath.read_tail(layout.root, relative_parts(own), tail)
+            fd = safepath.open_read(layout.root, relative_parts(own))
         else:
-            data = safepath.read_tail_path(executor_dir(records_dir, index) / stream, tail)
+            fd = safepath.open_read_path(executor_dir(records_dir, index) / stream)
     except (OSError, LayoutError):
         return ""
-    return data.decode("utf-8", errors="replace")
+    try:
+        return read_excerpt(fd, keep, task_id=layout.task_dir.name, index=index, stream=stream)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
-def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
-    """Everything one job run recorded so far; robust to partial files, never raises on them."""
+def read_records(task_dir: Path, job_id: str, *, keep_bytes: int) -> JobRecords:
+    """Everything one job run recorded so far, with `keep_bytes` of each executor stream (its
+    excerpt); robust to partial files, never raises on them."""
     layout = TaskLayout(task_dir)
     records = JobRecords(job_id=job_id)
     try:
@@ -221,11 +230,11 @@ def read_records(task_dir: Path, job_id: str, *, tail_bytes: int) -> JobRecords:
                 start_time=_parse_time(_read_small(edir / "start_time", 256)),
                 end_time=_parse_time(_read_small(edir / "end_time", 256)),
                 exit_code=_parse_int(_read_small(edir / "exit_code", 256)),
-                stdout=_stream_tail(
-                    layout, records_dir, index, "stdout", own.get("stdout"), tail_bytes
+                stdout=_stream_excerpt(
+                    layout, records_dir, index, "stdout", own.get("stdout"), keep_bytes
                 ),
-                stderr=_stream_tail(
-                    layout, records_dir, index, "stderr", own.get("stderr"), tail_bytes
+                stderr=_stream_excerpt(
+                    layout, records_dir, index, "stderr", own.get("stderr"), keep_bytes
                 ),
             )
         )

@@ -3,7 +3,7 @@
 After the first executor ran, everything under `root/` is controlled by the task: an executor
 can replace `/outputs/out.txt` by a link to `/etc/shadow` (a link that the host, not the
 container, would resolve). Every access to `root/` made after that point on the host (stdio
-redirections, stage-out, the poller reading output tails) walks the path one component at a
+redirections, stage-out, the poller reading output excerpts) walks the path one component at a
 time with `O_NOFOLLOW` relative to the parent's descriptor, so a link anywhere on the way is an
 error instead of an escape.
 """
@@ -143,15 +143,6 @@ def open_write(root: Path, parts: Sequence[str], *, mode: int = 0o644, append: b
     return _regular_and_blocking(fd, name)
 
 
-def read_tail(root: Path, parts: Sequence[str], tail_bytes: int) -> bytes:
-    """The last `tail_bytes` bytes of a regular file under root (links refused)."""
-    fd = open_read(root, parts)
-    try:
-        return _tail_fd(fd, tail_bytes)
-    finally:
-        os.close(fd)
-
-
 def _tail_fd(fd: int, tail_bytes: int) -> bytes:
     if tail_bytes <= 0:
         return b""
@@ -168,12 +159,17 @@ def _tail_fd(fd: int, tail_bytes: int) -> bytes:
     return b"".join(chunks)[-tail_bytes:]
 
 
+def open_read_path(path: Path) -> int:
+    """Open a trusted path (records/) for reading, still refusing a link at the last component
+    and anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _regular_and_blocking(fd, str(path))
+
+
 def read_tail_path(path: Path, tail_bytes: int) -> bytes:
     """The tail of a trusted path (records/), still refusing a link at the last component."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_read_path(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafePathError(errno.EINVAL, f"{path} is not a regular file")
         return _tail_fd(fd, tail_bytes)
     finally:
         os.close(fd)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bridge.core.reasons import IMAGE_UNREADABLE
 from bridge.job import safepath
 from bridge.job.items import TaskInput, TaskOutput, items
 from bridge.job.layout import LayoutError, TaskLayout, has_wildcards, relative_parts, static_dir
@@ -92,7 +93,7 @@ def _preflight(settings: JobSettings, log: RecordsWriter) -> bool:
         ok = False
     for image in settings.images:
         if not os.access(image, os.R_OK):
-            log.system_log(f"container image {image} is not readable on this node")
+            log.system_log(f"{IMAGE_UNREADABLE}: {image}")
             ok = False
     return ok
 

@@ -248,7 +248,7 @@ def directives_and_rule(
     _with_defaults(values, typed.resources, config)
     _resource_values(values, typed.resources, config, nodes)
     directives = [
-        f"--job-name={job_name(typed.id)}",
+        f"--job-name={job_name(typed.id, typed.model.name)}",
         f"--output={layout.slurm_output}",
         f"--chdir={task_dir}",
         # Each attempt is its own TES log entry: the poller, not Slurm, decides to run again.

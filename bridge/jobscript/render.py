@@ -25,7 +25,7 @@ import jinja2
 
 import bridge
 from bridge.config import Config
-from bridge.core import backend_params
+from bridge.core import backend_params, naming, reasons
 from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
 from bridge.core.tes import ExecutorModel
 from bridge.job.layout import LEASE_FENCE, TaskLayout, write_atomically
@@ -41,6 +41,17 @@ JOB_MODULE = "bridge.job"
 #: Variables Slurm sets for a job's GPUs, passed into the executors of a task that asks for
 #: GPUs (the runtime's --cleanenv drops the job's environment).
 GPU_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS")
+#: How the job script says that the task failed: its exit codes (what sacct shows) and the
+#: system_logs lines that give a task its reason (bridge.core.reasons).
+_ENDINGS: dict[str, object] = {
+    "stage_in_exit_code": naming.STAGE_IN_EXIT_CODE,
+    "scratch_exit_code": naming.SCRATCH_EXIT_CODE,
+    "stage_out_exit_code": naming.STAGE_OUT_EXIT_CODE,
+    "stage_in_failed": reasons.STAGE_IN_FAILED,
+    "stage_out_failed": reasons.STAGE_OUT_FAILED,
+    "image_unreadable": reasons.IMAGE_UNREADABLE,
+    "oom_killed": reasons.OOM_KILLED,
+}
 
 
 def _memory_asked(ram_gb: float | None) -> str:
@@ -227,6 +238,7 @@ def render_script(
         "scratch_prefix": f"tes-tmp-{typed.id}",
         "no_records_exit_code": NO_RECORDS_EXIT_CODE,
         "superseded_exit_code": SUPERSEDED_EXIT_CODE,
+        **_ENDINGS,
         "lease_epoch_arg": LEASE_EPOCH_ARG,
         "lease_fence": LEASE_FENCE,
         "scratch_mountpoints": plan.scratch_mountpoints,

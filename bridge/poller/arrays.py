@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.core import backend_params
+from bridge.core.naming import job_name
 from bridge.job.layout import write_atomically
 from bridge.jobscript.array import read_directives, render_array_script, shape
 from bridge.poller.attempt import TaskLogs
@@ -41,7 +42,11 @@ ARRAY_NAME_KEY = "slurm_array_name"
 ARRAY_INDEX_KEY = "slurm_array_index"
 #: The array's own job id (the task's job is `ID_I`).
 ARRAY_JOB_KEY = "slurm_array_job_id"
-_MARKS = (ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY)
+#: The attempt's metadata while its sbatch runs, and after, for a job of its own: the job's
+#: name (`naming.job_name`: the task's name first). An attempt without it (nor an array's name)
+#: was submitted by an earlier version, as `tes-<task id>`.
+JOB_NAME_KEY = "slurm_job_name"
+_MARKS = (ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY, JOB_NAME_KEY)
 #: Slurm's own ceiling of MaxArraySize.
 MAX_ANY = 4_000_001
 
@@ -82,26 +87,43 @@ class Plan:
 _ALONE = object()
 
 
+def _attempt_metadata(task: TaskRecord) -> dict[str, str]:
+    if not task.logs:
+        return {}
+    return TaskLogs(task.logs).attempt(max(task.attempt, 1)).metadata or {}
+
+
 def array_mark(task: TaskRecord) -> tuple[str, str] | None:
     """The array name and element index its current attempt's sbatch was given, if any."""
-    if not task.logs:
-        return None
-    metadata = TaskLogs(task.logs).attempt(max(task.attempt, 1)).metadata or {}
+    metadata = _attempt_metadata(task)
     name, index = metadata.get(ARRAY_NAME_KEY), metadata.get(ARRAY_INDEX_KEY)
     return (name, index) if name and index is not None else None
 
 
-def marked_logs(task: TaskRecord, attempt: int, mark: tuple[str, int] | None) -> Any:
-    """The task's logs with attempt `attempt` marked as element `mark` of an array (None: as a
-    job of its own, the marks of an earlier submission removed); None when nothing changes."""
+def submitted_name(task: TaskRecord) -> str:
+    """The name its current attempt's job was given (an array's element carries the array's);
+    `tes-<task id>` for a job an earlier version submitted, which stored no name."""
+    mark = array_mark(task)
+    if mark is not None:
+        return mark[0]
+    return _attempt_metadata(task).get(JOB_NAME_KEY) or job_name(task.id)
+
+
+def marked_logs(task: TaskRecord, attempt: int, mark: tuple[str, int | None]) -> Any:
+    """The task's logs with attempt `attempt` marked with the name its job is given, and the
+    element `mark[1]` of the array `mark[0]` (None: a job of its own, named `mark[0]`), the marks
+    of an earlier submission removed; None when nothing changes."""
     logs = TaskLogs(task.logs)
     metadata = logs.attempt(attempt).ensure_metadata()
     before = {key: metadata.get(key) for key in _MARKS}
     for key in _MARKS:
         metadata.pop(key, None)
-    if mark is not None:
-        metadata[ARRAY_NAME_KEY] = mark[0]
-        metadata[ARRAY_INDEX_KEY] = str(mark[1])
+    name, element = mark
+    if element is None:
+        metadata[JOB_NAME_KEY] = name
+    else:
+        metadata[ARRAY_NAME_KEY] = name
+        metadata[ARRAY_INDEX_KEY] = str(element)
     if {key: metadata.get(key) for key in _MARKS} == before:
         return None
     return logs.to_json()

@@ -11,6 +11,7 @@ from typing import Any
 
 from bridge import slurm
 from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE, format_time
+from bridge.core.reasons import CANCELED_OUTSIDE, NEVER_STARTS
 from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
 from bridge.poller.attempt import AttemptLog, Condition, ConditionKind
@@ -152,7 +153,7 @@ def _decide_ended(
             return Decision(State.QUEUED, [f"{ended}; submitting it again"], retry=True)
         return Decision(State.SYSTEM_ERROR, [f"{ended}; no retries left ({retries})"])
     if job.state == "CANCELLED":
-        return Decision(State.CANCELED, [f"{ended}: canceled outside tes-bridge"])
+        return Decision(State.CANCELED, [f"{ended}: {CANCELED_OUTSIDE}"])
     if job.state in ("TIMEOUT", "OUT_OF_MEMORY"):
         why = "ran out of memory"
         if job.state == "TIMEOUT":
@@ -214,8 +215,9 @@ def _ended_by_an_id_given_out_twice(job: JobInfo, records: JobRecords) -> str | 
 
 def _script_exited_with(job: JobInfo, records: JobRecords, code: int) -> bool:
     """The job script itself ended with one of its own exit codes, before recording an outcome.
-    Only the script exits with them (an executor's or a staging command's code is recorded,
-    never passed on), and never once its outcome is written."""
+    The script passes an executor's exit code on (so that sacct shows the job FAILED with it)
+    only after it wrote the task's outcome, which decides then (`decide`): without an outcome,
+    the code is the script's own."""
     return (
         job.state == "FAILED"
         and job.exit_code == code
@@ -242,7 +244,7 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
         if job.reason in slurm.HOPELESS_PENDING_REASONS:
             return Decision(
                 State.SYSTEM_ERROR,
-                [f"Slurm job {job.job_id} can never start ({job.reason}); it was canceled"],
+                [f"Slurm job {job.job_id} {NEVER_STARTS} ({job.reason}); it was canceled"],
                 cancel_job=True,
             )
         if not job.reason:

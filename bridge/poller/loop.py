@@ -30,7 +30,7 @@ from bridge.poller.owners import OwnerRunner
 from bridge.poller.recover import Recovery
 from bridge.poller.submit import Submitter
 from bridge.slurm import SlurmBackend, SlurmClient
-from bridge.store import SQLITE_ONE_NODE, Store, unavailable_reason
+from bridge.store import POLLER_LOCK, SQLITE_ONE_NODE, Store, unavailable_reason
 from bridge.system import metrics
 from bridge.system.budget import CallBudget
 from bridge.system.relay import Handler, RelayServer
@@ -292,7 +292,7 @@ def run_poller(config: Config, *, once: bool = False) -> int:
     store = Store.from_url(config.database_url)
     lock: PollerLock | None = None
     if store.is_sqlite:
-        lock = PollerLock(config.state_dir / "poller.lock")
+        lock = PollerLock(config.state_dir / POLLER_LOCK)
         if not lock.acquire():
             log.error("another poller already runs for %s; exiting", config.state_dir)
             return 1

@@ -105,11 +105,11 @@ class OwnerRunner:
         for task in tasks:
             if task.owner and task.job_id:
                 by_owner.setdefault(task.owner, []).append(task)
-        tail = str(self.config.job.log_tail_bytes)
+        keep = str(self.config.job.log_tail_bytes)
         for owner, owned in by_owner.items():
             pairs = {f"{self.config.work_dir / t.id}:{t.job_id}": t for t in owned}
             try:
-                out = self.run(owner, ["read-records", "--tail-bytes", tail, *pairs])
+                out = self.run(owner, ["read-records", "--tail-bytes", keep, *pairs])
                 for pair, data in json.loads(out).items():
                     if pair in pairs:
                         found[pairs[pair].id] = records_from_json(data)

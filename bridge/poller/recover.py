@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from bridge.core.naming import job_name
 from bridge.job.layout import write_lease_fence
-from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index
+from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index, submitted_name
 from bridge.poller.attempt import AttemptLog, TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
@@ -62,7 +61,7 @@ class Recovery:
         names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
         for task in pending:
             mark = array_mark(task)
-            name, index = mark if mark else (job_name(task.id), None)
+            name, index = mark if mark else (submitted_name(task), None)
             names.setdefault(name, []).append((task, index))
         # Fenced before this look: a job of the old leader not found now stands down.
         fenced = self._fenced_now()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from bridge.core.naming import job_name
 from bridge.core.tes import State
 from bridge.job.records import JobRecords, read_records
-from bridge.poller.arrays import array_mark
+from bridge.poller.arrays import submitted_name
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import in_queue
 from bridge.poller.owners import OwnerRunner
@@ -139,7 +138,7 @@ class JobWatch:
     def holds(self, task: TaskRecord) -> bool:
         """squeue's last word has the task's job pending, running or completing."""
         assert task.job_id is not None
-        return _held(self._queue.get(task.job_id), _job_name_of(task))
+        return _held(self._queue.get(task.job_id), submitted_name(task))
 
     def note_leaving(self, task: TaskRecord) -> None:
         """The task is decided, but Slurm may still hold its job: admission counts the job
@@ -148,12 +147,12 @@ class JobWatch:
         assert task.job_id is not None
         if not self.ctx.admission_control:
             return
-        self.ctx.jobs_leaving[(task.job_id, _job_name_of(task))] = task.owner
+        self.ctx.jobs_leaving[(task.job_id, submitted_name(task))] = task.owner
 
     def job_of(self, task: TaskRecord) -> JobInfo | None:
         """What Slurm says of the task's job (by its id and its name)."""
         assert task.job_id is not None
-        return self.job(task.job_id, _job_name_of(task))
+        return self.job(task.job_id, submitted_name(task))
 
     def final_record(self, job_id: str) -> JobInfo | None:
         """sacct's record of a finished job, when it has one."""
@@ -163,7 +162,7 @@ class JobWatch:
     def missing_for(self, task: TaskRecord) -> float | None:
         """How long neither squeue nor sacct has known the task's job; None while one does."""
         assert task.job_id is not None
-        since = self._missing_since.get((task.job_id, _job_name_of(task)))
+        since = self._missing_since.get((task.job_id, submitted_name(task)))
         return None if since is None else self.ctx.clock() - since
 
     def records(self, task: TaskRecord) -> JobRecords:
@@ -179,8 +178,8 @@ class JobWatch:
         """What the task's job recorded, read now whatever Slurm last said (not in site mode,
         where only the job's owner may read them)."""
         assert task.job_id is not None
-        tail = self.ctx.config.job.log_tail_bytes
-        return read_records(self.ctx.task_dir(task.id), task.job_id, tail_bytes=tail)
+        keep = self.ctx.config.job.log_tail_bytes
+        return read_records(self.ctx.task_dir(task.id), task.job_id, keep_bytes=keep)
 
 
 def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
@@ -193,13 +192,7 @@ def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
 
 
 def _job_keys(tasks: list[TaskRecord]) -> list[tuple[str, str]]:
-    return [(t.job_id, _job_name_of(t)) for t in tasks if t.job_id]
-
-
-def _job_name_of(task: TaskRecord) -> str:
-    """The name its job was given: an array's element carries the array's name."""
-    mark = array_mark(task)
-    return mark[0] if mark else job_name(task.id)
+    return [(t.job_id, submitted_name(t)) for t in tasks if t.job_id]
 
 
 def _named(info: JobInfo | None, name: str | None) -> JobInfo | None:

@@ -43,8 +43,9 @@ SLURM_TO_TES: dict[str, str] = {
     "STOPPED": "PAUSED",
     # The script exited 0. The job's own records still decide between COMPLETE and an error.
     "COMPLETED": "COMPLETE",
-    # The batch script exited non-zero. The bridge's job script exits 0 after an executor
-    # failure and non-zero after a staging one; its records tell which.
+    # The batch script exited non-zero. The bridge's job script exits with the failing
+    # executor's code, or with its own for a staging failure (docs/states.md); its records
+    # tell which, and its recorded outcome decides.
     "FAILED": "EXECUTOR_ERROR",
     "CANCELLED": "CANCELED",
     # The time limit ended the executors: running it again the same way would end the same way.

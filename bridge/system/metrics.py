@@ -21,6 +21,7 @@ import os
 import struct
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
@@ -203,8 +204,10 @@ TASKS_FINISHED = Counter(
 )
 # The poller alone sets these gauges; "mostrecent" keeps the value of its last write, whatever
 # process wrote it (a restarted poller's files replace the old one's values).
+#: The heartbeat's name (read back by `read_heartbeat`).
+HEARTBEAT = "tes_bridge_poller_last_cycle_timestamp_seconds"
 POLLER_LAST_CYCLE = Gauge(
-    "tes_bridge_poller_last_cycle_timestamp_seconds",
+    HEARTBEAT,
     "Unix time at which the poller last finished a cycle (its heartbeat).",
     multiprocess_mode="max",
 )
@@ -338,6 +341,19 @@ def observe_task_change(
         run = _seconds_between(started, attempt_log.get("end_time"))
         if run is not None and run >= 0:
             RUN_TIME.observe(run)
+
+
+def read_heartbeat(directory: Path) -> float | None:
+    """The poller's heartbeat in a metrics directory, read as a scrape reads it (the newest
+    of every process's files) and without writing: for `tes-bridge check`. None: no poller
+    has recorded a cycle there."""
+    if not directory.is_dir():
+        return None
+    for metric in MultiProcessCollector(None, path=str(directory)).collect():
+        if metric.name == HEARTBEAT:
+            newest = max((sample.value for sample in metric.samples), default=0.0)
+            return newest or None
+    return None
 
 
 def registry() -> CollectorRegistry:

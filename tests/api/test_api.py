@@ -73,7 +73,7 @@ def test_service_info_has_the_ga4gh_fields(client):
     assert info["organization"]["url"].startswith("https://")
     # Derived from [staging] by default: each enabled protocol; file:// only per directory,
     # and this server has none.
-    assert info["storage"] == ["http://", "https://", "s3://", "ftp://"]
+    assert info["storage"] == ["http://", "https://", "s3://", "ftp://", "drs://"]
     assert "partition" in info["tesResources_backend_parameters"]
     assert "contactUrl" not in info
     assert_no_nulls(info)

@@ -488,6 +488,13 @@ def test_who_canceled_a_task_is_in_its_system_logs(
     assert system_logs(first) == ["canceled by tesadmin (an administrator)"]
     assert system_logs(second) == ["canceled by tesalice"]
     assert f"task {first} canceled by tesadmin" in caplog.text
+    # The lists (BASIC view) say who in the reason column.
+    listed = basic_client.simulate_get(f"{API}/tasks?view=BASIC", headers=alice).json["tasks"]
+    reasons = {t["id"]: t["logs"][-1]["metadata"]["reason"] for t in listed}
+    assert reasons == {
+        first: "canceled by tesadmin (an administrator)",
+        second: "canceled by tesalice",
+    }
     # A task that had ended is not canceled again, and says nothing more.
     basic_client.simulate_post(f"{API}/tasks/{first}:cancel", headers=alice)
     assert system_logs(first) == ["canceled by tesadmin (an administrator)"]

@@ -213,11 +213,52 @@ def test_list_filters_follows_page_tokens_and_prints_a_table(server: Server):
     table = tes_task(server.url, "list", "--name-prefix", prefix, "--page-size", "2")
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
-        "ID", "STATE", "CREATED", "(UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "NAME"
+        "ID", "STATE", "CREATED", "(UTC)", "JOBID", "ELAPSED", "EXIT", "MAXMEM", "REASON", "NAME"
     ]  # fmt: skip
     assert [line.split()[0] for line in lines[1:]] == newest_first
     assert lines[1].split()[1] == "QUEUED" and lines[1].split()[-1] == f"{prefix}-4"
     assert lines[4].split()[1] == "CANCELED"
+
+
+def test_list_says_why_each_task_failed_and_what_it_used(server: Server):
+    """The server's reason of each final task (its last attempt's metadata in the BASIC view),
+    the cgroup's peak where sacct's MaxRSS is 0 (a job shorter than one sample), and the
+    elapsed time as sacct writes it."""
+    prefix = unique("why")
+    timed_out, failed, done = (server.create(name=f"{prefix}-{n}") for n in range(3))
+    facts = {"slurm_job_id": "4711", "slurm_max_rss_bytes": "0", "slurm_elapsed_seconds": "5"}
+    server.update(
+        timed_out,
+        state="EXECUTOR_ERROR",
+        logs=[{"logs": [], "metadata": {**facts, "slurm_state": "TIMEOUT"}}],
+    )
+    server.update(
+        failed,
+        state="EXECUTOR_ERROR",
+        logs=[
+            {
+                "logs": [{"exit_code": 0}, {"exit_code": 42}],
+                "metadata": {**facts, "memory_peak_bytes": "225443840", "slurm_state": "FAILED"},
+            }
+        ],
+    )
+    server.update(done, state="COMPLETE", logs=[{"logs": [{"exit_code": 0}], "metadata": facts}])
+    lines = tes_task(server.url, "list", "--name-prefix", prefix).stdout.splitlines()
+    at = {column: lines[0].index(column) for column in ("ELAPSED", "EXIT", "MAXMEM", "REASON")}
+    rows = {line.split()[0]: line for line in lines[1:]}
+
+    def cell(task_id: str, column: str) -> str:
+        return rows[task_id][at[column] :].split("  ")[0].strip()
+
+    assert [cell(timed_out, c) for c in at] == ["00:00:05", "", "", "TIMEOUT"]
+    assert [cell(failed, c) for c in at] == ["00:00:05", "42", "215.0M", "exit 42"]
+    assert [cell(done, c) for c in at] == ["00:00:05", "0", "", ""]
+    listed = json.loads(tes_task(server.url, "list", "--json", "--name-prefix", prefix).stdout)
+    assert {t["id"]: t["logs"][-1]["metadata"].get("reason") for t in listed} == {
+        timed_out: "TIMEOUT",
+        failed: "exit 42",
+        done: None,
+    }
 
 
 def test_get_prints_the_task_in_the_view_asked(server: Server):
@@ -480,7 +521,7 @@ def test_logs_prints_the_last_attempts_output_and_system_logs(server: Server):
 
 
 def test_logs_of_a_failed_task_show_exit_codes_and_exit_with_the_outcome(server: Server):
-    task_id = server.create()
+    task_id = server.create(executors=TWO_EXECUTORS)
     attempt = {
         "logs": [{"exit_code": 0, "stdout": "ok\n"}, {"exit_code": 2, "stderr": "no such file\n"}],
         "outputs": [],
@@ -488,11 +529,111 @@ def test_logs_of_a_failed_task_show_exit_codes_and_exit_with_the_outcome(server:
     server.update(task_id, state="EXECUTOR_ERROR", logs=[attempt])
     result = tes_task(server.url, "logs", task_id)
     assert result.returncode == 3
-    assert result.stdout == "ok\n"
+    assert result.stdout == "--- executor 0 stdout ---\nok\n"
     assert result.stderr == (
-        "executor 0: exit code 0\nno such file\nexecutor 1: exit code 2\n"
-        f"task {task_id}: EXECUTOR_ERROR\n"
+        "executor 0: exit code 0\n--- executor 1 stderr ---\nno such file\n"
+        f"executor 1: exit code 2\ntask {task_id}: EXECUTOR_ERROR\n"
     )
+
+
+TWO_EXECUTORS = [
+    {"image": "alpine", "command": ["sh", "-c", "echo one"]},
+    {"image": "alpine", "command": ["sh", "-c", "echo two"]},
+]
+
+
+def _job(server: Server, task_id: str, *, state: str, logs: list[Any], job: str = "77") -> Path:
+    """What the poller would have: the task's job `job` in `state`, with `logs`; the job's
+    executors' records directory (each executor's stdout and stderr files go there)."""
+    store = Store.from_url(f"sqlite:///{server.state_dir / 'tes-bridge.db'}")
+    try:
+        assert store.mark_submitting(task_id, attempt=1, now=0.0)
+        store.record_job(task_id, job, logs=logs)
+        assert store.update_task(task_id, state=state, logs=logs)
+    finally:
+        store.db.close()
+    records = server.state_dir / "work" / task_id / "records" / job / "executors"
+    records.mkdir(parents=True)
+    return records
+
+
+def _wrote(records: Path, executor: int, exit_code: int | None = None, **streams: bytes) -> None:
+    (records / str(executor)).mkdir()
+    for stream, data in streams.items():
+        (records / str(executor) / stream).write_bytes(data)
+    if exit_code is not None:
+        (records / str(executor) / "exit_code").write_text(f"{exit_code}\n")
+
+
+def test_logs_of_a_running_task_print_each_executors_output_so_far_under_a_header(
+    server: Server,
+):
+    task_id = server.create(executors=TWO_EXECUTORS)
+    attempt = {"logs": [{"exit_code": 0, "stdout": "one\n"}], "outputs": []}
+    records = _job(server, task_id, state="RUNNING", logs=[attempt])
+    _wrote(records, 0, 0, stdout=b"one\n")
+    _wrote(records, 1, stdout=b"two so far\n", stderr=b"warming up\n")
+    result = tes_task(server.url, "logs", task_id)
+    assert result.returncode == 0
+    assert (
+        result.stdout == "--- executor 0 stdout ---\none\n--- executor 1 stdout ---\ntwo so far\n"
+    )
+    assert result.stderr == (
+        "executor 0: exit code 0\n--- executor 1 stderr ---\nwarming up\n"
+        f"task {task_id} is RUNNING; --follow prints what comes\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "system"),
+    [
+        (
+            "EXECUTOR_ERROR",
+            3,
+            "Slurm job 77 ended in state TIMEOUT: the job reached its time limit (--time=1, "
+            "from resources.backend_parameters.time)",
+        ),
+        ("CANCELED", 5, "canceled"),
+    ],
+)
+def test_logs_of_a_stopped_executor_print_all_it_wrote(
+    server: Server, state: str, code: int, system: str
+):
+    """An executor stopped by its time limit or a cancel has no exit code, so no log in the
+    task document; what it wrote is still printed, whole: here the first line of 1.5 MB."""
+    task_id = server.create()
+    attempt = {"logs": [], "outputs": [], "system_logs": [system]}
+    records = _job(server, task_id, state=state, logs=[attempt])
+    stdout = b"Error: the first line\n" + b"".join(b"%07d\n" % n for n in range(190_000))
+    _wrote(records, 0, stdout=stdout, stderr=b"killed\n")
+    result = tes_task(server.url, "logs", task_id)
+    assert result.returncode == code
+    assert result.stdout.encode() == stdout  # one executor: no header
+    assert result.stderr == f"killed\nsystem: {system}\ntask {task_id}: {state}\n"
+
+
+def test_logs_of_an_unreadable_stream_say_why_and_print_what_the_document_keeps(
+    server: Server, tmp_path: Path
+):
+    task_id = server.create()
+    attempt = {"logs": [{"exit_code": 0, "stdout": "kept\n", "stderr": "also kept\n"}]}
+    records = _job(server, task_id, state="COMPLETE", logs=[{**attempt, "outputs": []}])
+    _wrote(records, 0, 0, stderr=b"whole\n")
+    (tmp_path / "elsewhere").write_text("not the task's\n")
+    (records / "0" / "stdout").symlink_to(tmp_path / "elsewhere")  # 409 from the endpoint
+    result = tes_task(server.url, "logs", task_id)
+    assert (result.returncode, result.stdout) == (0, "kept\n")
+    assert "409" in result.stderr and "not the task's" not in result.stderr
+    assert result.stderr.endswith("\nwhole\nexecutor 0: exit code 0\n")
+
+
+def test_logs_of_a_task_whose_files_are_gone_print_what_the_document_keeps(server: Server):
+    task_id = server.create()
+    kept = "Error: first\n[tes-bridge: 9 of 30 bytes left out here; the whole stdout: GET x]\nend\n"
+    attempt = {"logs": [{"exit_code": 1, "stdout": kept}], "outputs": []}
+    _job(server, task_id, state="EXECUTOR_ERROR", logs=[attempt])  # no files: removed
+    result = tes_task(server.url, "logs", task_id)
+    assert (result.returncode, result.stdout) == (3, kept)
 
 
 def test_list_takes_several_states_any_case_a_time_window_and_shows_slurm_facts(server: Server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bridge.api.app import create_app
 from bridge.api.metrics_api import TaskStates, scrape
 from bridge.cli.serve import prepare_metrics_dir
-from bridge.config import ConfigError, load_config
+from bridge.config import Config, ConfigError, load_config
 from bridge.store import Store
 from bridge.system import metrics
 from tests.fixtures.auth import PASSWORDS
@@ -139,7 +140,10 @@ def _basic(user: str, password: str) -> dict[str, str]:
 def test_serve_start_drops_the_files_of_dead_processes_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    # Set first, so that the variable prepare_metrics_dir sets is removed after the test (a
+    # later scrape in this process would read this test's empty files).
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
     directory = prepare_metrics_dir(config, wipe=False)
     assert oct(directory.stat().st_mode & 0o777) == "0o700"
@@ -236,3 +240,28 @@ def test_the_poller_gauges_heartbeat_work_dir_and_submission_round(
     text = scrape(dict)
     assert value(text, "tes_bridge_poller_last_cycle_timestamp_seconds") == 1_700_000_010.0
     assert value(text, "tes_bridge_work_dir_size_bytes") == stats.f_blocks * stats.f_frsize
+
+
+def test_the_oldest_queued_task_and_the_state_dir_are_read_at_scrape_time(
+    client: testing.TestClient, config: Config, store: Store
+) -> None:
+    """For the alerts on a task QUEUED too long and a full state directory (the SQLite
+    database's, the metrics files'): both read by the API that answers, for its own node."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    assert value(client.simulate_get("/metrics").text, AGE) == 0.0  # none QUEUED
+    first = client.simulate_post(f"{API}/tasks", json=TASK).json["id"]
+    client.simulate_post(f"{API}/tasks", json=TASK)
+    # The first task is the oldest: its age is read, not the newer one's.
+    with store.db.connection_context():
+        store.update_task(first, creation_time="2000-01-01T00:00:00+00:00")
+    text = client.simulate_get("/metrics").text
+    assert value(text, AGE) > time.time() - 946_684_800 - 60
+    stats = os.statvfs(config.state_dir)
+    assert value(text, "tes_bridge_state_dir_size_bytes") == stats.f_blocks * stats.f_frsize
+    assert 0 < value(text, "tes_bridge_state_dir_free_bytes") <= stats.f_blocks * stats.f_frsize
+    # Canceled, the oldest QUEUED task is the newer one.
+    client.simulate_post(f"{API}/tasks/{first}:cancel")
+    assert value(client.simulate_get("/metrics").text, AGE) < 60
+
+
+AGE = "tes_bridge_oldest_queued_task_age_seconds"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from falcon import testing
 
 from bridge.api.app import create_app
 from bridge.config import Config, load_config
+from bridge.job.records import read_records
 from bridge.store import Store
 
 API = "/ga4gh/tes/v1"
@@ -80,6 +82,32 @@ def test_output_is_read_in_ranges_while_the_executor_runs(client, config, store)
     assert _output(client, task_id, stream="stderr").json["text"] == "oops\n"
     (edir / "exit_code").write_text("0\n")
     assert _output(client, task_id, offset=21).json["done"] is True
+
+
+def test_the_cut_line_in_a_task_document_leads_to_the_whole_stream(client, config, store):
+    """What the poller keeps of a long stream (bridge.job.excerpt) names a path of this API;
+    read from there in ranges, the stream is whole."""
+    task_id = _task(client)
+    edir = _started(store, config, task_id)
+    data = b"Error: the first line\n" + b"".join(b"%d\n" % n for n in range(300_000))
+    (edir / "stderr").write_bytes(data)
+    (edir / "exit_code").write_text("1\n")
+    keep = config.job.log_tail_bytes
+    kept = read_records(config.work_dir / task_id, JOB, keep_bytes=keep).executors[0].stderr
+    assert kept.startswith("Error: the first line\n") and len(kept.encode()) < keep + 200
+    cut = re.search(r"^\[tes-bridge: ([\d,]+) of ([\d,]+) bytes .*: GET (\S+)\]$", kept, re.M)
+    assert cut and int(cut[2].replace(",", "")) == len(data)
+    path, _, query = cut[3].partition("?")
+    assert path == f"{API}/tasks/{task_id}/output"
+    whole, offset = "", 0
+    while offset < len(data):
+        answer = client.simulate_get(
+            path, query_string=f"{query}&offset={offset}&max_bytes=1048576"
+        )
+        assert answer.status_code == 200, answer.text
+        whole += answer.json["text"]
+        offset = answer.json["next_offset"]
+    assert whole.encode() == data and answer.json["done"] is True
 
 
 def test_a_character_split_by_the_range_waits_for_its_last_byte(client, config, store):

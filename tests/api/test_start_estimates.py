@@ -81,7 +81,7 @@ def test_slurm_says_where_and_when_the_task_would_start_and_nothing_is_created(
     # The job script the task would get, read by sbatch from stdin, for an id no task has.
     script, extra, user = slurm.tested[-1]
     assert "#SBATCH --cpus-per-task=2" in script and "#SBATCH --time=30" in script
-    assert "#SBATCH --qos=long" in script and "#SBATCH --job-name=tes-" in script
+    assert "#SBATCH --qos=long" in script and "#SBATCH --job-name=shape-tes-" in script
     assert (extra, user) == ([], None)
     assert sqlite_store.list_tasks(TaskFilter(), page_size=10)[0] == []
     assert slurm.jobs == {} and slurm.calls == ["sbatch", "sbatch"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from bridge.core.naming import job_name
 from bridge.slurm import SlurmClient
 from tests.cluster.test_multinode import kill_node, restore_nodes  # noqa: F401 (a fixture)
 from tests.cluster.test_reliability import (  # noqa: F401 (slow_service: a fixture)
@@ -227,8 +228,9 @@ def test_poller_killed_inside_the_arrays_sbatch_runs_every_task_once(warm_slow_s
         runs = list((service.work_dir / current["id"] / "records").glob("*/executors/0"))
         assert len(runs) == 1, (current["id"], runs)
     # Every array sbatch ever started, by its name: their elements are the tasks, once each.
-    names = set(re.findall(r"--job-name=(tes-array-[0-9a-f]+)", (root / "sbatch.log").read_text()))
-    names |= {f"tes-{task_id}" for task_id in ids}
+    sbatches = (root / "sbatch.log").read_text()
+    names = set(re.findall(r"--job-name=([A-Za-z0-9_.-]*tes-array-[0-9a-f]+)", sbatches))
+    names |= {job_name(t["id"], t.get("name")) for t in tasks.values()}
     found = SlurmClient().find_by_names(sorted(names))
     jobs = [job for name in found for job in found[name] if job.state != "PENDING"]
     assert len(jobs) == len(ids), [(j.job_id, j.name, j.state) for j in jobs]

@@ -3,18 +3,23 @@ each broken setup fails its own check with a line that says what to fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bridge.cli.check_job import FIX_SHARED
+from bridge.system.metrics import read_heartbeat
 from tests.cluster.test_site_mode import sudoers_for
 from tests.fixtures.auth import UnixUsers, write_htpasswd
 
@@ -24,7 +29,7 @@ CHECKS = [
     "config",
     "database",
     "admins",
-    "poller lease",
+    "poller",
     "work dir",
     "image cache",
     "metrics dir",
@@ -58,16 +63,45 @@ allowed_dirs = ["{root / "data"}"]
     return path
 
 
-def _check(config: Path, *args: str) -> tuple[int, dict[str, dict[str, Any]], str]:
+def _check(
+    config: Path, *args: str, job: bool = False
+) -> tuple[int, dict[str, dict[str, Any]], str]:
+    """The text and the JSON run; `job`: the JSON one with --job (one job, not two)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")}
     base = [sys.executable, "-m", "bridge", "--config", str(config), "check"]
     text = subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=600)
+    json_args = ["--json", *args, *(["--job"] if job else [])]
     result = subprocess.run(
-        [*base, "--json", *args], capture_output=True, text=True, env=env, timeout=600
+        [*base, *json_args], capture_output=True, text=True, env=env, timeout=600
     )
-    assert result.returncode == text.returncode, result.stderr
+    if not job:
+        assert result.returncode == text.returncode, result.stderr
     by_name = {r["name"]: r for r in json.loads(result.stdout)}
     return result.returncode, by_name, text.stdout
+
+
+def _failed(results: dict[str, dict[str, Any]]) -> list[str]:
+    return [name for name, r in results.items() if not r["ok"]]
+
+
+@contextlib.contextmanager
+def _poller(config: Path) -> Iterator[None]:
+    """`tes-bridge poller` on this configuration, until it has ended its first cycle."""
+    state = config.parent / "state"
+    argv = [sys.executable, "-m", "bridge", "--config", str(config), "poller"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TES_BRIDGE_")}
+    log = state.parent / "poller.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while read_heartbeat(state / "metrics") is None:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def _init_db(config: Path) -> None:
@@ -76,17 +110,53 @@ def _init_db(config: Path) -> None:
 
 
 def test_a_good_setup_passes_every_check(local_cluster: Any, tmp_path: Path) -> None:
-    config = _config(local_cluster, tmp_path)
-    _init_db(config)
-    code, results, text = _check(config)
-    assert code == 0, text
-    assert list(results) == CHECKS
+    """A running poller, and (--job) a job on a compute node that shares the work directory."""
+    work = local_cluster.shared_path("check")
+    try:
+        config = _config(local_cluster, tmp_path, f'[job]\nwork_dir = "{work}"')
+        _init_db(config)
+        with _poller(config):
+            code, results, text = _check(config, job=True)
+        assert list(work.iterdir()) == []  # the job's directory is removed
+    finally:
+        shutil.rmtree(work)
+    assert code == 0, results
+    assert list(results) == [*CHECKS, "compute node"]
     assert all(r["ok"] for r in results.values()), text
     # One line per check, each saying ok.
     assert [line.split()[0] for line in text.splitlines()] == ["ok"] * len(CHECKS)
     assert "ran alpine" in results["apptainer"]["message"]
     assert local_cluster.partition in results["slurm"]["message"]
-    assert "SQLite: one node only" in results["poller lease"]["message"]
+    assert re.fullmatch(
+        r"pid \d+ holds \S+/poller.lock \(SQLite: one node only\); its last cycle ended "
+        r"[0-9.]+ s ago",
+        results["poller"]["message"],
+    ), results["poller"]
+    node = results["compute node"]["message"]
+    assert re.fullmatch(
+        rf"job \d+ ran job\.python \({re.escape(sys.executable)}, Python 3[0-9.]+, "
+        rf"tes-bridge \S+\) on \S+, which shares {work} with this host \([0-9.]+ s\)",
+        node,
+    ), node
+
+
+def test_a_work_dir_the_compute_nodes_do_not_see_fails_the_job(
+    local_cluster: Any, tmp_path: Path
+) -> None:
+    """The work directory in the login node's own /tmp, which the cluster's nodes do not see
+    (each has its own): every other check of it passes, the job's fails."""
+    config = _config(local_cluster, tmp_path)
+    _init_db(config)
+    code, results, _ = _check(config, job=True)
+    assert code == 1
+    assert _failed(results) == ["poller", "compute node"], results
+    node = results["compute node"]
+    assert re.match(
+        r"job \d+ on .+ ended \w+(, exit code \d+)?, and nothing it wrote in ", node["message"]
+    ), node
+    assert "is not the same filesystem on the compute node as on this host" in node["message"]
+    assert node["fix"] == FIX_SHARED
+    assert list((tmp_path / "state" / "work").iterdir()) == []
 
 
 BROKEN = {
@@ -119,10 +189,9 @@ def test_a_broken_setup_fails_its_check_and_names_the_fix(
     _init_db(config) if case != "database down" else None
     code, results, text = _check(config, *args)
     assert code == 1
-    failed = [name for name, r in results.items() if not r["ok"]]
-    # The lease is read from the database, and the release with sinfo: each fails with it.
-    also = {"database": ["poller lease"], "slurm": ["slurm release"]}.get(failing, [])
-    assert failed == [failing, *also], text
+    # No poller runs here; the release is read with sinfo, and fails with it.
+    also = {"slurm": ["slurm release"]}.get(failing, [])
+    assert _failed(results) == [n for n in CHECKS if n in {failing, "poller", *also}], text
     assert fix in results[failing]["fix"], results[failing]
     assert f"FAIL  {failing}: " in text and f"fix: {results[failing]['fix']}" in text
 
@@ -179,7 +248,7 @@ def test_site_mode_checks_the_service_accounts_permissions_and_sudo_rule(
     rule.chmod(0o440)
     try:
         code, results, text = _check(config)
-        assert code == 0, text
+        assert _failed(results) == ["poller"], text  # none runs here
         assert results["sudo rule"]["ok"] and service in results["sudo rule"]["message"]
         assert service in results["work dir"]["message"]
     finally:

@@ -35,9 +35,10 @@ def snakemake9(local_cluster: Any) -> Engine:
         local_cluster,
         "snakemake9",
         [
-            "snakemake==9.*",
-            "snakemake-executor-plugin-tes==0.1.*",
-            "snakemake-storage-plugin-fs",
+            # Pinned as docs/engines.md gives them.
+            "snakemake==9.27.1",
+            "snakemake-executor-plugin-tes==0.1.3",
+            "snakemake-storage-plugin-fs==1.1.3",
             "six",  # for py-tes, which jobs import too (Snakemake loads every executor plugin)
         ],
         debs=["rsync", "libpopt0"],
@@ -53,8 +54,8 @@ def toil7(local_cluster: Any) -> Engine:
     return build_engine(
         local_cluster,
         "toil7",
-        ["toil==7.*"],
-        client_only=["toil-batch-system-tes==2.0.*", "six"],
+        ["toil==7.0.0"],  # pinned as docs/engines.md gives them
+        client_only=["toil-batch-system-tes==2.0.0", "six"],
         tag_suffix="__import__('toil.version').version.dockerTag",
     )
 

@@ -6,6 +6,8 @@ Every test here submits real Slurm jobs that run real containers from the local 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import tes
 
 from bench.common import slurm_jobs_by_task
 from bridge.slurm import SlurmClient
+from tests.tes_cli import tes_task
 
 pytestmark = pytest.mark.cluster
 
@@ -53,34 +56,80 @@ def test_missing_command_is_an_executor_error(bridge_service):
     assert entry["exit_code"] != 0
 
 
+def sacct_default(job_id: str) -> dict[str, str]:
+    """The job's line of `sacct -X -j ID` as a Slurm user reads it: of its default columns
+    (JobID JobName Partition Account AllocCPUS State ExitCode) those that are never blank, at
+    their default widths (JobName cut at 10 characters)."""
+    out = subprocess.run(
+        ["sacct", "-X", "-j", job_id, "--format=JobID,JobName,State,ExitCode"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    header = out[0].split()
+    (line,) = [line for line in out[2:] if line.split()[0] == job_id]
+    return dict(zip(header, line.split(), strict=True))
+
+
 @pytest.mark.parametrize(("ignore_error", "executor_logs"), [(False, 1), (True, 2)])
 def test_first_executor_failing_stops_unless_ignore_error(
     bridge_service, ignore_error, executor_logs
 ):
+    name = f"failing-step-{ignore_error}"
     task = bridge_service.run(
         {
+            "name": name,
             "executors": [
-                executor("sh", "-c", "echo first; exit 3", ignore_error=ignore_error),
+                executor("sh", "-c", "echo first; exit 42", ignore_error=ignore_error),
                 executor("echo", "second"),
-            ]
+            ],
         }
     )
     logs = only_log(task)["logs"]
     assert len(logs) == executor_logs
-    assert logs[0]["exit_code"] == 3 and logs[0]["stdout"] == "first\n"
+    assert logs[0]["exit_code"] == 42 and logs[0]["stdout"] == "first\n"
     if ignore_error:
         assert task["state"] == "COMPLETE"
         assert logs[1]["stdout"] == "second\n"
     else:
         assert task["state"] == "EXECUTOR_ERROR"
+    # Slurm's record agrees with the task, under the task's name as sacct shows it by default.
+    metadata = only_log(bridge_service.with_final_facts(task["id"]))["metadata"]
+    facts = sacct_default(metadata["slurm_job_id"])
+    assert facts["JobName"] == f"{name[:9]}+", facts
+    if ignore_error:
+        assert (facts["State"], facts["ExitCode"], metadata.get("reason")) == (
+            "COMPLETED", "0:0", None
+        )  # fmt: skip
+    else:
+        assert (facts["State"], facts["ExitCode"]) == ("FAILED", "42:0"), facts
+        basic = bridge_service.get(task["id"], "BASIC")
+        assert basic["logs"][-1]["metadata"]["reason"] == "exit 42", basic
 
 
-def test_stdout_tail_is_limited(bridge_service):
+def test_long_stdout_keeps_its_head_and_tail_in_the_document_and_is_whole_elsewhere(
+    bridge_service,
+):
     # log_tail_bytes is 2048 in the test service; 10,000 numbered lines far exceed it.
+    whole = "".join(f"{n}\n" for n in range(1, 10001))
     task = bridge_service.run({"executors": [executor("seq", "1", "10000")]})
     stdout = only_log(task)["logs"][0]["stdout"]
-    assert len(stdout.encode()) <= 2048
-    assert stdout.endswith("9999\n10000\n")
+    match = re.fullmatch(
+        r"(.*\n)\[tes-bridge: ([\d,]+) of ([\d,]+) bytes left out here; the whole stdout: GET "
+        rf"/ga4gh/tes/v1/tasks/{task['id']}/output\?executor=0&stream=stdout\]\n(.*)",
+        stdout,
+        re.DOTALL,
+    )
+    assert match, stdout
+    head, tail = match[1], match[4]
+    left_out, size = (int(match[i].replace(",", "")) for i in (2, 3))
+    assert head.startswith("1\n2\n3\n") and tail.endswith("9999\n10000\n")
+    assert whole.startswith(head) and whole.endswith("\n" + tail)
+    assert len(head) + len(tail) + left_out == size == len(whole)
+    assert len(head) + len(tail) <= 2048
+    # The whole stream: `tes-bridge task logs` reads it from the output endpoint.
+    logs = tes_task(bridge_service.url, "logs", task["id"])
+    assert (logs.returncode, logs.stdout) == (0, whole), logs.stderr
 
 
 def test_files_workdir_env_volumes_content_and_directory_output(bridge_service):
@@ -232,9 +281,16 @@ def test_more_memory_than_any_node_has_is_refused_at_create(bridge_service):
 
 
 def test_cancel_of_a_running_task(bridge_service):
-    task_id = bridge_service.create({"executors": [executor("sleep", "300")]})
+    task_id = bridge_service.create({"name": "sleeper", "executors": [executor("sleep", "300")]})
     task = bridge_service.wait(task_id, states={"RUNNING"}, timeout=120)
     job_id = task["logs"][0]["metadata"]["slurm_job_id"]
+    # A plain squeue shows 8 characters of a job's name: the task's name comes first.
+    queue = subprocess.run(
+        ["squeue", "-j", job_id], env={k: v for k, v in os.environ.items() if k != "SQUEUE_FORMAT"},
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    columns = dict(zip(queue[0].split(), queue[1].split(), strict=False))
+    assert columns["NAME"] == "sleeper-", queue
     bridge_service.cancel(task_id)
     assert bridge_service.get(task_id, "MINIMAL")["state"] == "CANCELED"
     client = SlurmClient()
@@ -329,12 +385,14 @@ def test_poller_killed_while_tasks_run_loses_nothing_and_submits_nothing_twice(b
     bridge_service.kill_poller()
     time.sleep(3)
     bridge_service.start_poller()
+    tasks = []
     for i, task_id in enumerate(ids):
         task = bridge_service.wait(task_id, timeout=300)
         assert task["state"] == "COMPLETE", task
         assert only_log(task)["logs"][0]["stdout"] == f"{i}\n"
+        tasks.append(task)
     # One job each, its own or an element of an array (slurm.arrays).
-    jobs = slurm_jobs_by_task(bridge_service.work_dir, ids)
+    jobs = slurm_jobs_by_task(bridge_service.work_dir, tasks)
     assert {task_id: len(found) for task_id, found in jobs.items()} == dict.fromkeys(ids, 1)
 
 

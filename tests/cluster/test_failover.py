@@ -714,10 +714,12 @@ def test_check_names_the_leading_node_and_the_leases_age(make_site):
     argv = [sys.executable, "-m", "bridge", "--config", str(a.config), "check", "--json"]
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     checks = {r["name"]: r for r in json.loads(result.stdout)}
-    lease = checks["poller lease"]
+    lease = checks["poller"]
     assert lease["ok"], lease
     assert re.match(
-        r"nodeA \(pid \d+\) leads \(epoch \d+\), renewed [\d.]+ s ago", lease["message"]
+        r"nodeA \(pid \d+\) leads \(epoch \d+\), renewed [\d.]+ s ago, ends in [\d.]+ s; "
+        r"its last cycle ended [\d.]+ s ago$",
+        lease["message"],
     )
     metrics = requests.get(f"{site.api_url}/metrics", timeout=10).text
     assert "tes_bridge_poller_takeovers_total" in metrics

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
 
+from bridge.client.listing import size
 from bridge.core.naming import job_name
 from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.tes_cli import tes_task
 
 pytestmark = pytest.mark.cluster
 
@@ -58,6 +61,8 @@ def test_a_task_over_its_time_limit_ends_naming_the_limit(bridge_service: Bridge
     facts = sacct(job_id, "Timelimit,State,ElapsedRaw")
     assert facts["Timelimit"] == "00:01:00", facts
     assert facts["State"] == "TIMEOUT", facts
+    # The lists say why (the BASIC view's metadata), where the exit code is blank.
+    assert bridge_service.get(task["id"], "BASIC")["logs"][-1]["metadata"]["reason"] == "TIMEOUT"
     assert 60 <= int(facts["ElapsedRaw"]) < 200, facts
 
 
@@ -91,7 +96,7 @@ def test_max_jobs_in_flight_bounds_the_jobs_in_squeue(admission_service: BridgeS
         )
         for i in range(6)
     ]
-    names = ",".join(job_name(task_id) for task_id in ids)
+    names = ",".join(job_name(task_id, f"a{i}") for i, task_id in enumerate(ids))
     most = 0
     saw_waiting = False
     deadline = time.monotonic() + 600
@@ -195,12 +200,16 @@ def test_an_executor_over_its_memory_is_killed_naming_the_limit_and_peak(
     ) in logs, logs
     facts = sacct(attempt["metadata"]["slurm_job_id"], "State,AllocTRES")
     assert facts["State"] == "OUT_OF_MEMORY", facts
+    basic = bridge_service.get(task["id"], "BASIC")
+    assert basic["logs"][-1]["metadata"]["reason"] == "OUT_OF_MEMORY", basic
     assert "mem=256M" in facts["AllocTRES"].split(","), facts
 
 
 def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeService) -> None:
+    name = f"peak-{uuid.uuid4().hex[:8]}"
     task = bridge_service.run(
         {
+            "name": name,
             "executors": [
                 {"image": PYTHON, "command": ["python3", "-c", "data = b'x' * (100 << 20)"]}
             ],
@@ -216,6 +225,12 @@ def test_a_short_task_within_its_memory_reports_its_peak(bridge_service: BridgeS
     # And the CPU time its cgroup used, for the web page's efficiency (seff's TotalCPU).
     cpu = float(task["logs"][0]["metadata"]["cpu_time_seconds"])
     assert 0 < cpu < 60, cpu
+    # `task list` shows the peak the page shows, never sacct's 0 for "not sampled".
+    final = bridge_service.with_final_facts(task["id"])["logs"][0]["metadata"]
+    header, line = tes_task(bridge_service.url, "list", "--name-prefix", name).stdout.splitlines()
+    maxmem = line[header.index("MAXMEM") :].split()[0]
+    rss = int(final.get("slurm_max_rss_bytes", "0"))
+    assert maxmem == size(rss if rss > 0 else peak), (line, final)
 
 
 def largest_node_memory_mb() -> int:
@@ -300,7 +315,7 @@ def test_a_qos_submit_limit_keeps_tasks_queued_not_failed(bridge_service: Bridge
         )
         for i in range(5)
     ]
-    names = ",".join(job_name(task_id) for task_id in ids)
+    names = ",".join(job_name(task_id, f"q{i}") for i, task_id in enumerate(ids))
     saw_refusal = False
     most = 0
     deadline = time.monotonic() + 600

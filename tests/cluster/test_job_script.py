@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
+from bridge.core.naming import STAGE_IN_EXIT_CODE
 from bridge.images.cache import ImageCache
 from bridge.images.ref import ImagePullError
 from bridge.job.records import JobRecords, read_records
@@ -46,6 +47,8 @@ class Env:
         self.sif = sif
         self.shared = shared
         self.last_task_dir = Path()
+        #: sacct's ExitCode of the last job `sbatch` waited for ("4:0").
+        self.last_exit_code = ""
 
     def prepare(self, task: dict[str, Any]) -> tuple[dict[str, Any], Path]:
         task = {"id": f"{_RUN}-{next(_ids)}", **task}
@@ -59,14 +62,14 @@ class Env:
             self.config.model_copy(update={"storage": section}), self.cache, self.sif, self.shared
         )
 
-    def run(self, task: dict[str, Any], *, tail_bytes: int = 10240) -> tuple[int, JobRecords]:
+    def run(self, task: dict[str, Any], *, keep_bytes: int = 10240) -> tuple[int, JobRecords]:
         """`bash job.sh` on this machine, as the compute node would run it."""
         task, script = self.prepare(task)
         self.last_task_dir = script.parent
         job_id = f"direct-{task['id']}"
         env = dict(os.environ, SLURM_JOB_ID=job_id, PYTHONPATH=str(REPO))
         result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=300)
-        records = read_records(script.parent, job_id, tail_bytes=tail_bytes)
+        records = read_records(script.parent, job_id, keep_bytes=keep_bytes)
         assert records.outcome is not None, result.stderr.decode(errors="replace")
         return result.returncode, records
 
@@ -92,16 +95,20 @@ class Env:
                 ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
             ).stdout.strip()
             if not queued:
-                state = subprocess.run(
-                    ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State"],
-                    capture_output=True,
-                    text=True,
-                ).stdout.strip()
+                state, _, self.last_exit_code = (
+                    subprocess.run(
+                        ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,ExitCode"],
+                        capture_output=True,
+                        text=True,
+                    )
+                    .stdout.strip()
+                    .partition("|")
+                )
                 if state and state not in {"PENDING", "RUNNING", "COMPLETING"}:
                     break
             time.sleep(0.5)
         elapsed = time.monotonic() - started
-        return job_id, state, read_records(script.parent, job_id, tail_bytes=10240), elapsed
+        return job_id, state, read_records(script.parent, job_id, keep_bytes=10240), elapsed
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +215,16 @@ def test_first_executor_failing_stops_the_rest_unless_ignored(
         assert records.outcome == "executor_error"
 
 
-def test_stdout_tail_keeps_the_last_bytes(env: Env) -> None:
+def test_stdout_excerpt_keeps_the_first_and_last_lines(env: Env) -> None:
     code, records = env.run(
         {"executors": [sh("i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done")]},
-        tail_bytes=20,
+        keep_bytes=100,
     )
     assert (code, records.outcome) == (0, "complete")
-    assert records.executors[0].stdout == "line-1998\nline-1999\n"
+    lines = records.executors[0].stdout.splitlines()
+    assert lines[:2] == ["line-0", "line-1"]
+    assert lines[2].startswith("[tes-bridge: 18,796 of 18,890 bytes left out here; the whole ")
+    assert lines[3:] == [f"line-{n}" for n in range(1992, 2000)]
 
 
 def test_stdin_stdout_stderr_files_and_outputs(env: Env) -> None:
@@ -381,7 +391,7 @@ def test_missing_input_is_a_system_error_before_any_executor(env: Env) -> None:
     code, records = env.run(
         {"inputs": [{"path": "/in/x", "url": url}], "executors": [alpine("true")]}
     )
-    assert code != 0
+    assert code == STAGE_IN_EXIT_CODE
     assert records.outcome == "system_error" and records.executors == []
     assert url in records.system_logs[0] and "does not exist" in records.system_logs[0]
 
@@ -455,7 +465,8 @@ def test_task_through_sbatch_completes(env: Env) -> None:
 
 def test_executor_error_through_sbatch_is_told_by_the_records(env: Env) -> None:
     _job_id, state, records, _ = env.sbatch({"executors": [sh("exit 4"), alpine("true")]})
-    assert state == "COMPLETED"  # Slurm alone cannot tell; the records can
+    # Slurm's record agrees with the task's: the job failed with the executor's exit code.
+    assert (state, env.last_exit_code) == ("FAILED", "4:0")
     assert records.outcome == "executor_error"
     assert [e.exit_code for e in records.executors] == [4]
 
@@ -464,6 +475,6 @@ def test_staging_failure_through_sbatch_fails_the_job(env: Env) -> None:
     _job_id, state, records, _ = env.sbatch(
         {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [alpine("true")]}
     )
-    assert state == "FAILED"
+    assert (state, env.last_exit_code) == ("FAILED", f"{STAGE_IN_EXIT_CODE}:0")
     assert records.outcome == "system_error"
     assert "not supported by this deployment yet" in records.system_logs[0]

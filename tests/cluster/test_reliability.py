@@ -95,7 +95,7 @@ def wait_for_sbatch(root: Path, task_id: str, timeout: float = 60) -> float:
 
 def assert_one_job_per_attempt(tasks: dict[str, dict[str, Any]], work_dir: Path) -> None:
     """Each task's jobs (its own, and its elements of job arrays) are its attempts."""
-    found = slurm_jobs_by_task(work_dir, list(tasks))
+    found = slurm_jobs_by_task(work_dir, list(tasks.values()))
     counts = {task_id: len(found[task_id]) for task_id in tasks}
     attempts = {task_id: len(task["logs"]) for task_id, task in tasks.items()}
     differing = {t for t in tasks if counts[t] != attempts[t]}

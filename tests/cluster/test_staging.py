@@ -1,6 +1,6 @@
 """Staging through the whole bridge on the real cluster: tasks whose inputs and outputs live on
-real HTTP, S3 and FTP servers on loopback (tests/fixtures/storage.py), moved by the job side on
-the compute node."""
+real HTTP, S3 and FTP servers on loopback (tests/fixtures/storage.py), and inputs named by a DRS
+server on loopback (tests/fixtures/drs.py), moved by the job side on the compute node."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.fixtures.drs import DrsServer, sha256, start_drs_server
 from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.fixtures.storage import BUCKET, StorageServers, start_storage_servers
 
@@ -35,11 +36,30 @@ def storage_servers(local_cluster: Any) -> Iterator[StorageServers]:
 
 
 @pytest.fixture(scope="session")
+def drs_server(storage_servers: StorageServers) -> Iterator[DrsServer]:
+    """Its CA and the site's tokens file on the shared filesystem, where the jobs read them."""
+    server = start_drs_server(storage_servers.root / "drs")
+    (server.root / "drs-tokens.toml").write_text(server.tokens_toml())
+    (server.root / "drs-tokens.toml").chmod(0o600)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def staging_service(
-    local_cluster: Any, storage_servers: StorageServers, tmp_path_factory: pytest.TempPathFactory
+    local_cluster: Any,
+    storage_servers: StorageServers,
+    drs_server: DrsServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[BridgeService]:
+    toml = storage_servers.staging_toml() + (
+        f'ca_bundle = "{drs_server.ca}"\n'
+        f'drs_tokens_file = "{drs_server.root / "drs-tokens.toml"}"\n'
+    )
     with start_bridge_service(
-        local_cluster, tmp_path_factory.mktemp("staging"), extra_toml=storage_servers.staging_toml()
+        local_cluster, tmp_path_factory.mktemp("staging"), extra_toml=toml
     ) as service:
         yield service
 
@@ -58,14 +78,26 @@ def system_logs(task: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("protocol", ["http", "s3", "ftp"])
 def test_file_directory_and_wildcard_staging_keeps_every_byte(
-    staging_service, storage_servers, protocol
+    staging_service, storage_servers, drs_server, protocol
 ):
     base = f"e2e-{protocol}"
-    source = storage_servers.put(protocol, f"{base}/in/data.bin", os.urandom(300_000))
+    data = os.urandom(300_000)
+    source = storage_servers.put(protocol, f"{base}/in/data.bin", data)
     storage_servers.put(protocol, f"{base}/in/tree/a.txt", b"a\n")
     b_bin = storage_servers.put(protocol, f"{base}/in/tree/sub/b.bin", os.urandom(40_000))
+    data_url = storage_servers.url_for(protocol, f"{base}/in/data.bin")
+    # The same bytes as a DRS object behind the site's bearer token, whose /access call gives
+    # this protocol's URL: resolved, fetched and checked on the compute node.
+    drs_server.blob(
+        f"{base}-drs",
+        data,
+        methods=[{"type": {"http": "https"}.get(protocol, protocol), "access_id": "a"}],
+        access={"a": {"url": data_url}},
+        auth="bearer",
+    )
     inputs = [
-        {"path": "/in/data.bin", "url": storage_servers.url_for(protocol, f"{base}/in/data.bin")}
+        {"path": "/in/data.bin", "url": data_url},
+        {"path": "/in/drs.bin", "url": drs_server.uri(f"{base}-drs")},
     ]
     if protocol != "http":  # plain HTTP cannot list a directory (see the next test)
         inputs.append(
@@ -104,6 +136,7 @@ def test_file_directory_and_wildcard_staging_keeps_every_byte(
             ],
             "executors": [
                 sh(
+                    "cmp /in/data.bin /in/drs.bin && "
                     f"cp /in/data.bin /out/data.bin && {copy_tree} && mkdir -p /out/logs && "
                     "echo one > /out/logs/1.log && seq 1 1000 > /out/logs/2.log && "
                     "echo no > /out/logs/3.txt"
@@ -148,14 +181,18 @@ def test_directory_input_over_http_is_a_system_error(staging_service, storage_se
 
 
 def test_missing_and_unreachable_inputs_stop_the_task_before_any_executor(
-    staging_service, storage_servers
+    staging_service, storage_servers, drs_server
 ):
+    # A DRS object whose bytes are not those its checksum names.
+    tampered, original = b"tampered\n", b"original\n"
+    drs_server.blob("e2e-tampered", tampered, checksums={"sha-256": sha256(original)})
     urls = [
         f"{storage_servers.http}/nowhere/x.txt",
         f"s3://{BUCKET}/nowhere/x.txt",
         f"{storage_servers.ftp}/nowhere/x.txt",
         "http://127.0.0.1:9/closed-port.txt",
         f"ftp://tesuser:ftp-url-password@127.0.0.1:{storage_servers.ftp_port}/nowhere/y.txt",
+        drs_server.uri("e2e-tampered"),
     ]
     task = staging_service.run(
         {
@@ -171,6 +208,10 @@ def test_missing_and_unreachable_inputs_stop_the_task_before_any_executor(
     assert "HTTP 404" in logs and "does not exist" in logs and "550" in logs
     assert "cannot connect" in logs
     assert "ftp-url-password" not in logs and "ftp://***@127.0.0.1" in logs
+    assert (
+        f"input 5 {urls[5]} -> /in/5: checksum mismatch: the DRS object's sha-256 is "
+        f"{sha256(original)}, the bytes fetched have {sha256(tampered)}"
+    ) in logs
 
 
 def test_missing_output_is_logged_and_the_others_are_still_uploaded(
@@ -260,7 +301,7 @@ def test_service_info_lists_what_this_deployment_stages(staging_service):
     info = requests.get(f"{staging_service.api}/service-info", timeout=10).json()
     # file:// per allowed directory: a bare file:// would claim every local path.
     local = f"file://{staging_service.data_dir}/"
-    assert info["storage"] == [local, "http://", "https://", "s3://", "ftp://"]
+    assert info["storage"] == [local, "http://", "https://", "s3://", "ftp://", "drs://"]
 
 
 def test_bad_credentials_are_a_system_error_that_leaks_nothing(
@@ -300,7 +341,9 @@ def test_bad_credentials_are_a_system_error_that_leaks_nothing(
             assert secret not in everything
 
 
-def test_no_secret_reaches_task_files_logs_or_responses(staging_service, storage_servers):
+def test_no_secret_reaches_task_files_logs_or_responses(
+    staging_service, storage_servers, drs_server
+):
     # Runs last in this module: it inspects every task the tests above ran.
     task_dirs = [d for d in staging_service.work_dir.iterdir() if d.is_dir()]
     assert len(task_dirs) >= 6
@@ -314,5 +357,6 @@ def test_no_secret_reaches_task_files_logs_or_responses(staging_service, storage
     texts += [listing, requests.get(f"{staging_service.api}/service-info", timeout=10).text]
     everything = "\n".join(texts)
     assert "s3_credentials_file" in everything  # the path is there, the keys are not
-    for secret in storage_servers.secrets:
+    assert "drs_tokens_file" in everything  # and the DRS tokens file's path, not its tokens
+    for secret in storage_servers.secrets + drs_server.secrets:
         assert secret not in everything

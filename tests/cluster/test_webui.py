@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import requests
@@ -150,8 +151,10 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         "name": f"webui-done-{run}", "tags": tag,
         "inputs": [{"name": "greeting", "path": "/in/greeting.txt", "content": "hello"}],
         "outputs": [{"name": "result", "path": "/out/result.txt", "url": result_url}],
+        "resources": {"backend_parameters": {"time": "5"}},
         "executors": [{"image": "alpine", "command": [
-            "sh", "-c", "echo 'hello <b>web</b>'; cat /in/greeting.txt > /out/result.txt"]}],
+            "sh", "-c", "echo 'hello <b>web</b>'; cat /in/greeting.txt > /out/result.txt;"
+            " echo 'Error: the first line' >&2; seq 1 8000 >&2"]}],
     })  # fmt: skip
     hostile = _post(service, ALICE, {
         "name": XSS_NAME, "tags": {**tag, "<i>k</i>": "<script>v</script>"},
@@ -228,6 +231,35 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         assert "/in/greeting.txt" in browser.find_element(By.ID, "inputs").text
         assert result_url in browser.find_element(By.ID, "outputs").text
         assert f"{result_url} (5 B)" in attempt.text  # what was uploaded
+        # The time limit and backend parameters the job got.
+        assert attempt.find_element(By.CSS_SELECTOR, ".time-limit").text == (
+            "--time=5, from resources.backend_parameters.time"
+        )
+        assert browser.find_element(By.ID, "task-backend-parameters").text == "time=5"
+        # 39 KB of stderr, of which the task document keeps 2 KiB (log_tail_bytes): the page
+        # shows it whole, with the part the document leaves out marked, and downloads it.
+        whole = "Error: the first line\n" + "".join(f"{n}\n" for n in range(1, 8001))
+        documented = _get(service, done)["logs"][-1]["logs"][0]["stderr"]
+        head, _, rest = documented.partition("[tes-bridge: ")
+        tail = rest.partition("\n")[2]
+        assert head.startswith("Error: the first line\n") and whole.endswith("\n" + tail)
+        stderr = _until(browser, lambda d: d.find_element(
+            By.CSS_SELECTOR, '.attempt pre.stderr[data-whole="yes"]'))  # fmt: skip
+        assert stderr.get_attribute("textContent") == whole
+        left_out = stderr.find_element(By.CSS_SELECTOR, "span.left-out")
+        assert left_out.get_attribute("textContent") == whole[len(head) : len(whole) - len(tail)]
+        assert left_out.get_attribute("data-note") == (
+            f"the task document leaves out these {len(whole) - len(head) - len(tail):,} "
+            f"of {len(whole):,} bytes"
+        )
+        downloads = tmp_path / "downloads"
+        browser.execute_cdp_cmd(
+            "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)}
+        )
+        link = browser.find_element(By.CSS_SELECTOR, '.attempt a.download[data-name$="stderr.txt"]')
+        saved = downloads / str(link.get_attribute("data-name"))
+        link.click()
+        _until(browser, lambda d: saved.exists() and saved.read_text() == whole)
         shot("task")
 
         # A running task: its live output, then the cancel button.
@@ -257,6 +289,20 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
             timeout=90,
         )
         shot("canceled")
+        # The list says who canceled it.
+        browser.get(f"{service.url}/ui/#/?tag={quote(f'webui-run={run}')}")
+        _until(
+            browser,
+            lambda d: (
+                d.find_element(By.CSS_SELECTOR, f'#tasks tr[data-id="{ticking}"] td.reason').text
+                == "canceled by tesalice"
+            ),
+        )
+        assert (
+            browser.find_element(By.CSS_SELECTOR, f'#tasks tr[data-id="{done}"] td.reason').text
+            == ""
+        )
+        shot("list-reasons")
     finally:
         shot("last")
         for task_id in (ticking,):

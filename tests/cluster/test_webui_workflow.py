@@ -27,6 +27,7 @@ from tests.cluster.test_webui import (  # noqa: F401 (browser: a fixture)
     _post,
     _rows,
     _until,
+    _wait_state,
     browser,
 )
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
@@ -196,6 +197,9 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     assert all(jobs[i] == tasks[i]["logs"][-1]["metadata"]["slurm_job_id"] for i in ids)
     exits = _cells(browser, "exit")
     assert exits[failing] == "3" and {exits[i] for i in ids if i != failing} == {"0"}
+    # Why the one failure failed, in its own column: the others have no reason to give.
+    reasons = _cells(browser, "reason")
+    assert reasons[failing] == "exit 3" and {reasons[i] for i in ids if i != failing} == {""}
     assert all(_cells(browser, "duration")[i].endswith("s") for i in ids)
     created = _cells(browser, "created")[ids[0]]
     assert created.endswith(" UTC"), created  # the suite's browser runs in UTC
@@ -226,6 +230,11 @@ def test_a_workflow_of_50_tasks_in_a_real_browser(
     assert "CPU efficiency" in summary and "memory efficiency" in summary
     resources = browser.find_elements(By.CSS_SELECTOR, "#resources tbody tr")
     assert len(resources) == WORKFLOW_SIZE
+    why = {
+        r.get_attribute("data-id"): r.find_element(By.CSS_SELECTOR, "td.reason").text
+        for r in resources
+    }
+    assert why[failing] == "exit 3" and {why[i] for i in ids if i != failing} == {""}
     assert browser.find_elements(By.CSS_SELECTOR, "#timeline img, #resources img") == []
     assert browser.execute_script("return window.__pwned") is None
     # The screenshot shows the bars: waiting grey, COMPLETE green and the one failure red.
@@ -325,5 +334,11 @@ def test_live_output_follows_its_end(
         _until(browser, lambda d: live.text != seen, timeout=20)
         assert browser.execute_script("return arguments[0].scrollTop", live) == 100
         assert not at_end()
+        # Canceled, its output no longer grows: the page opened again shows its end.
+        requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)
+        _wait_state(service, task_id, {"CANCELED"})
+        browser.refresh()
+        live = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "pre.live-stdout"))
+        _until(browser, lambda d: "line 400" in live.text and at_end())
     finally:
         requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)

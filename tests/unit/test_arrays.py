@@ -19,7 +19,7 @@ from bridge.core.naming import NO_RECORDS_EXIT_CODE
 from bridge.core.tes import State
 from bridge.jobscript.array import read_directives, render_array_script, shape
 from bridge.poller import Poller
-from bridge.poller.arrays import ARRAY_INDEX_KEY, ARRAY_JOB_KEY, ARRAY_NAME_KEY
+from bridge.poller.arrays import ARRAY_INDEX_KEY, ARRAY_JOB_KEY, ARRAY_NAME_KEY, JOB_NAME_KEY
 from bridge.poller.attempt import LOST_JOBS_KEY
 from bridge.slurm import expand_array_range, parse_max_array_size, parse_sacct, parse_squeue
 from bridge.store import Store
@@ -77,6 +77,23 @@ def test_tasks_of_one_shape_go_as_one_array_in_manifest_order(tmp_path, sqlite_s
     assert not any(f"--job-name=tes-{t.id}" in script for t in tasks)
     assert "#SBATCH --chdir" not in script
     assert all((poller.task_dir(t.id) / "job.sh").is_file() for t in tasks)
+
+
+def test_an_array_is_named_after_what_its_task_names_share(tmp_path, sqlite_store):
+    """A scatter's tasks (`align (1)`, `align (2)`, ...) share the start of their names: the
+    array's job name starts with it, where squeue and sacct show it; each task stores it."""
+    poller, fake = make_poller(tmp_path, sqlite_store)
+    tasks = [sqlite_store.create_task({**ECHO, "name": f"align ({i})"}) for i in range(4)]
+    other = [sqlite_store.create_task({**with_cpus(2), "name": n}) for n in "abcd"]
+    poller.cycle()
+    assert fake.arrays == [4, 4]
+    (named,) = {metadata(sqlite_store, t.id)[ARRAY_NAME_KEY] for t in tasks}
+    assert named.startswith("align-tes-array-")
+    assert fake.jobs["100_0"].name == named
+    assert f"#SBATCH --job-name={named}\n" in fake.scripts[0]
+    (unnamed,) = {metadata(sqlite_store, t.id)[ARRAY_NAME_KEY] for t in other}
+    assert unnamed.startswith("tes-array-")
+    assert JOB_NAME_KEY not in metadata(sqlite_store, tasks[0].id)
 
 
 def test_each_shape_is_its_own_array_and_a_unique_shape_a_job_of_its_own(tmp_path, sqlite_store):
@@ -363,11 +380,11 @@ def test_unreachable_slurm_pauses_once_for_the_whole_array(tmp_path, sqlite_stor
 def test_array_script_runs_its_elements_job_script_with_its_id(tmp_path):
     config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")})
     dirs = []
-    for name in ("a", "b b", "c'c"):
+    for name, code in (("a", 0), ("b b", 0), ("c'c", 42)):
         task_dir = tmp_path / name
         task_dir.mkdir()
         job = task_dir / "job.sh"
-        job.write_text('#!/bin/bash\necho "$1 $(pwd)" > ran\necho out\n')
+        job.write_text(f'#!/bin/bash\necho "$1 $(pwd)" > ran\necho out\nexit {code}\n')
         job.chmod(0o700)
         dirs.append(task_dir)
     script = tmp_path / "array.sh"
@@ -377,7 +394,9 @@ def test_array_script_runs_its_elements_job_script_with_its_id(tmp_path):
     assert read_directives(script) == ["--cpus-per-task=1", "--output=/dev/null"]
     for index in (1, 2):
         env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(index), "SLURM_ARRAY_JOB_ID": "77"}
-        subprocess.run(["bash", str(script)], env=env, check=True)
+        # The element ends as its task's job script does (sacct: the element FAILED 42:0).
+        ran = subprocess.run(["bash", str(script)], env=env)
+        assert ran.returncode == (42 if index == 2 else 0)
         assert (dirs[index] / "ran").read_text() == f"77_{index} {dirs[index]}\n"
         assert (dirs[index] / f"slurm-77_{index}.out").read_text() == "out\n"
     assert not (dirs[0] / "ran").exists()

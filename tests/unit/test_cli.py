@@ -189,7 +189,8 @@ def test_check_reads_the_units_config_file_when_none_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Without --config (and $TES_BRIDGE_CONFIG), `check` reads the file the systemd units
-    name, and says which file it read; it once checked the defaults and failed on them."""
+    name, and says which file it read; with none, it says so and checks nothing else (it once
+    checked the defaults, and made their state directory's database)."""
     from bridge import config as config_module
     from bridge.cli import check
 
@@ -198,8 +199,10 @@ def test_check_reads_the_units_config_file_when_none_is_given(
     default = tmp_path / "etc" / "tes-bridge.toml"
     monkeypatch.setattr(config_module, "DEFAULT_CONFIG_FILE", default)
     args = build_parser().parse_args(["check"])
-    assert check.check_command(args) == 0
-    assert "(defaults: no --config, $TES_BRIDGE_CONFIG unset and no " in capsys.readouterr().out
+    assert check.check_command(args) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL  config: no configuration found: no --config, ")
+    assert "nothing else was checked" in out
 
     default.parent.mkdir()
     default.write_text(f'state_dir = "{tmp_path / "state"}"\n')

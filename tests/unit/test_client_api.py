@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from bridge.client.api import TesClient, TesError
-from bridge.client.watch import wait_for
+from bridge.client.watch import follow_logs, print_logs, wait_for
 
 #: An answer: (status, body) to send, or None to read the request and drop the connection.
 Answer = tuple[int, Any] | None
@@ -187,3 +187,37 @@ def test_an_answer_that_is_not_a_task_is_an_error_not_a_crash(stub: Stub):
         _client(stub).get("t1")
     with pytest.raises(TesError, match="the answer is not JSON"):
         list(_client(stub).tasks())
+
+
+TWO_DONE = {
+    "id": "t1",
+    "state": "EXECUTOR_ERROR",
+    "executors": [{"image": "a", "command": ["x"]}, {"image": "b", "command": ["y"]}],
+    "logs": [
+        {
+            "logs": [
+                {"exit_code": 0, "stdout": "one\n"},
+                {"exit_code": 2, "stdout": "two\n", "stderr": "bad\n"},
+            ],
+            "system_logs": ["done"],
+        }
+    ],
+}
+
+
+def test_logs_from_a_server_without_the_output_endpoint_print_the_document_under_headers(
+    stub: Stub,
+):
+    """Funnel, or any TES server: no live output (404), so the task document's copy."""
+    stub.answers[("GET", "/v1/tasks/t1")] = [(200, TWO_DONE)]
+    out, err = io.StringIO(), io.StringIO()
+    print_logs(_client(stub), TWO_DONE, out=out, err=err)
+    assert out.getvalue() == ("--- executor 0 stdout ---\none\n--- executor 1 stdout ---\ntwo\n")
+    assert err.getvalue() == (
+        "executor 0: exit code 0\n--- executor 1 stderr ---\nbad\nexecutor 1: exit code 2\n"
+        "system: done\n"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert follow_logs(_client(stub), "t1", out=out, err=err, interval=0.1) == 3
+    assert out.getvalue() == "--- executor 0 stdout ---\none\n--- executor 1 stdout ---\ntwo\n"
+    assert "--- executor 1 stderr ---\nbad\n" in err.getvalue()

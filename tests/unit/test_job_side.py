@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -15,7 +16,14 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
+from bridge.core.naming import (
+    NO_RECORDS_EXIT_CODE,
+    SCRATCH_EXIT_CODE,
+    STAGE_IN_EXIT_CODE,
+    STAGE_OUT_EXIT_CODE,
+    SUPERSEDED_EXIT_CODE,
+)
+from bridge.core.reasons import IMAGE_UNREADABLE, STAGE_IN_FAILED, STAGE_OUT_FAILED
 from bridge.job import safepath
 from bridge.job.cli import main as job_main
 from bridge.job.execute import EXIT_CANNOT_START, run_executor
@@ -64,8 +72,8 @@ class Task:
     def stage_out(self) -> int:
         return stage_out(self.layout.task_dir, self.records)
 
-    def read(self, tail_bytes: int = 1024) -> Any:
-        return read_records(self.layout.task_dir, JOB, tail_bytes=tail_bytes)
+    def read(self, keep_bytes: int = 1024) -> Any:
+        return read_records(self.layout.task_dir, JOB, keep_bytes=keep_bytes)
 
     def host(self, container_path: str) -> Path:
         return self.layout.host_path(container_path)
@@ -240,7 +248,7 @@ def test_missing_runtime_or_image_fails_staging_with_a_fix(tmp_path: Path) -> No
     assert task.stage_in() == STAGE_FAILED
     logs = task.read().system_logs
     assert "container.runtime" in logs[0]
-    assert "none.sif is not readable" in logs[1]
+    assert logs[1] == f"{IMAGE_UNREADABLE}: {tmp_path / 'none.sif'}"
 
 
 def test_stage_in_starts_from_a_clean_root(tmp_path: Path) -> None:
@@ -663,10 +671,10 @@ def test_exec_without_command_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_reader_on_a_job_that_never_started(tmp_path: Path) -> None:
-    records = read_records(tmp_path / "nothing", "5", tail_bytes=10)
+    records = read_records(tmp_path / "nothing", "5", keep_bytes=10)
     assert records.phase is None and records.outcome is None and records.executors == []
     assert not records.started
-    assert read_records(tmp_path, "../x", tail_bytes=10).phase is None
+    assert read_records(tmp_path, "../x", keep_bytes=10).phase is None
 
 
 def test_reader_shows_the_running_executor_and_its_output_so_far(tmp_path: Path) -> None:
@@ -682,15 +690,20 @@ def test_reader_shows_the_running_executor_and_its_output_so_far(tmp_path: Path)
     (edir / "0" / "stdout").write_bytes(b"x" * 5000 + b"tail\n")
     (edir / "1" / "start_time").write_text("2024-05-01T10:00:03.000Z\n")
     (edir / "1" / "stdout").write_bytes(b"so far \xff\xfe")
-    records = task.read(tail_bytes=10)
+    records = task.read(keep_bytes=10)
     assert records.phase == "running 1"
     assert records.outcome is None
     assert records.start_time is not None and records.start_time.tzinfo is not None
     first, second = records.executors
-    assert (first.exit_code, first.stdout) == (0, "xxxxx" + "tail\n")
+    # Longer than the 10 bytes kept: its head and tail, and a line that says what is not.
+    marker = (
+        "[tes-bridge: 4,995 of 5,005 bytes left out here; the whole stdout: "
+        "GET /ga4gh/tes/v1/tasks/t1/output?executor=0&stream=stdout]"
+    )
+    assert (first.exit_code, first.stdout) == (0, f"xx\n{marker}\nxxxtail\n")
     assert first.end_time is not None and (first.end_time - first.start_time).total_seconds() == 1.5
     assert second.exit_code is None and second.end_time is None
-    assert second.stdout == "so far \ufffd\ufffd"[-10:]
+    assert second.stdout == "so far \ufffd\ufffd"
 
 
 def test_reader_survives_partial_and_garbage_files(tmp_path: Path) -> None:
@@ -729,6 +742,78 @@ def test_reader_refuses_an_own_stdout_that_became_a_link(tmp_path: Path) -> None
     task.host("/o").mkdir(parents=True)
     task.host("/o/log").symlink_to(secret)
     assert task.read().executors[0].stdout == ""
+
+
+def _excerpt_of(tmp_path: Path, data: bytes, keep: int, **executor: str) -> str:
+    """What the reader keeps of executor 0's stderr when it wrote `data`."""
+    task = Task(tmp_path, {"executors": [{"image": "x", "command": ["x"], **executor}]})
+    (task.records / "executors" / "0").mkdir(parents=True)
+    if "stderr" in executor:
+        task.host(executor["stderr"]).parent.mkdir(parents=True)
+        task.host(executor["stderr"]).write_bytes(data)
+    else:
+        (task.records / "executors" / "0" / "stderr").write_bytes(data)
+    return str(task.read(keep_bytes=keep).executors[0].stderr)
+
+
+def _cut(text: str) -> tuple[str, int, int, str]:
+    """(head, left out, size, tail) of an excerpt with one marker line."""
+    match = re.search(
+        r"^\[tes-bridge: ([\d,]+) of ([\d,]+) bytes left out here; the whole stderr: GET "
+        r"/ga4gh/tes/v1/tasks/t1/output\?executor=0&stream=stderr\]\n",
+        text,
+        re.MULTILINE,
+    )
+    assert match, text[:300]
+    left_out, size = (int(group.replace(",", "")) for group in match.groups())
+    return text[: match.start()], left_out, size, text[match.end() :]
+
+
+def test_a_long_stream_keeps_its_first_error_and_its_end_and_says_what_is_left_out(
+    tmp_path: Path,
+) -> None:
+    """The reported case: the real error on the first line of 39 KB of stderr."""
+    lines = [b"Error: reference genome.fa not found\n"]
+    lines += [f"warning {n}: retrying\n".encode() for n in range(1, 1750)]
+    data = b"".join(lines)
+    assert len(data) > 39_000
+    text = _excerpt_of(tmp_path, data, 10240)
+    head, left_out, size, tail = _cut(text)
+    assert head.startswith("Error: reference genome.fa not found\n")
+    assert size == len(data)
+    # Cut at line ends: the head ends a line, the tail begins one, and they fit what is kept.
+    assert head.endswith("\n") and data.startswith(head.encode())
+    assert data.endswith(tail.encode()) and tail.startswith("warning ")
+    assert b"\n" + tail.encode() in data and tail.endswith("warning 1749: retrying\n")
+    assert len(head.encode()) + len(tail.encode()) + left_out == len(data)
+    assert len(head.encode()) <= 2048 and len(tail.encode()) <= 10240 - 2048
+    assert len(head.encode()) + len(tail.encode()) > 10240 - 200  # little lost to the cuts
+
+
+def test_a_stream_that_fits_is_kept_whole_without_a_marker(tmp_path: Path) -> None:
+    data = "".join(f"line {n} ✓\n" for n in range(100)).encode()
+    assert _excerpt_of(tmp_path, data, len(data)) == data.decode()
+    assert _excerpt_of(tmp_path / "empty", b"", 0) == ""
+
+
+def test_lines_longer_than_the_excerpt_are_cut_inside_never_inside_a_character(
+    tmp_path: Path,
+) -> None:
+    data = ("é" * 3000 + "\n").encode()  # one 6 KB line of two-byte characters
+    head, left_out, size, tail = _cut(_excerpt_of(tmp_path, data, 1001))
+    assert size == 6001
+    assert head == "é" * 100 + "\n"  # 200 bytes; the line goes on past the cut
+    assert tail == "é" * 400 + "\n"  # from the first whole character of the last 800 bytes
+    assert left_out == 6001 - 200 - 801
+    # Nothing kept: the marker alone says what there was.
+    assert _cut(_excerpt_of(tmp_path / "none", data, 0))[:3] == ("", 6001, 6001)
+
+
+def test_an_executors_own_stderr_path_is_kept_the_same_way(tmp_path: Path) -> None:
+    data = b"first\n" + b"x" * 100 + b"\n" + b"y\n" * 10 + b"last\n"
+    head, left_out, size, tail = _cut(_excerpt_of(tmp_path, data, 40, stderr="/logs/err.txt"))
+    assert (head, tail) == ("first\n", "y\n" * 10 + "last\n")
+    assert (left_out, size) == (101, len(data))
 
 
 def test_safepath_creates_parents_and_refuses_links_on_the_way(tmp_path: Path) -> None:
@@ -775,6 +860,7 @@ def run_job(
     args: Sequence[str] = (),
     fence: int | None = None,
     python: str = sys.executable,
+    job: dict[str, Any] | None = None,
     **storage: Any,
 ) -> tuple[int, Any]:
     """Render the task and run its job script with `args` (the task directory fenced at lease
@@ -790,7 +876,7 @@ def run_job(
             "state_dir": str(tmp_path / "state"),
             "container": {"runtime": str(runtime), "allow_root": True, "umask": container_umask},
             "storage": {"allowed_dirs": [str(tmp_path / "shared")], **storage},
-            "job": {"python": python},
+            "job": {"python": python, **(job or {})},
         }
     )
     task = {"id": "job-1", **task}
@@ -802,7 +888,7 @@ def run_job(
     argv = ["bash", str(script), *args]
     result = subprocess.run(argv, env=env, capture_output=True, timeout=60)
     assert time.monotonic() - started < 30
-    return result.returncode, read_records(script.parent, "9", tail_bytes=1024)
+    return result.returncode, read_records(script.parent, "9", keep_bytes=1024)
 
 
 def sh(command: str, **extra: Any) -> dict[str, Any]:
@@ -857,7 +943,7 @@ def test_job_script_that_cannot_start_its_records_exits_with_its_own_code(
     assert result.returncode == NO_RECORDS_EXIT_CODE, result.stderr
     assert b"cannot write the job records" in result.stderr
     assert not marker.exists()
-    assert not read_records(script.parent, "9", tail_bytes=1024).started
+    assert not read_records(script.parent, "9", keep_bytes=1024).started
 
 
 def test_job_script_that_cannot_write_its_outcome_exits_with_the_no_records_code(
@@ -903,7 +989,7 @@ def test_job_script_that_cannot_write_a_system_log_line_exits_with_the_no_record
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
     assert result.returncode == NO_RECORDS_EXIT_CODE, result.stderr
     assert not (tmp_path / "ran").exists()
-    assert read_records(script.parent, "9", tail_bytes=1024).outcome is None
+    assert read_records(script.parent, "9", keep_bytes=1024).outcome is None
 
 
 def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
@@ -919,12 +1005,13 @@ def test_job_script_started_again_under_its_id_after_its_end_does_not_run_again(
     again = subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60)
     assert again.returncode == 0 and b"does not run again" in again.stderr
     assert marker.read_text() == "ran\n"
-    assert read_records(script.parent, "9", tail_bytes=1024).outcome == "complete"
+    assert read_records(script.parent, "9", keep_bytes=1024).outcome == "complete"
 
 
 def test_job_script_stops_at_the_first_failure_unless_ignored(tmp_path: Path) -> None:
+    # The job exits with the failing executor's code: sacct shows it FAILED 3:0, as the task.
     code, records = run_job(tmp_path, {"executors": [sh("exit 3"), sh("echo never")]})
-    assert (code, records.outcome) == (0, "executor_error")
+    assert (code, records.outcome) == (3, "executor_error")
     assert [e.exit_code for e in records.executors] == [3]
     code, records = run_job(
         tmp_path / "b", {"executors": [sh("exit 3", ignore_error=True), sh("echo next")]}
@@ -938,7 +1025,7 @@ def test_job_script_staging_failure_is_a_system_error_before_any_executor(
 ) -> None:
     task = {"inputs": [{"path": "/in/x", "url": "sftp://host/x"}], "executors": [sh("true")]}
     code, records = run_job(tmp_path, task)
-    assert code != 0
+    assert code == STAGE_IN_EXIT_CODE
     assert records.outcome == "system_error" and records.executors == []
     assert "sftp://host/x" in records.system_logs[0]
     assert "not supported by this deployment yet" in records.system_logs[0]
@@ -958,20 +1045,22 @@ def python_killed_in(tmp_path: Path, subcommand: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("subcommand", "system_logs"),
+    ("subcommand", "exit_code", "system_logs"),
     [
         (
             "stage-in",
-            [
-                "the stage-in process was killed by signal 9",
-                "staging inputs failed; no executor ran",
-            ],
+            STAGE_IN_EXIT_CODE,
+            ["the stage-in process was killed by signal 9", STAGE_IN_FAILED],
         ),
-        ("stage-out", ["the stage-out process was killed by signal 9"]),
+        (
+            "stage-out",
+            STAGE_OUT_EXIT_CODE,
+            ["the stage-out process was killed by signal 9", STAGE_OUT_FAILED],
+        ),
     ],
 )
 def test_job_script_names_a_staging_process_killed_by_a_signal(
-    tmp_path: Path, subcommand: str, system_logs: list[str]
+    tmp_path: Path, subcommand: str, exit_code: int, system_logs: list[str]
 ) -> None:
     """A staging process that dies without writing its own reason still leaves one."""
     task = {
@@ -980,7 +1069,7 @@ def test_job_script_names_a_staging_process_killed_by_a_signal(
         "executors": [sh("true")],
     }
     code, records = run_job(tmp_path, task, python=python_killed_in(tmp_path, subcommand))
-    assert (code, records.outcome) == (1, "system_error")
+    assert (code, records.outcome) == (exit_code, "system_error")
     assert records.system_logs == system_logs
 
 
@@ -1008,17 +1097,28 @@ def test_an_unexpected_error_while_staging_is_named_in_the_tasks_logs(
     ]
 
 
+def test_job_script_without_a_scratch_directory_exits_with_its_own_code(tmp_path: Path) -> None:
+    """No executor can run without its /tmp: a SYSTEM_ERROR, and sacct shows the job FAILED
+    with SCRATCH_EXIT_CODE (not an executor's code, nor 1)."""
+    task = {"executors": [sh("echo never")]}
+    code, records = run_job(tmp_path, task, job={"scratch_dir": str(tmp_path / "no-such")})
+    assert (code, records.outcome) == (SCRATCH_EXIT_CODE, "system_error")
+    assert records.executors == []
+
+
 def test_job_script_missing_output_after_success_is_a_system_error(tmp_path: Path) -> None:
     task = {
         "outputs": [{"path": "/out/x", "url": str(tmp_path / "shared" / "x")}],
         "executors": [sh("true")],
     }
     code, records = run_job(tmp_path, task, missing_outputs="fail")
-    assert (code, records.outcome) == (1, "system_error")
+    assert (code, records.outcome) == (STAGE_OUT_EXIT_CODE, "system_error")
+    assert records.system_logs[-1] == STAGE_OUT_FAILED
     code, records = run_job(
         tmp_path / "b", {**task, "executors": [sh("exit 1")]}, missing_outputs="fail"
     )
-    assert (code, records.outcome) == (0, "executor_error")
+    assert (code, records.outcome) == (1, "executor_error")
+    assert STAGE_OUT_FAILED not in records.system_logs
     # The default, "ignore": the task completes, the log names the output.
     code, records = run_job(tmp_path / "c", task)
     assert (code, records.outcome) == (0, "complete")

@@ -6,6 +6,8 @@ carrying a stale epoch must raise and change nothing, whether or not its poller 
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -385,21 +387,34 @@ def test_the_keeper_renews_and_says_when_leadership_changed(pg, postgres_url):
         b.close()
 
 
-def test_check_says_who_leads_and_that_sqlite_is_one_node(pg, postgres_url, tmp_path: Path):
-    from bridge.cli.check import Failed, poller_lease
+def test_check_says_who_leads_and_wants_the_heartbeat_of_a_leader_here(
+    pg, postgres_url, tmp_path: Path
+):
+    from bridge.cli.check import Account, Failed, StoreChecks
 
     _, raw = pg
     environ = {"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
-    assert "SQLite: one node only" in poller_lease(load_config(environ=environ))
     config = load_config(environ={**environ, "TES_BRIDGE_DATABASE": postgres_url})
-    assert "no poller has led yet" in poller_lease(config)
+    checks = StoreChecks(config, Account.of(os.geteuid()))
+    with pytest.raises(Failed, match="no poller has led yet"):
+        checks.poller()
     a = _lease(postgres_url, "login1 (pid 7)")
     try:
         assert a.try_acquire()
-        message = poller_lease(config)
+        # Another node leads: its heartbeat is in that node's metrics, not read here.
+        message = checks.poller()
         assert message.startswith(f"login1 (pid 7) leads (epoch {a.epoch}), renewed 0.")
+        assert "cycle" not in message
         raw.expire()
         with pytest.raises(Failed, match="no poller leads"):
-            poller_lease(config)
+            checks.poller()
     finally:
         a.close()
+    here = _lease(postgres_url, f"{socket.gethostname()} (pid 8)")
+    try:
+        assert here.try_acquire()
+        # This node leads, and no cycle of its poller is recorded in its state directory.
+        with pytest.raises(Failed, match="the poller runs but has not ended a cycle"):
+            checks.poller()
+    finally:
+        here.close()

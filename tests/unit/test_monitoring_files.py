@@ -19,6 +19,11 @@ RULES = ROOT / "deploy/prometheus/tes-bridge.rules.yml"
 RULES_TESTS = ROOT / "deploy/prometheus/tes-bridge.rules.test.yml"
 DASHBOARD = ROOT / "deploy/grafana/tes-bridge.json"
 PROMTOOL = "/usr/bin/promtool"
+#: Series Prometheus makes itself for every target, not the bridge.
+PROMETHEUS_OWN = frozenset(["up"])
+#: Gauges every node of a service reads from the one database: added up over nodes, they
+#: would count a two-node service twice.
+FROM_THE_DATABASE = ("tes_bridge_tasks", "tes_bridge_oldest_queued_task_age_seconds")
 
 #: PromQL's words that look like names: keywords, modifiers, and Grafana's variables.
 _NOT_METRICS = frozenset(
@@ -83,7 +88,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_alert_rules() -> None:
     result = _promtool("check", "rules", RULES.name)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 13 rules found" in result.stdout
 
 
 def test_every_alert_has_a_promtool_unit_test_that_passes() -> None:
@@ -119,3 +124,26 @@ def test_metric_names_are_read_from_promql() -> None:
     assert metric_names("changes(count by (version) (tes_bridge_build_info)[5m:1m]) > 0") == {
         "tes_bridge_build_info"
     }
+
+
+def test_every_name_queried_is_the_bridges_or_prometheus_own() -> None:
+    for expr in rule_exprs() + dashboard_exprs():
+        for name in metric_names(expr) - PROMETHEUS_OWN:
+            assert name.startswith("tes_bridge_"), (name, expr)
+
+
+def test_the_database_gauges_are_counted_once_per_service() -> None:
+    """`max by (job)` over a service's nodes before any sum; a two-node service was counted
+    twice in the dashboard's tasks by state."""
+    for expr in rule_exprs() + dashboard_exprs():
+        for name in FROM_THE_DATABASE:
+            if re.search(rf"\b{name}\{{", expr) or re.search(rf"\b{name}\)", expr):
+                assert re.search(rf"max(?: by \(job(?:, state)?\))? ?\({name}\b", expr), expr
+
+
+def test_a_service_that_is_gone_has_alerts_that_need_none_of_its_metrics() -> None:
+    """`up` and `absent()`: the bridge's own metrics vanish with it."""
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    exprs = {rule["alert"]: rule["expr"] for group in groups for rule in group["rules"]}
+    assert metric_names(exprs["TesBridgeDown"]) == {"up"}
+    assert exprs["TesBridgeAbsent"].startswith("absent(")

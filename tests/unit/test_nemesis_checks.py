@@ -35,4 +35,11 @@ def test_without_that_kill_the_two_jobs_ran_at_once():
 
 def test_two_completed_runs_are_twice_whatever_the_kills():
     both = [dict(LOST_THEN_RUN[0], state="COMPLETED"), LOST_THEN_RUN[1]]
-    assert "2 COMPLETED runs" in (ran_twice(TASK, both, [("node2", "2026-11-28T11:54:01")]) or "")
+    kill = [("node2", "2026-11-28T11:54:01")]
+    assert "2 runs to their end" in (ran_twice(TASK, both, kill) or "")
+    # A task whose executor failed ends its job FAILED with the executor's code: a run too.
+    failed = [dict(LOST_THEN_RUN[0], state="FAILED", exit="42:0"), LOST_THEN_RUN[1]]
+    assert "2 runs to their end" in (ran_twice(TASK, failed, kill) or "")
+    # A job that could not start its records ran nothing of the task.
+    nothing = [dict(LOST_THEN_RUN[0], state="FAILED", exit="75:0"), LOST_THEN_RUN[1]]
+    assert ran_twice(TASK, nothing, kill) is None

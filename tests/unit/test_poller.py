@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, load_config
-from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
+from bridge.core.naming import (
+    LEASE_EPOCH_ARG,
+    NO_RECORDS_EXIT_CODE,
+    STAGE_IN_EXIT_CODE,
+    STAGE_OUT_EXIT_CODE,
+    SUPERSEDED_EXIT_CODE,
+)
+from bridge.core.reasons import task_reason
 from bridge.core.tes import State, View, render_task
 from bridge.job.layout import LEASE_FENCE
 from bridge.job.records import ExecutorRecord, JobRecords
@@ -207,6 +214,34 @@ def test_jobs_that_end_without_an_outcome(slurm_state, phase, state, words):
     )
     assert decision.state is state
     assert words in decision.messages[0]
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "outcome", "state"),
+    [
+        (42, "executor_error", State.EXECUTOR_ERROR),
+        # An executor's own exit code may be one the script keeps for itself: the outcome the
+        # script wrote before passing it on decides, never the code (no resubmission).
+        (NO_RECORDS_EXIT_CODE, "executor_error", State.EXECUTOR_ERROR),
+        (SUPERSEDED_EXIT_CODE, "executor_error", State.EXECUTOR_ERROR),
+        (STAGE_IN_EXIT_CODE, "system_error", State.SYSTEM_ERROR),
+        (STAGE_OUT_EXIT_CODE, "system_error", State.SYSTEM_ERROR),
+    ],
+)
+def test_a_failed_job_that_recorded_its_outcome_is_decided_by_it(exit_code, outcome, state):
+    """The job script ends FAILED with the failing executor's exit code (or its own staging
+    code), after recording the task's outcome: that outcome is the task's state, whatever the
+    code, and no retry is spent."""
+    failed = job(state="FAILED", exit_code=exit_code, signal=0)
+    for phase in (None, "done"):
+        decision = decide(
+            job=failed,
+            records=records(phase=phase, outcome=outcome),
+            attempt=3,
+            retries=2,
+            current=State.RUNNING,
+        )
+        assert decision.state is state and not decision.retry and decision.messages == []
 
 
 def test_a_job_that_could_not_write_its_records_is_lost_not_failed():
@@ -611,6 +646,38 @@ def test_queued_task_is_submitted_once_under_its_task_name(env):
     assert record.logs[0]["metadata"]["slurm_job_id"] == "100"
 
 
+def test_a_named_task_is_submitted_under_its_name_first(env):
+    """squeue shows 8 characters of a job's name and sacct 10: the task's name comes first,
+    `tes-<task id>` after it; the name is stored with the attempt before sbatch runs."""
+    poller, store, slurm, _ = env
+    task = store.create_task({**ECHO, "name": "align sample/1"})
+    poller.cycle()
+    record = store.get_task(task.id)
+    name = f"align_sample_1-tes-{task.id}"
+    assert slurm.jobs[record.job_id].name == name == job_name(task.id, "align sample/1")
+    assert record.logs[0]["metadata"]["slurm_job_name"] == name
+    assert f"#SBATCH --job-name={name}\n" in slurm.scripts[0]
+    # Followed under that name: a record of another job under its id is not its job's.
+    slurm.jobs[record.job_id] = replace(slurm.jobs[record.job_id], state="RUNNING", reason=None)
+    poller.cycle()
+    assert store.get_task(task.id).state == "INITIALIZING"
+
+
+def test_a_submission_an_earlier_version_started_is_found_under_its_old_name(env):
+    """An upgrade between sbatch and the database write: the earlier version named the job
+    `tes-<task id>` and stored no name; the named task's job is found under that name, and
+    followed under it."""
+    poller, store, slurm, _ = env
+    task = store.create_task({**ECHO, "name": "align"})
+    slurm.jobs["77"] = job("77", "RUNNING", name=f"tes-{task.id}")
+    store.update_task(task.id, submit_started_at=1.0, attempt=1)
+    poller.cycle()
+    assert "sbatch" not in slurm.calls
+    assert store.get_task(task.id).job_id == "77"
+    poller.cycle()
+    assert store.get_task(task.id).state == "INITIALIZING"
+
+
 def test_crash_between_sbatch_and_the_database_write_does_not_submit_twice(env):
     poller, store, slurm, _ = env
     task = store.create_task(ECHO)
@@ -670,9 +737,11 @@ def test_a_task_that_fails_after_waiting_no_longer_says_it_waits(env):
     ]
 
 
-def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
+@pytest.mark.parametrize("name", [None, "align"])
+def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env, name):
+    """The job is looked for under the name sbatch gave it (a named task's: its name first)."""
     poller, store, slurm, _ = env
-    task = store.create_task(ECHO)
+    task = store.create_task({**ECHO, "name": name} if name else ECHO)
     slurm.create_then_fail = True
     poller.cycle()
     slurm.create_then_fail = False
@@ -681,6 +750,7 @@ def test_sbatch_that_created_a_job_but_lost_the_answer_is_not_repeated(env):
     poller.cycle()
     assert slurm.calls.count("sbatch") == 1
     assert store.get_task(task.id).job_id == "100"
+    assert slurm.jobs["100"].name == job_name(task.id, name)
 
 
 def test_sbatch_slowed_past_its_time_out_by_the_rate_limit_waits_and_is_not_repeated(env):
@@ -1350,6 +1420,50 @@ def job_seen(env, **job_fields) -> tuple[str, str]:
     slurm.jobs[job_id] = replace(slurm.jobs[job_id], **job_fields)
     poller.cycle()
     return task.id, job_id
+
+
+def reason_of(store: Store, task_id: str) -> str:
+    """The reason the lists show for the task as the poller left it (bridge.core.reasons)."""
+    record = store.get_task(task_id)
+    assert record is not None
+    return task_reason(record.state, record.logs)
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "exit_code", "outcome", "reason"),
+    [
+        # The job records the executor's failure, then ends FAILED with its exit code.
+        ("FAILED", 42, "executor_error", "exit 42"),
+        # Stopped at its time limit while its executor ran: no outcome, no exit code.
+        ("TIMEOUT", 0, None, "TIMEOUT"),
+    ],
+)
+def test_the_lists_reason_of_a_task_whose_executor_failed(
+    env, slurm_state, exit_code, outcome, reason
+):
+    poller, store, slurm, _ = env
+    task_id, job_id = job_seen(env, state="RUNNING", node="node1")
+    records = poller.task_dir(task_id) / "records" / job_id
+    if outcome:
+        write_finished_records(records, outcome, exit_code)
+    else:
+        records.mkdir(parents=True)
+        (records / "phase").write_text("running 0\n")
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state=slurm_state, exit_code=exit_code, signal=0
+    )
+    poller.cycle()
+    assert store.get_task(task_id).state == "EXECUTOR_ERROR"
+    assert reason_of(store, task_id) == reason
+
+
+def test_the_lists_reason_of_a_task_slurm_refused(env):
+    poller, store, slurm, _ = env
+    task = store.create_task(ECHO)
+    slurm.sbatch_error = "sbatch: error: Memory specification can not be satisfied"
+    poller.cycle()
+    assert store.get_task(task.id).state == "SYSTEM_ERROR"
+    assert reason_of(store, task.id) == "refused by Slurm"
 
 
 def test_quick_check_decides_a_task_whose_job_recorded_its_outcome_without_slurm(env):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config
-from bridge.core.naming import is_task_id, job_name
+from bridge.core.naming import JOB_NAME_TASK_CHARS, array_job_name, is_task_id, job_name
 from bridge.job.layout import TaskLayout
 from bridge.jobscript.binds import Bind, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import sbatch_directives
@@ -368,7 +369,47 @@ def test_task_id_must_be_plain(tmp_path: Path, task_id: str) -> None:
 def test_job_name_comes_from_the_one_naming_rule(tmp_path: Path) -> None:
     assert job_name("task-1") == "tes-task-1"
     assert f"--job-name={job_name('task-1')}" in directives(render(tmp_path, make_task()))
+    named = render(tmp_path / "named", make_task(name="align reads"))
+    assert "--job-name=align_reads-tes-task-1" in directives(named)
     assert is_task_id("task-1") and not is_task_id("a b") and not is_task_id(None)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (None, "tes-t1"),
+        ("", "tes-t1"),
+        ("align", "align-tes-t1"),
+        ("FASTQC (sample_1)", "FASTQC_sample_1-tes-t1"),
+        ("a,b|c d\nx", "a_b_c_d_x-tes-t1"),  # sbatch, squeue --name and sacct -P take it
+        ("--uid=0", "uid_0-tes-t1"),
+        ("..", "tes-t1"),
+        ("é", "tes-t1"),
+        ("x" * 100, "x" * JOB_NAME_TASK_CHARS + "-tes-t1"),
+        ("a" * (JOB_NAME_TASK_CHARS - 1) + "-b", "a" * (JOB_NAME_TASK_CHARS - 1) + "-tes-t1"),
+    ],
+)
+def test_a_job_name_starts_with_the_tasks_name_and_ends_with_its_id(
+    name: str | None, expected: str
+) -> None:
+    """squeue shows 8 characters of a job's name, sacct 10: the task's name comes first."""
+    assert job_name("t1", name) == expected
+
+
+@pytest.mark.parametrize(
+    ("names", "start"),
+    [
+        (["align (1)", "align (2)", "align (10)"], "align-"),
+        (["snakejob.map.1.sh", "snakejob.map.2.sh"], "snakejob.map-"),
+        (["align", "call"], ""),
+        (["align", None], ""),
+        ([], ""),
+    ],
+)
+def test_an_array_is_named_after_the_start_its_tasks_names_share(
+    names: list[str | None], start: str
+) -> None:
+    assert array_job_name("ab12", names) == f"{start}tes-array-ab12"
 
 
 def test_work_dir_that_sbatch_cannot_parse_is_refused(tmp_path: Path) -> None:
@@ -651,7 +692,10 @@ def test_hostile_values_render_to_a_valid_script(tmp_path: Path) -> None:
     bash_syntax_ok(script, tmp_path)
     # Task values never appear outside quotes: the only unquoted lines are the template's.
     assert "touch /tmp/pwned-h2 #" in script  # inside single quotes
-    assert "#SBATCH --job-name=tes-hostile-1" in script
+    # The task's name goes first into the job's, only the characters sbatch takes as they are.
+    name = job_name("hostile-1", HOSTILE)
+    assert f"#SBATCH --job-name={name}\n" in script
+    assert name.endswith("-tes-hostile-1") and re.fullmatch(r"[A-Za-z0-9_.-]+", name)
     assert HOSTILE.splitlines()[0] not in "\n".join(directives(script))
 
 
@@ -724,7 +768,7 @@ def test_executors_run_in_order_and_ignore_error_continues(tmp_path: Path) -> No
     )
     script = render(tmp_path, task)
     assert "run_executor 0 executor_0 || true" in script
-    assert "run_executor 1 executor_1 || return 1" in script
+    assert "run_executor 1 executor_1 || return\n" in script
     assert script.index("executor_1 ||") < script.index("executor_2 ||")
 
 

@@ -268,7 +268,7 @@ class TaskDir:
         return self.layout.host_path(path)
 
     def read(self):  # type: ignore[no-untyped-def]
-        return read_records(self.layout.task_dir, "1", tail_bytes=1024)
+        return read_records(self.layout.task_dir, "1", keep_bytes=1024)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -13,6 +13,12 @@ const FINAL = new Set(["COMPLETE", "EXECUTOR_ERROR", "SYSTEM_ERROR", "CANCELED",
 const REFRESH_MS = 5000;
 const LIVE_MS = 2000;
 const LIVE_TAIL_BYTES = 64 * 1024;
+// The most one read of the output endpoint answers (bridge/api/resources.py).
+const READ_BYTES = 1024 * 1024;
+// A finished stream is shown whole up to this size; a longer one, its first and last READ_BYTES.
+const SHOWN_BYTES = 2 * READ_BYTES;
+// The line by which the task document says it left part of a stream out (docs/api.md).
+const CUT_LINE = /^\[tes-bridge: ([0-9,]+) of ([0-9,]+) bytes left out here; the whole (stdout|stderr): GET \S+\]$/m;
 const AUTH_KEY = "tes-bridge-authorization";
 const WORKFLOW_PAGE_SIZE = 200;
 const WORKFLOW_MAX_TASKS = 2000;
@@ -163,6 +169,13 @@ function exitCode(log) {
   return String(failed === undefined ? 0 : failed);
 }
 
+// Why a final task ended as it did (`exit 42`, `TIMEOUT`, `input`, `canceled by alice`): the
+// server's word, in its last attempt's metadata (bridge/core/reasons.py); "" for the others.
+function reasonOf(task) {
+  const log = lastAttempt(task);
+  return ((log && log.metadata) || {}).reason || "";
+}
+
 // ------------------------------------------------------------------------------ the API
 class AuthRequired extends Error {
   constructor(challenge) {
@@ -289,21 +302,28 @@ async function ownersOf(ids) {
 
 // ------------------------------------------------------------------------------ filters
 // The list's filters live in the address (#/?state=…&name=…&tag=…&size=…), so that a view can
-// be bookmarked, shared and reloaded; the workflow view takes the same ones (#/workflow?…).
+// be bookmarked, shared and reloaded; the workflow view takes the same ones (#/workflow?…),
+// and its own: the directory its files are under and a span of creation times (dir, since,
+// until), which isolate one run of an engine that sends no tags (Nextflow).
+const RUN_FILTERS = ["dir", "since", "until"];
+
 function filtersFrom(query) {
   const params = new URLSearchParams(query || "");
   const size = params.get("size") || "50";
-  return {
+  const filters = {
     state: STATES.includes(params.get("state")) ? params.get("state") : "",
     name: params.get("name") || "",
     tag: params.get("tag") || "",
     size: /^[0-9]+$/.test(size) ? size : "50",
   };
+  for (const key of RUN_FILTERS) filters[key] = params.get(key) || "";
+  return filters;
 }
 
 function hashFor(view, filters) {
   const params = new URLSearchParams();
-  for (const key of ["state", "name", "tag"]) if (filters[key]) params.set(key, filters[key]);
+  const keys = ["state", "name", "tag", ...(view === "workflow" ? RUN_FILTERS : [])];
+  for (const key of keys) if (filters[key]) params.set(key, filters[key]);
   if (filters.size && filters.size !== "50") params.set("size", filters.size);
   const query = params.toString();
   return `#/${view}${query ? `?${query}` : ""}`;
@@ -366,6 +386,7 @@ function taskRow(task, owners) {
     el("td", { class: "created", title: task.creation_time || "" }, when(task.creation_time)),
     el("td", { class: "duration" }, expectedStart(log) || duration(used.elapsed)),
     el("td", { class: "exit" }, exitCode(log)),
+    el("td", { class: "reason" }, reasonOf(task)),
     el("td", { class: "tags" }, tags.join(", ")),
     el("td", { class: "id" }, task.id));
 }
@@ -428,18 +449,45 @@ function showOnly(id) {
 }
 
 // ------------------------------------------------------------------------------ a workflow
-// The tasks that share a tag or a name prefix, as Nextflow's timeline report draws a run: each
-// task's waiting and running spans on one time axis, and what each used of what it asked.
+// The tasks that share a tag, a name prefix, or a directory and a span of creation times, as
+// Nextflow's timeline report draws a run: each task's waiting and running spans on one time
+// axis, and what each used of what it asked.
+
+// A time as typed, in ms (NaN when not given): `nextflow log`'s "2026-05-04 13:02:11" is the
+// browser's local time; RFC 3339 with a zone ("…Z", "…+02:00") is that zone's.
+function timeFilter(text) {
+  return text ? Date.parse(text.trim().replace(" ", "T")) : NaN;
+}
+
+// Whether any input or output of the task is `dir` or under it (a bare path or a file:// URL).
+function under(task, dir) {
+  const root = dir.replace(/\/+$/, "");
+  return [...(task.inputs || []), ...(task.outputs || [])].some((item) => {
+    const path = String(item.url || "").replace(/^file:\/\//, "");
+    return path === root || path.startsWith(`${root}/`);
+  });
+}
+
 async function workflowTasks(filters) {
+  const since = timeFilter(filters.since);
+  const until = timeFilter(filters.until);
+  const wanted = (task) => {
+    const created = Date.parse(task.creation_time);
+    return !(created < since || created > until) && (!filters.dir || under(task, filters.dir));
+  };
   const tasks = [];
   let token = "";
+  let older = false;
   do {
     const params = [["view", "BASIC"], ["page_size", String(WORKFLOW_PAGE_SIZE)], ...filterParams(filters)];
     if (token) params.push(["page_token", token]);
     const answer = await api("tasks", { params });
-    tasks.push(...(answer.tasks || []));
+    const page = answer.tasks || [];
+    tasks.push(...page.filter(wanted));
+    // Newest first: once a page reaches back before `since`, no later page has one.
+    older = page.some((task) => Date.parse(task.creation_time) < since);
     token = answer.next_page_token || "";
-  } while (token && tasks.length < WORKFLOW_MAX_TASKS);
+  } while (token && !older && tasks.length < WORKFLOW_MAX_TASKS);
   return tasks.reverse();  // oldest first, as they were created
 }
 
@@ -497,7 +545,7 @@ function timelinePart(tasks) {
       const end = Number.isFinite(row.ended) ? row.ended : row.started;
       group.append(svg("rect", { class: `tl-run tl-${row.task.state}`, x: x(row.started), y: y + 2,
         height: rowHeight - 5, width: Math.max(1, x(end) - x(row.started)) },
-      svg("title", {}, `${name}: running ${duration((end - row.started) / 1000)} (${row.task.state})`)));
+      svg("title", {}, `${name}: running ${duration((end - row.started) / 1000)} (${[row.task.state, reasonOf(row.task)].filter(Boolean).join(": ")})`)));
     }
     chart.append(group);
   });
@@ -552,6 +600,7 @@ function resourceRow(row) {
     el("td", { class: "name" }, el("a", { href: `#/task/${encodeURIComponent(row.task.id)}` },
       row.task.name || "(no name)")),
     el("td", { class: `state state-${row.task.state}` }, row.task.state),
+    el("td", { class: "reason" }, reasonOf(row.task)),
     el("td", {}, String(u.cores)),
     el("td", {}, duration(u.elapsed)),
     el("td", { class: "cpu-time" }, u.cpu === null ? "" : duration(u.cpu)),
@@ -574,8 +623,13 @@ function workflowSummary(rows, filters) {
   const spansAll = rows.map((row) => spans(row.task, Date.now()));
   const first = Math.min(...spansAll.map((s) => s.created));
   const last = Math.max(...spansAll.flatMap((s) => [s.started, s.ended]).filter(Number.isFinite), first);
-  const what = [filters.tag ? `tag ${filters.tag}` : "", filters.name ? `names starting ${filters.name}` : ""]
-    .filter(Boolean).join(", ");
+  const what = [
+    filters.tag ? `tag ${filters.tag}` : "",
+    filters.name ? `names starting ${filters.name}` : "",
+    filters.dir ? `files under ${filters.dir}` : "",
+    filters.since ? `created from ${filters.since}` : "",
+    filters.until ? `created until ${filters.until}` : "",
+  ].filter(Boolean).join(", ");
   $("workflow-title").textContent = `Workflow: ${what}`;
   return [
     `${rows.length} tasks (${Object.entries(byState).map(([k, v]) => `${v} ${k}`).join(", ")})`,
@@ -587,6 +641,8 @@ function workflowSummary(rows, filters) {
 }
 
 let workflowLoads = 0;
+// The filters of the workflow shown: its own form changes the directory and the times only.
+let workflowFilters = filtersFrom("");
 
 async function loadWorkflow(filters) {
   const tasks = await workflowTasks(filters);
@@ -603,8 +659,11 @@ async function loadWorkflow(filters) {
 function showWorkflow(filters) {
   showOnly("workflow-view");
   $("workflow-back").setAttribute("href", hashFor("", filters));
-  if (!filters.name && !filters.tag) {
-    showError("A workflow is the tasks of a tag or a name prefix: set one in the list's filters.");
+  for (const key of RUN_FILTERS) $(`workflow-${key}`).value = filters[key];
+  workflowFilters = filters;
+  if (!filters.name && !filters.tag && !filters.dir && !filters.since) {
+    showError("A workflow is the tasks of a tag or a name prefix (the list's filters), or of a "
+      + "directory or a start time (above).");
     return Promise.resolve();
   }
   const again = async () => {
@@ -647,6 +706,139 @@ function filesPart(files, kind) {
     el("tbody", {}, ...rows))];
 }
 
+// ------------------------------------------------------------------------------ executor output
+// An executor's stream is shown as pieces: text, or a part marked as left out of the task
+// document ({ leftOut, note }), or a line that says where bytes were left out ({ cut }).
+function showPieces(node, pieces) {
+  node.replaceChildren(...pieces.map((piece) => {
+    if (typeof piece === "string") return document.createTextNode(piece);
+    if (piece.cut !== undefined) return el("span", { class: "cut" }, piece.cut);
+    return el("span", { class: "left-out", "data-note": piece.note, title: piece.note }, piece.leftOut);
+  }));
+}
+
+// The task document's copy of a stream, its cut line (if any) marked.
+function documentPieces(text) {
+  const match = CUT_LINE.exec(text || "");
+  if (!match) return [text || ""];
+  // The marked line is a block of its own: without the newline that ends it.
+  return [text.slice(0, match.index), { cut: match[0] }, text.slice(match.index + match[0].length + 1)];
+}
+
+const count = (n) => Number(n).toLocaleString("en-US");
+
+function outputReader(id, where) {
+  return (offset) => api(`tasks/${encodeURIComponent(id)}/output`,
+    { params: [...where, ["offset", offset], ["max_bytes", READ_BYTES]] });
+}
+
+// The whole of a finished stream, from the output endpoint: null when its files are gone. The
+// part the task document left out is marked in it; past SHOWN_BYTES, only its two ends.
+async function wholePieces(id, where, documented) {
+  const read = outputReader(id, where);
+  let answer = await read(0);
+  if (!answer.started) return null;
+  const size = answer.size;
+  if (size > SHOWN_BYTES) {
+    const tail = await read(-READ_BYTES);
+    const cut = `[the page shows the first ${count(answer.next_offset)} and the last `
+      + `${count(size - tail.offset)} of ${count(size)} bytes: download for the whole]`;
+    return [answer.text, { cut }, tail.text];
+  }
+  let text = answer.text;
+  while (answer.next_offset < size && answer.text) {
+    answer = await read(answer.next_offset);
+    text += answer.text;
+  }
+  const match = CUT_LINE.exec(documented);
+  const head = match ? documented.slice(0, match.index) : "";
+  const tail = match ? documented.slice(match.index + match[0].length + 1) : "";  // after its \n
+  if (!match || !text.startsWith(head) || !text.endsWith(tail) || head.length + tail.length > text.length) {
+    return [text];
+  }
+  const note = `the task document leaves out these ${match[1]} of ${match[2]} bytes`;
+  return [head, { leftOut: text.slice(head.length, text.length - tail.length), note }, tail];
+}
+
+// What a download of a stream saves: the document's copy when it is whole, else all of the
+// stream from the endpoint (the copy again when its files are gone).
+async function wholeText(id, where, documented) {
+  if (!CUT_LINE.test(documented)) return documented;
+  const read = outputReader(id, where);
+  const parts = [];
+  let offset = 0;
+  for (;;) {
+    const answer = await read(offset);
+    if (!answer.started) return documented;
+    parts.push(answer.text);
+    if (answer.next_offset >= answer.size || answer.next_offset <= offset) return parts.join("");
+    offset = answer.next_offset;
+  }
+}
+
+function download(name, text) {
+  const url = URL.createObjectURL(new Blob([text], { type: "text/plain;charset=utf-8" }));
+  const save = el("a", { href: url, download: name });
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+function downloadLink(id, where, name, documented) {
+  const link = el("a", { href: "#", class: "download", "data-name": name }, "download");
+  link.addEventListener("click", (event) => {
+    event.preventDefault();
+    link.textContent = "downloading…";
+    guarded(async () => download(name, await wholeText(id, where, documented)))
+      .then(() => { link.textContent = "download"; });
+  });
+  return link;
+}
+
+// One stream of a finished executor: its label with a download link, and its text. A copy the
+// task document cut is replaced by the whole stream once read (kept: it no longer changes).
+function streamPart(task, attempt, number, stream, documented) {
+  const key = `${attempt}/${number}/${stream}`;
+  const where = [["attempt", attempt], ["executor", number], ["stream", stream]];
+  const text = el("pre", { class: stream, "data-key": key });
+  const label = el("p", { class: "stream-label" }, stream);
+  if (documented) {
+    label.append(" · ", downloadLink(task.id, where, `${task.id}-${attempt}-${number}.${stream}.txt`, documented));
+  }
+  const cut = CUT_LINE.test(documented || "");
+  const whole = current.whole.get(key);
+  showPieces(text, whole || documentPieces(documented));
+  text.dataset.whole = whole || !cut ? "yes" : "no";
+  if (cut && !whole && !current.loading.has(key)) {
+    current.loading.add(key);
+    const shown = current;
+    guarded(async () => {
+      let pieces;
+      try {
+        pieces = await wholePieces(task.id, where, documented);
+      } catch (error) {
+        shown.loading.delete(key);  // read again at the next refresh
+        throw error;
+      }
+      if (!pieces || current !== shown) return;
+      shown.whole.set(key, pieces);
+      const node = $("attempts").querySelector(`pre[data-key="${key}"]`);
+      if (node) {
+        showPieces(node, pieces);
+        node.dataset.whole = "yes";
+      }
+    });
+  }
+  return [label, text];
+}
+
+// The --time the attempt's job got and where it came from (bridge/poller/submit/record.py).
+function timeLimit(meta) {
+  if (meta.slurm_time_limit) return meta.slurm_time_limit;
+  return meta.slurm_job_id ? "no --time: the partition's own limit" : "";
+}
+
 function attemptPart(task, log, index) {
   const meta = log.metadata || {};
   const used = usage(task, log);
@@ -654,7 +846,9 @@ function attemptPart(task, log, index) {
     el("h4", {}, `Attempt ${index + 1}`),
     definitions([
       ["Slurm job", meta.slurm_job_id], ["Node", meta.slurm_node],
-      ["Partition", meta.slurm_partition], ["Slurm state", meta.slurm_state],
+      ["Partition", meta.slurm_partition],
+      ["Time limit", timeLimit(meta) ? el("span", { class: "time-limit" }, timeLimit(meta)) : ""],
+      ["Slurm state", meta.slurm_state],
       ["Start", expectedStart(log)],
       ["Started", when(log.start_time)], ["Ended", when(log.end_time)],
       ["Elapsed", meta.slurm_elapsed_seconds ? `${meta.slurm_elapsed_seconds} s` : ""],
@@ -669,8 +863,8 @@ function attemptPart(task, log, index) {
   for (const [number, executor] of (log.logs || []).entries()) {
     card.append(el("h5", {}, `Executor ${number}: exit code ${executor.exit_code}`),
       definitions([["Started", when(executor.start_time)], ["Ended", when(executor.end_time)]]),
-      el("p", { class: "stream-label" }, "stdout"), pre(executor.stdout, "stdout"),
-      el("p", { class: "stream-label" }, "stderr"), pre(executor.stderr, "stderr"));
+      ...streamPart(task, index + 1, number, "stdout", executor.stdout || ""),
+      ...streamPart(task, index + 1, number, "stderr", executor.stderr || ""));
   }
   if ((log.outputs || []).length) {
     card.append(el("h5", {}, "Uploaded"),
@@ -682,12 +876,14 @@ function attemptPart(task, log, index) {
   return card;
 }
 
-let current = null;  // the task shown: { id, task }
+// The task shown: { id, task, owner, whole: finished streams read whole, loading: their keys }.
+let current = null;
 
 function renderTask(task, owner) {
   $("task-name").textContent = task.name || "(no name)";
   const tags = Object.entries(task.tags || {}).map(([k, v]) => (v ? `${k}=${v}` : k));
   const resources = task.resources || {};
+  const params = resources.backend_parameters || {};
   clear($("task-summary")).append(...definitions([
     ["Id", task.id],
     ["State", el("span", { id: "task-state", class: `state state-${task.state}` }, task.state)],
@@ -703,7 +899,12 @@ function renderTask(task, owner) {
       resources.cpu_cores ? `${resources.cpu_cores} CPU` : "",
       resources.ram_gb ? `${resources.ram_gb} GB RAM` : "",
       resources.disk_gb ? `${resources.disk_gb} GB disk` : "",
+      resources.preemptible ? "preemptible" : "",
+      (resources.zones || []).length ? `zones ${resources.zones.join(", ")}` : "",
     ].filter(Boolean).join(", ")],
+    // As stored: a key this server does not support was dropped (its system log says so).
+    ["Backend parameters", Object.keys(params).length ? el("span", { id: "task-backend-parameters" },
+      Object.entries(params).map(([key, value]) => `${key}=${value}`).join(", ")) : ""],
   ]).childNodes);
   const final = FINAL.has(task.state);
   $("cancel").hidden = final;
@@ -756,14 +957,15 @@ async function loadLive(id) {
       params: [["executor", executor], ["stream", stream], ["offset", -LIVE_TAIL_BYTES]],
     });
     if (!current || current.id !== id) return;
+    // Shown before it is filled: a hidden element has no height to scroll to its end.
+    $("live").hidden = false;
     const { label, text } = liveStream(stream);
     label.textContent = `Executor ${executor} ${stream} (${bytes(answer.size)}${answer.done ? ", finished" : ""})`;
-    if (text.textContent !== (answer.text || "")) {
-      text.textContent = answer.text || "";
-      if (text.dataset.follow !== "no") text.scrollTop = text.scrollHeight;
-    }
+    if (text.textContent !== (answer.text || "")) text.textContent = answer.text || "";
+    // At its end, whether the text grew or not (the output may have stopped, the executor too),
+    // unless the reader scrolled up.
+    if (text.dataset.follow !== "no") text.scrollTop = text.scrollHeight;
   }
-  $("live").hidden = false;
 }
 
 function scheduleTask(id) {
@@ -800,7 +1002,7 @@ function showTask(id) {
   $("live").hidden = true;
   clear($("live-streams"));
   $("cancel-confirm").hidden = true;
-  current = { id, task: null, owner: undefined };
+  current = { id, task: null, owner: undefined, whole: new Map(), loading: new Set() };
   return guarded(() => loadTask(id)).then(() => scheduleTask(id));
 }
 
@@ -857,6 +1059,12 @@ function start() {
     listState.page = Math.max(0, listState.page - 1);
     stopTimers();
     showList();
+  });
+  $("workflow-filters").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const filters = { ...workflowFilters };
+    for (const key of RUN_FILTERS) filters[key] = $(`workflow-${key}`).value.trim();
+    go(hashFor("workflow", filters));
   });
   $("cancel").addEventListener("click", cancelTask);
   $("cancel-confirm").addEventListener("click", confirmCancel);

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 #: Schemes the TES API accepts but this deployment cannot stage yet.
-_PLANNED = {"sftp", "gs", "drs", "htsget", "azblob"}
+_PLANNED = {"sftp", "gs", "htsget", "azblob"}
 #: `scheme://user:password@` -> `scheme://***@`, and signature-like query values.
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
 _SECRET_QUERY = re.compile(
@@ -55,7 +55,7 @@ class StagingOptions:
     Only names and paths: credentials stay in the files and environment these point to.
     """
 
-    enabled: tuple[str, ...] = ("file", "http", "https", "s3", "ftp")
+    enabled: tuple[str, ...] = ("file", "http", "https", "s3", "ftp", "drs")
     http_upload: bool = False
     retries: int = 3
     timeout: float = 60.0
@@ -69,6 +69,11 @@ class StagingOptions:
     s3_max_concurrency: int = 4
     netrc_file: str | None = None
     ftp_passive: bool = True
+    ca_bundle: str | None = None
+    drs_tokens_file: str | None = None
+    #: Compact DRS identifier prefix -> host[:port], as pairs (the options are hashable: the S3
+    #: client is cached by them).
+    drs_prefixes: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> StagingOptions:
@@ -76,7 +81,14 @@ class StagingOptions:
         values = {k: v for k, v in (data or {}).items() if k in known}
         if "enabled" in values:
             values["enabled"] = tuple(values["enabled"])
+        if "drs_prefixes" in values:
+            values["drs_prefixes"] = tuple(sorted(dict(values["drs_prefixes"]).items()))
         return cls(**values)
+
+    @property
+    def verify(self) -> str | bool:
+        """What requests and boto3 take as `verify`: the site's CA bundle, else their own."""
+        return self.ca_bundle or True
 
 
 @dataclass
@@ -141,6 +153,12 @@ def _ftp() -> StagingBackend:
     return ftp
 
 
+def _drs() -> StagingBackend:
+    from bridge.job.staging import drs
+
+    return drs
+
+
 #: Scheme -> the module implementing it.
 _LOADERS: dict[str, Callable[[], StagingBackend]] = {
     "file": _file,
@@ -148,7 +166,13 @@ _LOADERS: dict[str, Callable[[], StagingBackend]] = {
     "https": _http,
     "s3": _s3,
     "ftp": _ftp,
+    "drs": _drs,
 }
+
+
+def can_stage(scheme: str, ctx: StagingContext) -> bool:
+    """Whether this deployment stages `scheme` (a protocol module, enabled in staging.protocols)."""
+    return scheme in _LOADERS and scheme in ctx.options.enabled
 
 
 def backend_for(url: str, ctx: StagingContext | None = None) -> StagingBackend:

@@ -2,8 +2,10 @@
 upload with PUT where the deployment enables it (`staging.http_upload`).
 
 Credentials come from the site's netrc file (`staging.netrc_file`, by host name) or from the URL
-itself; requests drops them when a redirect leads to another host. Plain HTTP cannot list a
-directory, so DIRECTORY inputs are refused; a DIRECTORY output is one PUT per file.
+itself; requests drops them when a redirect leads to another host. HTTPS certificates are checked
+against `staging.ca_bundle` where a site sets one. Plain HTTP cannot list a directory, so
+DIRECTORY inputs are refused; a DIRECTORY output is one PUT per file. `session`, `describe` and
+`get_file` serve `bridge.job.staging.drs` too.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ def _auth(url: str, ctx: StagingContext) -> tuple[str, str] | None:
     return netrc_login(urllib.parse.urlsplit(url).hostname or "", ctx)
 
 
-def _session(ctx: StagingContext) -> requests.Session:
-    session = requests.Session()
+def session(ctx: StagingContext) -> requests.Session:
+    """A session with the deployment's retries (GET and HEAD) and CA bundle."""
+    result = requests.Session()
     # No ~/.netrc or proxy credentials from the job's environment beyond the site's file.
-    session.trust_env = False
+    result.trust_env = False
+    result.verify = ctx.options.verify
     retry = Retry(
         total=ctx.options.retries,
         connect=ctx.options.retries,
@@ -52,15 +56,17 @@ def _session(ctx: StagingContext) -> requests.Session:
         respect_retry_after_header=True,
     )
     adapter = HTTPAdapter(max_retries=retry)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
+    result.mount("http://", adapter)
+    result.mount("https://", adapter)
+    return result
 
 
-def _describe(exc: requests.RequestException) -> str:
+def describe(exc: requests.RequestException) -> str:
     # requests' messages name the URL, which may carry credentials.
     reason = exc.__class__.__name__
-    if isinstance(exc, requests.ConnectionError):
+    if isinstance(exc, requests.exceptions.SSLError):
+        reason = "TLS failed (a server certificate of the site's own CA needs staging.ca_bundle)"
+    elif isinstance(exc, requests.ConnectionError):
         reason = "cannot connect"
     elif isinstance(exc, requests.Timeout):
         reason = "timed out"
@@ -79,14 +85,27 @@ def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
             f"{redact(url)}: DIRECTORY inputs cannot be staged over HTTP (it cannot list a "
             "directory); use s3://, ftp:// or file://, or list the files as FILE inputs"
         )
+    get_file(url, dest, ctx)
+
+
+def get_file(
+    url: str, dest: Path, ctx: StagingContext, headers: dict[str, str] | None = None
+) -> None:
+    """GET `url` into the new file `dest`, with `headers` (a DRS access URL's) if any."""
     timeout = ctx.options.timeout
-    with _session(ctx) as session:
+    # The access URL's own Authorization header wins over a netrc login for its host.
+    own_auth = any(name.lower() == "authorization" for name in headers or {})
+    with session(ctx) as http:
         try:
-            response = session.get(
-                url, stream=True, timeout=(timeout, timeout), auth=_auth(url, ctx)
+            response = http.get(
+                url,
+                stream=True,
+                timeout=(timeout, timeout),
+                auth=None if own_auth else _auth(url, ctx),
+                headers=headers,
             )
         except requests.RequestException as exc:
-            raise StagingError(f"GET {redact(url)} failed: {_describe(exc)}") from None
+            raise StagingError(f"GET {redact(url)} failed: {describe(exc)}") from None
         with response:
             _check_status(response, url, "GET")
             fd = create_file(dest)
@@ -95,7 +114,7 @@ def download(url: str, dest: Path, kind: FileKind, ctx: StagingContext) -> None:
                     for chunk in response.iter_content(_CHUNK):
                         handle.write(chunk)
             except requests.RequestException as exc:
-                raise StagingError(f"GET {redact(url)} failed: {_describe(exc)}") from None
+                raise StagingError(f"GET {redact(url)} failed: {describe(exc)}") from None
             expected = response.headers.get("Content-Length")
             encoded = response.headers.get("Content-Encoding", "identity") != "identity"
             short = expected and expected.isdigit() and dest.stat().st_size != int(expected)
@@ -111,13 +130,13 @@ def upload_file(source_fd: int, size: int, url: str, ctx: StagingContext) -> Non
         )
     timeout = ctx.options.timeout
     attempts = ctx.options.retries + 1
-    with _session(ctx) as session:
+    with session(ctx) as http:
         for attempt in range(attempts):
             os.lseek(source_fd, 0, os.SEEK_SET)
             # closefd=False: the caller owns the descriptor.
             with open(source_fd, "rb", closefd=False) as body:
                 try:
-                    response = session.put(
+                    response = http.put(
                         url,
                         data=body,
                         headers={"Content-Length": str(size)},
@@ -128,7 +147,7 @@ def upload_file(source_fd: int, size: int, url: str, ctx: StagingContext) -> Non
                     if attempt + 1 < attempts:
                         time.sleep(0.5 * 2**attempt)
                         continue
-                    raise StagingError(f"PUT {redact(url)} failed: {_describe(exc)}") from None
+                    raise StagingError(f"PUT {redact(url)} failed: {describe(exc)}") from None
             with response:
                 if response.status_code in RETRY_STATUSES and attempt + 1 < attempts:
                     time.sleep(0.5 * 2**attempt)

@@ -61,7 +61,9 @@ def _client(options: StagingOptions) -> Any:
         read_timeout=options.timeout,
         s3={"addressing_style": options.s3_addressing_style},
     )
-    client = session.client("s3", endpoint_url=options.s3_endpoint_url or None, config=config)
+    client = session.client(
+        "s3", endpoint_url=options.s3_endpoint_url or None, config=config, verify=options.verify
+    )
     # No `Expect: 100-continue`: botocore sends the body anyway after waiting a second, and a
     # store that answers the expectation late leaves the kept-alive connection out of step
     # (seen with rclone's S3 server: the next request then times out).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from bridge.core import backend_params
+from bridge.core.reasons import SLURM_REFUSED
 from bridge.poller.arrays import PreparedJob
 from bridge.poller.attempt import Condition, ConditionKind
 from bridge.poller.context import CycleStats, PollerContext, short
@@ -42,7 +43,7 @@ class SbatchFailures:
     def refusal(self, exc: SlurmRejected, prepared: PreparedJob, stats: CycleStats) -> str:
         """What a task that sbatch refused says in its system_logs: Slurm's words, and for a
         request that can be changed, what the job asked for and where to change it."""
-        message = f"Slurm refused the job: {exc.reason}"
+        message = f"{SLURM_REFUSED}{exc.reason}"
         if exc.refusal is Refusal.TMP_DISK:
             return message + self.nodes.hint(prepared.disk_gb, stats)
         if exc.refusal is Refusal.TIME_LIMIT:

@@ -10,6 +10,7 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.core import backend_params
+from bridge.core.reasons import IMAGE_PULL_FAILED
 from bridge.images.ref import ImagePullError
 from bridge.jobscript.render import prepare_task_dir
 from bridge.jobscript.task import RenderError
@@ -164,7 +165,7 @@ class Preparer:
             image_paths = self.images.resolve(images)
         except ImagePullError as exc:
             self._note_images(task, [], write=False)
-            self.outcomes.fail(task, f"cannot pull image: {exc}")
+            self.outcomes.fail(task, f"{IMAGE_PULL_FAILED}{exc}")
             return None
         # Transient trouble (registry down, full cache) is said in system_logs while it lasts.
         notes = [] if image_paths else [p for p in map(self.images.problem, images) if p]

@@ -86,15 +86,16 @@ class Sbatch:
         """One sbatch for one task; 1 when it was submitted."""
         task = ready.task
         attempt = task.attempt + 1
+        name = job_name(task.id, ready.document.get("name"))
         # Recorded before sbatch runs: after a crash, the job is looked up by name, not resubmitted.
-        logs = marked_logs(task, attempt, None)  # an earlier try's array marks go
+        logs = marked_logs(task, attempt, (name, None))  # an earlier try's array marks go
         if not self.ctx.store.mark_submitting(
             task.id, attempt=attempt, now=self.ctx.clock(), logs=logs
         ):
             return 0  # canceled meanwhile
         if logs is not None:
             task.logs = logs
-        job_id = self._sbatch(task, attempt, ready, stats)
+        job_id = self._sbatch(task, attempt, name, ready, stats)
         if job_id is None:
             return 0
         self.backoff.failures = 0
@@ -104,7 +105,7 @@ class Sbatch:
 
     def submit_array(self, unit: list[Ready], stats: CycleStats) -> int:
         """One `sbatch --array` for tasks of one shape; how many were submitted."""
-        name = array_job_name(secrets.token_hex(6))
+        name = array_job_name(secrets.token_hex(6), (r.document.get("name") for r in unit))
         members = self._mark_array(unit, name)
         if not members:
             return 0
@@ -179,14 +180,14 @@ class Sbatch:
         return self.owners.account_args(ready.owner, ready.document) if self.owners else []
 
     def _sbatch(
-        self, task: TaskRecord, attempt: int, ready: Ready, stats: CycleStats
+        self, task: TaskRecord, attempt: int, name: str, ready: Ready, stats: CycleStats
     ) -> str | None:
         """The job id, or None when sbatch failed (the task then failed or waits)."""
         try:
             self.ctx.check_lease()  # a poller that lost its lease submits nothing
             stats.slurm_calls += 1
             return self.ctx.slurm.submit(
-                ready.prepared.script, job_name=job_name(task.id), comment=task.id,
+                ready.prepared.script, job_name=name, comment=task.id,
                 extra_args=self._account(ready), as_user=ready.owner,
                 script_args=self._epoch_args(),
             )  # fmt: skip
