@@ -268,6 +268,33 @@ def openapi_document(config: Config) -> dict[str, Any]:
                     },
                 },
             },
+            "/tasks:test-only": {
+                "post": {
+                    "operationId": "TestTask",
+                    "description": (
+                        "An extension: where and when Slurm would start this task "
+                        "(sbatch --test-only of the job script it would get), without creating "
+                        "it. The task is checked as CreateTask checks it. The answer: "
+                        "start_time, nodes, processors, partition, preempts (job ids), slurm "
+                        "(Slurm's own line); or refused (Slurm's reason) where Slurm would "
+                        "refuse such a job. 503 with Retry-After while the poller cannot ask."
+                    ),
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": _REF + "tesTaskRequest"}}
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "400": errors["400"],
+                        "default": errors["default"],
+                    },
+                }
+            },
             "/tasks/{id}": {
                 "get": {
                     "operationId": "GetTask",

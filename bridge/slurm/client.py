@@ -33,6 +33,7 @@ from bridge.slurm.jobs import JobInfo
 from bridge.slurm.releases import SlurmFeatures, SlurmRelease, describe_tested, parse_version
 from bridge.slurm.run import run_slurm
 from bridge.slurm.sacct import SACCT_FIELDS, parse_sacct
+from bridge.slurm.sbatch import StartEstimate, parse_test_only
 from bridge.slurm.scontrol import (
     RateLimit,
     exempt_because,
@@ -121,6 +122,10 @@ class SlurmBackend(Protocol):
         script_args: Sequence[str] = (),
     ) -> str: ...
 
+    def test_only(
+        self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
+    ) -> StartEstimate: ...
+
     def max_array_size(self) -> int: ...
 
     def release(self) -> SlurmRelease: ...
@@ -185,13 +190,18 @@ class SlurmClient:
         self.history = history
 
     def _run(
-        self, argv: list[str], timeout: float | None = None
+        self,
+        argv: list[str],
+        timeout: float | None = None,
+        *,
+        stdin: str | None = None,
+        clean: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """run_slurm with the budget, lowered first (at the first command, then every
         RATE_LIMIT_REFRESH s) to slurmctld's own rate limit where it has one."""
         if self.budget.rate and time.monotonic() >= self._rate_limit_due:
             self._apply_rate_limit()
-        return run_slurm(argv, timeout or self.timeout, self.budget)
+        return run_slurm(argv, timeout or self.timeout, self.budget, stdin=stdin, clean=clean)
 
     def _apply_rate_limit(self) -> None:
         try:
@@ -270,14 +280,27 @@ class SlurmClient:
         lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         job_id = lines[-1].split(";")[0] if lines else ""
         if not job_id.isdigit():
-            raise SlurmError(
-                f"sbatch printed no job id: {proc.stdout!r}",
-                argv=argv,
-                returncode=proc.returncode,
-                stdout=proc.stdout,
-                stderr=proc.stderr,
-            )
+            raise _unexpected(proc, f"sbatch printed no job id: {proc.stdout!r}")
         return job_id
+
+    def test_only(
+        self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
+    ) -> StartEstimate:
+        """Where and when Slurm would start the job of `script` (its text, which sbatch reads
+        on stdin) submitted now, without creating it (``sbatch --test-only``). Raises what a
+        real sbatch of it would: SlurmRejected where Slurm would refuse it."""
+        # --parsable first: site mode's sudo rule allows `sbatch --parsable *`. No -v: the
+        # answer is an info line, printed without it (bridge.slurm.sbatch).
+        argv = self._as(as_user, [self.sbatch, "--parsable", "--test-only", *extra_args])
+        proc = self._run(argv, stdin=script, clean=False)
+        if proc.returncode != 0:
+            raise command_error(proc, "asking sbatch --test-only", sbatch=self.sbatch)
+        estimate = parse_test_only(proc.stderr)
+        if estimate is None:
+            raise _unexpected(
+                proc, f"sbatch --test-only printed no estimate: {proc.stderr.strip()[-300:]!r}"
+            )
+        return estimate
 
     def _squeue(self, *selector: str) -> dict[str, JobInfo]:
         proc = self._run(squeue_argv(self.squeue, selector))
@@ -470,6 +493,17 @@ class SlurmClient:
             proc = self._run(self._as(as_user, [self.scancel, *verbose, *chunk]))
             if proc.returncode != 0:
                 raise command_error(proc, f"cancelling job(s) {' '.join(chunk)}")
+
+
+def _unexpected(proc: subprocess.CompletedProcess[str], message: str) -> SlurmError:
+    """A command that succeeded without printing what it should have."""
+    return SlurmError(
+        message,
+        argv=[str(a) for a in proc.args],
+        returncode=proc.returncode,
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+    )
 
 
 def account_name(uid: int) -> str | None:

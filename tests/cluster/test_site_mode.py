@@ -342,6 +342,26 @@ def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):
         assert as_user(other, "cat", str(work / task_id / "task.json")).returncode != 0
 
 
+def test_a_start_estimate_is_asked_of_slurm_as_the_owner(site: BridgeService):
+    """POST /tasks:test-only: the API (no sudo) asks the poller, which runs sbatch --test-only
+    as the owner through the shipped sudo rule, the job script on stdin; nothing is created."""
+    deadline = time.monotonic() + 30
+    while True:  # a 503 while the poller starts: asked again, as its Retry-After says
+        answer = requests.post(
+            f"{site.api}/tasks:test-only",
+            json={"executors": [{"image": "alpine", "command": ["true"]}]},
+            auth=("tesalice", PASSWORDS["tesalice"]),
+            timeout=60,
+        )
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert answer.status_code == 200, answer.text
+    estimate = answer.json()
+    assert "start_time" in estimate and estimate["processors"] >= 1, (estimate, site.log_tail())
+    assert estimate["slurm"].startswith("sbatch: Job "), estimate
+
+
 def test_owners_see_only_their_tasks(site: BridgeService):
     alice, bob, admin = Client(site, "tesalice"), Client(site, "tesbob"), Client(site, "tesadmin")
     task_id = alice.post(
