@@ -50,7 +50,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import (
     PYTHON,
     REPO,
-    SLURM_ENV,
     bridge_env,
     list_tasks,
     log_file,
@@ -104,9 +103,7 @@ def as_user() -> dict[str, Any]:
 
 def user_slurm(*argv: str) -> str:
     """A Slurm command as USER, as a user of the cluster runs it."""
-    env = {**os.environ, **SLURM_ENV}
-    done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env, **as_user())
-    return str(done.stdout)
+    return slurm(*argv, **as_user())
 
 
 def rpc_counts() -> dict[str, int]:

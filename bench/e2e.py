@@ -72,9 +72,11 @@ allow_root = true
 """
 
 
-def slurm(*argv: str) -> str:
+def slurm(*argv: str, **run: Any) -> str:
+    """A Slurm command's output; `run`: more of subprocess.run's arguments (user=, group=)."""
     env = {**os.environ, **SLURM_ENV}
-    return subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env, **run)
+    return str(done.stdout)
 
 
 def wait_queue_empty(timeout: float = 300) -> None:

@@ -147,7 +147,14 @@ def test_a_work_dir_the_compute_nodes_do_not_see_fails_the_job(
     (each has its own): every other check of it passes, the job's fails."""
     config = _config(local_cluster, tmp_path)
     _init_db(config)
-    code, results, _ = _check(config, job=True)
+    try:
+        code, results, _ = _check(config, job=True)
+    finally:
+        # slurmstepd made the job's --output directory in the node's own /tmp: gone, so that
+        # test_multinode still finds nothing of the login node's /tmp there.
+        for node in local_cluster.nodes if tmp_path.parts[1] == "tmp" else ():
+            made = local_cluster.state_dir / "nodes" / node / "tmp" / tmp_path.parts[2]
+            shutil.rmtree(made, ignore_errors=True)
     assert code == 1
     assert _failed(results) == ["poller", "compute node"], results
     node = results["compute node"]

@@ -594,7 +594,7 @@ def test_a_leader_frozen_between_its_lease_check_and_sbatch_runs_no_task_twice(
     jobs: list[str] = []
 
     def two_jobs() -> bool:
-        jobs[:] = slurm_jobs_by_task(site.shared / "work", [task_id])[task_id]
+        jobs[:] = slurm_jobs_by_task(site.shared / "work", [task])[task_id]
         return len(jobs) == 2
 
     wait_until(two_jobs, 60, f"the old leader's sbatch made no job: {jobs}", step=1.0)
@@ -647,7 +647,7 @@ def test_the_job_of_a_leader_killed_before_it_stored_the_id_is_adopted_and_runs(
     task = site.client.wait(task_id, timeout=120)
     assert task["state"] == "COMPLETE", task
     assert [log["metadata"]["slurm_job_id"] for log in task["logs"]] == [held]
-    assert slurm_jobs_by_task(site.shared / "work", [task_id])[task_id] == [held]
+    assert slurm_jobs_by_task(site.shared / "work", [task])[task_id] == [held]
     task_dir = site.shared / "work" / task_id
     assert not (task_dir / "lease-fence").exists()
     assert sorted(p.name for p in (task_dir / "records").iterdir()) == [held]
