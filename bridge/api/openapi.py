@@ -291,6 +291,20 @@ def openapi_document(config: Config) -> dict[str, Any]:
                             "content": {"application/json": {"schema": {"type": "object"}}},
                         },
                         "400": errors["400"],
+                        "503": {
+                            **_json_response(
+                                "Error",
+                                "Slurm cannot be asked now (no poller answers, the call "
+                                "budget is spent, or Slurm does not answer); the task itself "
+                                "passed every check: ask again after Retry-After seconds.",
+                            ),
+                            "headers": {
+                                "Retry-After": {
+                                    "required": True,
+                                    "schema": {"type": "integer", "minimum": 1},
+                                }
+                            },
+                        },
                         "default": errors["default"],
                     },
                 }

@@ -122,9 +122,25 @@ def test_slurm_is_not_asked_when_the_budget_of_calls_is_spent(
 
 
 def test_without_a_poller_the_answer_is_a_503_saying_so(client: testing.TestClient) -> None:
+    """The poller's absence is no fault of the client's: a documented 503 with Retry-After
+    (tests/api/test_fuzz.py accepts it there alone), and only for a task a create would
+    accept: a bad one is the create's 400 naming the field, poller or not."""
     answer = ask_test_only(client, TASK)
     assert answer.status_code == 503 and answer.headers["retry-after"] == "10"
     assert "cannot ask Slurm now: the poller does not answer" in answer.json["message"]
+    for bad, field in [
+        ({**TASK, "resources": {"backend_parameters": {"time": "soon"}}}, "time"),
+        ({"executors": [{"image": "alpine", "command": []}]}, "executors[0].command"),
+        ({**TASK, "inputs": [{"path": "relative", "content": "x"}]}, "inputs[0].path"),
+    ]:
+        refused = ask_test_only(client, bad)
+        assert refused.status_code == 400, refused.text
+        assert refused.json["errors"][0]["field"].endswith(field), refused.json
+        assert client.simulate_post("/ga4gh/tes/v1/tasks", json=bad).json == refused.json
+    document = client.simulate_get("/ga4gh/tes/v1/openapi.json").json
+    documented = document["paths"]["/tasks:test-only"]["post"]["responses"]["503"]
+    assert documented["headers"]["Retry-After"]["required"] is True
+    assert documented["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
 
 
 def test_in_site_mode_slurm_is_asked_as_the_owner_with_the_owners_account(
