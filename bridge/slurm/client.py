@@ -20,6 +20,7 @@ import logging
 import os
 import pwd
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -85,6 +86,15 @@ def _chunks(items: Sequence[str]) -> Iterator[list[str]]:
         size += len(item) + 1
     if chunk:
         yield chunk
+
+
+def on_path(command: str) -> str:
+    """`command` as the absolute path this process's PATH gives it, read once (unchanged where
+    it finds none). Through sudo (site mode) a bare name would be looked up on sudo's own
+    `secure_path` instead, which may find another program than the one the sudo rule names
+    (a newer release linked in /usr/local/bin, a rule naming /usr/bin/sbatch): sudo is given
+    the path the service itself runs, and the rule must name that program."""
+    return shutil.which(command) or command
 
 
 def _check_ids(job_ids: Iterable[str]) -> list[str]:
@@ -179,12 +189,12 @@ class SlurmClient:
         #: The user every job asked about belongs to (the service account, outside site mode):
         #: many ids are then looked up by listing this user's jobs (QUEUE_BY_USER_FROM).
         self.queue_user = queue_user
-        self.sbatch = sbatch
-        self.squeue = squeue
-        self.sacct = sacct
-        self.scancel = scancel
-        self.sinfo = sinfo
-        self.scontrol = scontrol
+        self.sbatch = on_path(sbatch)
+        self.squeue = on_path(squeue)
+        self.sacct = on_path(sacct)
+        self.scancel = on_path(scancel)
+        self.sinfo = on_path(sinfo)
+        self.scontrol = on_path(scontrol)
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
