@@ -171,10 +171,11 @@ class SlurmConfig(_Section):
     preemptible_partition: str | None = None
     preemptible_qos: str | None = None
     #: A job Slurm preempted (sacct state PREEMPTED). resubmit: a new attempt, like a job lost
-    #: to a node failure (counted in `retries`). preempted: the task ends PREEMPTED, final
-    #: here; the client may submit it again (crankshaft does; Nextflow and Cromwell wait
-    #: forever on PREEMPTED, so keep resubmit for them).
-    on_preemption: Literal["resubmit", "preempted"] = "resubmit"
+    #: to a node failure (counted in `retries`). report: the task ends PREEMPTED, final here;
+    #: the client may submit it again (sprocket does; Nextflow and Cromwell wait forever on
+    #: PREEMPTED, so keep resubmit for them). The default of a task's own
+    #: backend_parameters.on_preemption; "preempted" is the older name of report.
+    on_preemption: Literal["resubmit", "report"] = "resubmit"
     #: sbatch --time for tasks that ask for none (backend_parameters time or max_time);
     #: unset: the partition's own limit. `default_time_limit` is the older name.
     default_time: SlurmTime = Field(
@@ -226,6 +227,11 @@ class SlurmConfig(_Section):
     submit_settle: float = Field(default=20.0, ge=0)
     #: How long the partitions read for the capabilities document (one sinfo) are kept.
     capabilities_refresh_seconds: float = Field(default=60.0, gt=0)
+
+    @field_validator("on_preemption", mode="before")
+    @classmethod
+    def _older_name(cls, value: object) -> object:
+        return "report" if value == "preempted" else value
 
     @property
     def times(self) -> SiteTimes:

@@ -13,6 +13,7 @@ from typing import Any
 import falcon
 
 from bridge.api.auth import Authenticator, AuthError, NoLocalUser, build_authenticator
+from bridge.api.estimate import TaskTestOnly
 from bridge.api.metrics_api import MetricsResource, Readings, RequestMetrics
 from bridge.api.resources import (
     Capabilities,
@@ -185,6 +186,7 @@ def create_app(
     # One socket per worker, shared by its threads; the nudge is a hint (bridge.system.wake).
     wake = WakeSender(config.state_dir)
     tasks = Tasks(config, store, wake)
+    test_only = TaskTestOnly(config, tasks)
     task = Task(store, wake)
     output = TaskOutput(config, store)
     service_info = ServiceInfo(config, store)
@@ -195,6 +197,7 @@ def create_app(
     for prefix in PREFIXES:
         app.add_route(f"{prefix}/service-info", service_info)
         app.add_route(f"{prefix}/tasks", tasks)
+        app.add_route(f"{prefix}/tasks:test-only", test_only)
         app.add_route(f"{prefix}/tasks/{{task_id}}", task)
         app.add_route(f"{prefix}/tasks/{{task_id}}:cancel", task, suffix="cancel")
         app.add_route(f"{prefix}/tasks/{{task_id}}/output", output)

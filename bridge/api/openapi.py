@@ -268,6 +268,47 @@ def openapi_document(config: Config) -> dict[str, Any]:
                     },
                 },
             },
+            "/tasks:test-only": {
+                "post": {
+                    "operationId": "TestTask",
+                    "description": (
+                        "An extension: where and when Slurm would start this task "
+                        "(sbatch --test-only of the job script it would get), without creating "
+                        "it. The task is checked as CreateTask checks it. The answer: "
+                        "start_time, nodes, processors, partition, preempts (job ids), slurm "
+                        "(Slurm's own line); or refused (Slurm's reason) where Slurm would "
+                        "refuse such a job. 503 with Retry-After while the poller cannot ask."
+                    ),
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": _REF + "tesTaskRequest"}}
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "400": errors["400"],
+                        "503": {
+                            **_json_response(
+                                "Error",
+                                "Slurm cannot be asked now (no poller answers, the call "
+                                "budget is spent, or Slurm does not answer); the task itself "
+                                "passed every check: ask again after Retry-After seconds.",
+                            ),
+                            "headers": {
+                                "Retry-After": {
+                                    "required": True,
+                                    "schema": {"type": "integer", "minimum": 1},
+                                }
+                            },
+                        },
+                        "default": errors["default"],
+                    },
+                }
+            },
             "/tasks/{id}": {
                 "get": {
                     "operationId": "GetTask",

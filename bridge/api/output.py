@@ -79,6 +79,7 @@ class LiveOutput:
     ) -> OutputChunk:
         # sudo is the poller's alone (the API's unit has NoNewPrivileges): ask it.
         question = {
+            "kind": "output",
             "owner": owner,
             "task_id": task_id,
             "job_id": job_id,

@@ -23,6 +23,7 @@ from bridge.core.tes import (
     Limits,
     State,
     TaskValidationError,
+    ValidatedTask,
     View,
     local_input_problems,
     parse_state,
@@ -95,7 +96,19 @@ class Tasks:
         self._partitions_read_at = float("-inf")
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json_body(req, self.config.limits.max_body_bytes)
+        task = self.validated(read_json_body(req, self.config.limits.max_body_bytes))
+        record = self.store.create_task(
+            task.document, system_logs=task.warnings, owner=req.context.identity.user
+        )
+        TASKS_CREATED.inc()
+        if self.wake is not None:
+            self.wake.nudge()  # the poller submits it now (bridge.system.wake)
+        resp.media = {"id": record.id}
+
+    def validated(self, body: Any) -> ValidatedTask:
+        """The posted task as it would be stored, or a 400 naming the field: the TES document,
+        then what it asks of Slurm (patterns, the time limit within slurm.max_time, the
+        partitions and memory the poller last read)."""
         try:
             task = validate_task(
                 body,
@@ -120,13 +133,7 @@ class Tasks:
                 raise TaskValidationError(problems)
         except TaskValidationError as exc:
             raise _bad_request(exc) from None
-        record = self.store.create_task(
-            task.document, system_logs=task.warnings, owner=req.context.identity.user
-        )
-        TASKS_CREATED.inc()
-        if self.wake is not None:
-            self.wake.nudge()  # the poller submits it now (bridge.system.wake)
-        resp.media = {"id": record.id}
+        return task
 
     def _input_problems(self, document: dict[str, Any]) -> list[tuple[str, str]]:
         if not self.config.storage.check_inputs:
@@ -431,7 +438,7 @@ class Capabilities:
                 {
                     "key": key,
                     "pattern": parameter.pattern.pattern,
-                    "sbatch_option": parameter.option,
+                    **({"sbatch_option": parameter.option} if parameter.option else {}),
                     "description": parameter.description,
                 }
                 for key, parameter in backend_params.BACKEND_PARAMETERS.items()

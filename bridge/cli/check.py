@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from bridge import config as config_module
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
+from bridge.slurm.client import on_path
 from bridge.system.proc import CommandError, run
 
 if TYPE_CHECKING:
@@ -700,6 +701,18 @@ def _local_user(name: str) -> bool:
         return False
 
 
+def _names_program(listing: str, program: str) -> bool:
+    """Whether a sudo listing names `program` by any path to the same file: sudo compares the
+    files, so a rule may name a link or its target."""
+    name = os.path.basename(program)
+    for word in re.split(r"[\s,]+", listing):
+        if word.startswith("/") and os.path.basename(word) == name:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(word, program):
+                    return True
+    return False
+
+
 class SiteChecks(CheckGroup):
     """Site mode: the sudo rules that let the service act as task owners, and no more."""
 
@@ -733,6 +746,16 @@ class SiteChecks(CheckGroup):
                 "(job.python and job.work_dir must be the rule's paths)",
                 fix,
             )
+        for program in (on_path(self.config.slurm.sbatch), on_path(self.config.slurm.scancel)):
+            if not _names_program(plain, program):
+                raise Failed(
+                    f"the sudo rules of {self.account.name} name another "
+                    f"{os.path.basename(program)} than {program}, which the service runs "
+                    "through sudo",
+                    f"write {program} in the rule (`command -v {os.path.basename(program)}` "
+                    f"as {self.account.name}), or set slurm.{os.path.basename(program)} to "
+                    "the rule's path",
+                )
         compact = out.replace(" ", "")
         if "(root)" in compact or "(ALL)" in compact:
             raise Failed(f"{self.account.name} may run commands as root", fix)

@@ -167,6 +167,12 @@ class TesClient:
             params["max_bytes"] = max_bytes
         return self._object("GET", f"/tasks/{_quote(task_id)}/output", params=params)
 
+    def test_only(self, task: Mapping[str, Any]) -> dict[str, Any]:
+        """Where and when Slurm would start `task`, without creating it: this server's
+        extension of TES (`POST /tasks:test-only`, sbatch --test-only); other servers answer
+        404 or 405."""
+        return self._object("POST", "/tasks:test-only", json=task)
+
     def cancel(self, task_id: str) -> None:
         self.request("POST", f"/tasks/{_quote(task_id)}:cancel", json={})
 

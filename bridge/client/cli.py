@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -69,8 +70,13 @@ given: 4000, 4G) for --ram (GB: 4, or 4G), --tmp for --disk. Slurm's own options
 (any other, e.g. qos=long) go into the task's resources.backend_parameters. Options are never
 abbreviated: --time is not --timeout (how long --wait waits).
 
+With --test-only nothing is created: the server (tes-slurm-bridge) asks Slurm with sbatch
+--test-only where and when a task of that shape would start, and that is printed (exit
+status 1 when Slurm would refuse it).
+
 examples:
   tes-bridge task run alpine -- echo hello
+  tes-bridge task run --test-only --cpus 8 --ram 64 -t 1-00:00:00 tool:1 -- run.sh
   tes-bridge task run -t 2:00:00 -p long --gpus a100:1 -c 4 --mem 16G --wait tool:1 -- train.sh
   tes-bridge task run --wait --cpus 2 --ram 4 --tag project=x \\
       --input s3://bucket/reads.fq=/data/reads.fq --output /data/out/=s3://bucket/out/ \\
@@ -82,6 +88,7 @@ examples:
         """\
 Create a task from FILE, a TES task document in JSON or YAML (- reads standard input). The
 document is sent as it is, so fields this client does not know about reach the server.
+--test-only creates nothing and says where and when Slurm would start it, as for `run`.
 
 examples:
   tes-bridge task submit task.yaml
@@ -93,7 +100,8 @@ examples:
         """\
 List tasks as a table or, with --json, as a JSON array. The table shows each task's id,
 state, creation time and name, and of its last attempt the Slurm job id, the elapsed time
-(as sacct writes it: [D-]HH:MM:SS), the exit code (the first failing executor's, else the
+(as sacct writes it: [D-]HH:MM:SS; for a job still pending, when Slurm expects it to start:
+`start 2026-11-29 14:05:00`, UTC), the exit code (the first failing executor's, else the
 last one's), the peak memory (sacct's MaxRSS, or the job's cgroup peak where Slurm sampled
 none) and why a final task ended so (REASON: exit 42, TIMEOUT, OUT_OF_MEMORY, image, input,
 output, canceled by alice...), as far as the server records them (this bridge does). Follows
@@ -174,7 +182,9 @@ examples:
 Wait until every task is final (COMPLETE, EXECUTOR_ERROR, SYSTEM_ERROR, CANCELED or
 PREEMPTED). On a terminal, each change of state is shown as it happens under one status
 line (for many tasks, the count in each state, and only the tasks that fail); otherwise one
-`ID STATE` line per change. A server that cannot be reached for a while is waited for.
+`ID STATE` line per change. Why a waiting task waits, and when Slurm expects its pending job
+to start (this bridge says it), is said on stderr as it changes. A server that cannot be
+reached for a while is waited for.
 
 {EXIT_CODES_HELP}
 
@@ -324,6 +334,15 @@ def _add_resource_options(parser: argparse.ArgumentParser, *, changes: bool = Fa
     )
 
 
+def _add_test_only(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--test-only",
+        action="store_true",
+        help="create nothing: say where and when Slurm would start such a task "
+        "(sbatch --test-only; tes-slurm-bridge only)",
+    )
+
+
 def no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Turn off argparse's prefix matching in `parser` and every subparser below it: an
     abbreviation silently picks another option (`--time 5` was `--timeout 5`)."""
@@ -394,10 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_resource_options(run)
     _add_wait_options(run, wait_flag=True)
+    _add_test_only(run)
 
     submit = sub["submit"]
     submit.add_argument("file", metavar="FILE", help="task document, JSON or YAML; - for stdin")
     _add_wait_options(submit, wait_flag=True)
+    _add_test_only(submit)
 
     listing = sub["list"]
     listing.add_argument(
@@ -571,6 +592,8 @@ def read_document(name: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ commands
 def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) -> int:
+    if getattr(args, "test_only", False):  # run and submit have it
+        return test_only(client, task)
     task_id = client.create(task)
     print(task_id, flush=True)
     if not args.wait:
@@ -583,6 +606,41 @@ def create(client: TesClient, task: dict[str, Any], args: argparse.Namespace) ->
         interval=args.interval,
         timeout=args.timeout,
     )
+
+
+def test_only(client: TesClient, task: dict[str, Any]) -> int:
+    """Where and when Slurm would start the task (tes-slurm-bridge's sbatch --test-only);
+    exit status 1 when Slurm would refuse it."""
+    try:
+        answer = client.test_only(task)
+    except TesError as exc:
+        if exc.status in (404, 405):
+            raise TesError(
+                f"{exc}: this server cannot say when a task would start (--test-only asks "
+                "tes-slurm-bridge's POST /tasks:test-only)",
+                exc.status,
+            ) from None
+        raise
+    if "refused" in answer:
+        print(f"Slurm would refuse it: {answer['refused']}")
+        return EXIT_FAILED
+    print(start_line(answer))
+    return 0
+
+
+def start_line(answer: dict[str, Any]) -> str:
+    """`Slurm would start it at 2026-11-29 14:05:00 UTC on node1 (2 processors, partition
+    main)`, and the jobs it would preempt."""
+    when = str(answer.get("start_time") or "an unknown time")
+    with contextlib.suppress(ValueError):
+        when = f"{datetime.fromisoformat(when).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+    where = [f"{answer.get('processors', '?')} processors"]
+    if answer.get("partition"):
+        where.append(f"partition {answer['partition']}")
+    line = f"Slurm would start it at {when} on {answer.get('nodes', '?')} ({', '.join(where)})"
+    if answer.get("preempts"):
+        line += f", preempting job(s) {','.join(map(str, answer['preempts']))}"
+    return line
 
 
 def run_task(client: TesClient, args: argparse.Namespace) -> int:

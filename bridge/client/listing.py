@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bridge.client.api import TesClient
+from bridge.client.watch import expected_start
 
 STATES = (
     "UNKNOWN",
@@ -179,6 +180,13 @@ def exit_code(attempt: dict[str, Any]) -> str:
     return str(failing[0] if failing else codes[-1]) if codes else ""
 
 
+def _elapsed_or_start(attempt: dict[str, Any], metadata: dict[str, Any], now: datetime) -> str:
+    """The attempt's elapsed time; for a job still pending, when Slurm expects it to start."""
+    if not attempt.get("start_time") and (expected := expected_start(attempt)):
+        return f"start {expected}"
+    return _elapsed(attempt, metadata, now) if attempt.get("start_time") or metadata else ""
+
+
 def row(task: dict[str, Any], now: datetime) -> tuple[str, ...]:
     attempts = task.get("logs") or []
     attempt: dict[str, Any] = (attempts[-1] if attempts else None) or {}
@@ -189,7 +197,7 @@ def row(task: dict[str, Any], now: datetime) -> tuple[str, ...]:
         str(task.get("state", "")),
         _when(task.get("creation_time")),
         str(metadata.get("slurm_job_id") or ""),
-        _elapsed(attempt, metadata, now) if attempt.get("start_time") or metadata else "",
+        _elapsed_or_start(attempt, metadata, now),
         exit_code(attempt),
         size(memory) if memory else "",
         # Why a final task ended so, as this bridge tells it (`exit 42`, `TIMEOUT`, `input`...).

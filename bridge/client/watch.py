@@ -6,7 +6,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from bridge.client.api import FINAL_STATES, TesClient, TesError
@@ -187,11 +187,32 @@ def _view(states: dict[str, str | None], task_id: str) -> str:
 
 
 def waiting_reason(task: dict[str, Any]) -> str:
-    """The last system log line of the task's latest attempt ("" when there is none)."""
+    """The last system log line of the task's latest attempt ("" when there is none), and
+    when Slurm expects its job to start, where the server says it (this bridge's
+    `slurm_expected_start`)."""
     logs = task.get("logs") or []
     last = logs[-1] if logs and isinstance(logs[-1], dict) else {}
     lines = last.get("system_logs") or []
-    return str(lines[-1]).splitlines()[0] if lines and str(lines[-1]).strip() else ""
+    reason = str(lines[-1]).splitlines()[0] if lines and str(lines[-1]).strip() else ""
+    expected = expected_start(last)
+    if not expected:
+        return reason
+    when = f"Slurm expects it to start at {expected} UTC"
+    return f"{reason}; {when}" if reason else when
+
+
+def expected_start(attempt: dict[str, Any]) -> str:
+    """Slurm's estimate of when the attempt's pending job starts, as `YYYY-MM-DD HH:MM:SS`
+    in UTC ("" when the server gives none)."""
+    metadata = attempt.get("metadata") if isinstance(attempt, dict) else None
+    value = metadata.get("slurm_expected_start") if isinstance(metadata, dict) else None
+    try:
+        moment = datetime.fromisoformat(str(value)) if value else None
+    except ValueError:
+        return ""
+    if moment is None:
+        return ""
+    return f"{(moment.astimezone(UTC) if moment.tzinfo else moment):%Y-%m-%d %H:%M:%S}"
 
 
 def new_text(shown: str, current: str) -> str:

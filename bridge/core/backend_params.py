@@ -31,13 +31,17 @@ _GRES = re.compile(r"^[A-Za-z0-9_:,.-]+$")
 #: --gpus and --gpus-per-task: `count` or `type:count`.
 _GPUS = re.compile(r"^(?:[A-Za-z0-9_.-]+:)?[1-9][0-9]{0,3}$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_&|,.()\[\]*:!-]+$")
+#: What becomes of a task whose job Slurm preempted (see `on_preemption`).
+ON_PREEMPTION = ("report", "resubmit")
+_ON_PREEMPTION = re.compile(rf"^(?:{'|'.join(ON_PREEMPTION)})$")
 
 
 @dataclass(frozen=True)
 class Parameter:
     pattern: re.Pattern[str]
-    #: The sbatch option it becomes (the capabilities document and the docs' table).
-    option: str
+    #: The sbatch option it becomes (the capabilities document and the docs' table); None for
+    #: a parameter the poller reads itself.
+    option: str | None
     description: str
 
 
@@ -54,6 +58,12 @@ BACKEND_PARAMETERS: dict[str, Parameter] = {
     "gpus_per_task": Parameter(_GPUS, "--gpus-per-task", "GPUs per task: count or type:count"),
     "constraint": Parameter(_CONSTRAINT, "--constraint", "node features"),
     "reservation": Parameter(_NAME, "--reservation", "Slurm reservation"),
+    "on_preemption": Parameter(
+        _ON_PREEMPTION,
+        None,
+        "a job Slurm preempts: report (the task ends PREEMPTED) or resubmit (a new attempt); "
+        "the default is slurm.on_preemption",
+    ),
 }
 
 #: The keys accepted unless `backend_parameters.supported` says otherwise.
@@ -178,6 +188,15 @@ def wants_gpus(params: Mapping[str, str] | None) -> bool:
     return any(k in values for k in GPU_KEYS) or any(
         item.split(":")[0] == "gpu" for item in gres.split(",")
     )
+
+
+def on_preemption(params: Mapping[str, str] | None, site_default: str) -> str:
+    """What becomes of the task when Slurm preempts its job: its own
+    backend_parameters.on_preemption (`report`: it ends PREEMPTED, for clients that count
+    preemptible attempts themselves, such as sprocket; `resubmit`: a new attempt), else the
+    site's slurm.on_preemption."""
+    value = _lowered(params).get("on_preemption")
+    return value if value in ON_PREEMPTION else site_default
 
 
 def checked_values(params: Mapping[str, str] | None, supported: list[str]) -> dict[str, str]:

@@ -6,12 +6,17 @@ submit: a ready SIF comes back at once; otherwise one background job per image s
 other tasks.
 
 Freshness. Each reference has an entry in the cache's index (bridge.images.index) naming its
-manifest digest and its SIF. A tag is checked again (bridge.images.registry) after
-`container.refresh_seconds` and pulled again (bridge.images.runtime) only when its digest
-changed; the pull names the digest, so the SIF is exactly the image that was checked. An
-`@sha256:` reference is never checked again; `library://` references are cached by name. While a
-check runs the task waits (a task submitted after the tag moved gets the new image), except when
-the registry is known to be unreachable: then the cached SIF is used.
+digest and its SIF, whatever its source. A tag in an OCI registry (`docker://`, and `oras://`,
+a SIF pushed as an OCI artifact) is checked again (bridge.images.registry) after
+`container.refresh_seconds` and pulled again (bridge.images.runtime) only when its manifest
+digest changed; the pull names the digest, so the SIF is exactly the image that was checked. A
+`library://` reference has no registry to ask: it is pulled again after the same interval by the
+runtime, which downloads it only when the library's image changed (its own cache, by the
+library's hash), and its SIF is named by the sha256 of its content, so an image that changed gets
+a new file, as a moved tag does. A pinned reference (`@sha256:`, a library's `:sha256.<hex>`) is
+never checked again. While a check runs the task waits (a task submitted after the tag moved
+gets the new image), except when the registry or library is known to be unreachable: then the
+cached SIF is used.
 
 With `container.image_format` sandbox, executors start from each SIF's unpacked sandbox once it
 is there (bridge.images.sandboxes).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import time
@@ -169,10 +175,10 @@ class ImageCache:
         return sif, not self._stale(entry)
 
     def _stale(self, entry: Entry | None) -> bool:
-        if entry is None or entry.digest is None:
-            return entry is None
+        if entry is None:
+            return True
         if imageref.digest_of(entry.reference):
-            return False  # a digest reference never changes
+            return False  # a pinned reference never changes
         return time.time() - entry.checked_at >= self.refresh_seconds
 
     # ------------------------------------------------------------------ the job itself
@@ -199,10 +205,14 @@ class ImageCache:
     def _refresh(self, ref: str, key: str, entry: Entry | None) -> Entry:
         """The reference's entry for its digest now, its SIF pulled if missing (caller holds
         the key's lock); `entry`: the one it replaces."""
-        digest = self._digest(ref)
-        sif = self.cache_dir / imageref.sif_name(ref, digest)
+        if imageref.is_registry(ref):
+            digest = self._digest(ref)
+            sif = self.cache_dir / imageref.sif_name(ref, digest)
+            pulled = self._pull_missing(ref, digest, sif)
+        else:
+            digest, sif, pulled = self._pull_by_content(ref, key)
         pulled_at = entry.pulled_at if entry is not None and entry.sif == sif.name else 0.0
-        if self._pull_missing(ref, digest, sif):
+        if pulled:
             pulled_at = time.time()
         if entry is not None and entry.sif != sif.name:
             log.info("image %s changed: %s -> %s", ref, entry.digest, digest)
@@ -211,15 +221,30 @@ class ImageCache:
         self._index.write(key, new)
         return new
 
-    def _digest(self, ref: str) -> str | None:
+    def _digest(self, ref: str) -> str:
         """The manifest digest to pull: the one the reference pins, else the one the registry
-        gives its tag now; None for a reference outside registries (library://)."""
-        if not imageref.is_registry(ref):
-            return None
+        gives its tag now."""
         pinned = imageref.digest_of(ref)
         return pinned if pinned is not None else self._registry.resolve_digest(ref)
 
-    def _pull_missing(self, ref: str, digest: str | None, sif: Path) -> bool:
+    def _pull_by_content(self, ref: str, key: str) -> tuple[str, Path, bool]:
+        """A reference outside registries (library://), pulled by the runtime (caller holds
+        the key's lock): its content's digest, its SIF named by it, and whether that SIF is new
+        (an image that did not change is dropped as a copy of the one the cache holds)."""
+        pulled = self.cache_dir / f".{key}.pulled"  # not *.sif: never pruned
+        try:
+            self._runtime.pull(ref, pulled)
+            digest = "sha256:" + file_sha256(pulled)
+            sif = self.cache_dir / imageref.sif_name(ref, digest)
+            with self._index.locked(f"{sif.name}.lock"):
+                if sif.is_file():
+                    return digest, sif, False
+                os.replace(pulled, sif)
+            return digest, sif, True
+        finally:
+            pulled.unlink(missing_ok=True)
+
+    def _pull_missing(self, ref: str, digest: str, sif: Path) -> bool:
         """Pull the SIF unless it is on disk; whether this call pulled it."""
         if sif.is_file():
             return False
@@ -227,5 +252,14 @@ class ImageCache:
         with self._index.locked(f"{sif.name}.lock"):
             if sif.is_file():
                 return False
-            self._runtime.pull(imageref.pinned(ref, digest) if digest else ref, sif)
+            self._runtime.pull(imageref.pinned(ref, digest), sif)
         return True
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's content, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

@@ -22,6 +22,9 @@ _REFERENCE = re.compile(
 )
 _DOMAIN_RE = re.compile(rf"^{_DOMAIN}$")
 _LIBRARY = re.compile(r"^[A-Za-z0-9._/:@-]+$")
+#: A library:// reference pinned to an image by its hash (`...:sha256.<hex>`), as the Sylabs
+#: library names them.
+_LIBRARY_PIN = re.compile(r":sha256\.(?P<hex>[0-9a-f]{64})$")
 
 
 class ImagePullError(Exception):
@@ -101,7 +104,10 @@ def sif_name(ref: str, digest: str | None) -> str:
 
 
 def digest_of(ref: str) -> str | None:
-    """The digest a reference pins (`...@sha256:...`), if any."""
+    """The digest a reference pins (`...@sha256:...`; a library's `...:sha256.<hex>`), if any."""
+    if ref.startswith("library://"):
+        pin = _LIBRARY_PIN.search(ref)
+        return f"sha256:{pin['hex']}" if pin else None
     return ref.rsplit("@", 1)[1] if "@" in ref.split("://", 1)[1] else None
 
 

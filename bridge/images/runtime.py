@@ -38,6 +38,14 @@ _TRANSIENT = re.compile(
     r"unexpected eof|\b(?:429|500|502|503|504)\b",
     re.IGNORECASE,
 )
+#: Pull errors that say the registry or library cannot be reached at all (its name, a route, a
+#: refused connection): given up on after container.pull_give_up_seconds, as when the registry's
+#: digest check cannot reach it. A library:// pull meets them first: it has no digest check.
+_UNREACHABLE = re.compile(
+    r"no such host|server misbehaving|connection refused|no route to host|"
+    r"network is unreachable",
+    re.IGNORECASE,
+)
 #: A sandbox build is killed past this (the SIF keeps serving); a leftover temporary
 #: directory older than this is removed by `Index.prune`.
 SANDBOX_BUILD_TIMEOUT = 3600.0
@@ -76,9 +84,12 @@ class _RuntimeClient(type(_spython_client)):  # type: ignore[misc]
         if result.returncode != 0:
             text = (result.stderr.strip() or result.stdout.strip())[-2000:]
             message = f"{os.path.basename(cmd[0])} exited {result.returncode}: {text}"
-            if _TRANSIENT.search(text):
+            if _TRANSIENT.search(text) or _UNREACHABLE.search(text):
                 # Said in system_logs on every retry: the end of the message is enough.
-                raise Transient(short_text(message[:60] + " … " + text[-240:], 320))
+                raise Transient(
+                    short_text(message[:60] + " … " + text[-240:], 320),
+                    unreachable=_UNREACHABLE.search(text) is not None,
+                )
             raise _PullFailed(message)
         return result.stdout
 

@@ -36,6 +36,7 @@ _JOB_FACTS = (
     "slurm_max_rss_bytes",
     "memory_peak_bytes",
     "cpu_time_seconds",
+    "slurm_expected_start",
 )
 
 

@@ -6,6 +6,7 @@ Nothing here calls Slurm, the store or the file system.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from bridge import slurm
@@ -27,6 +28,12 @@ MISSING_JOB_GRACE = 120.0
 NOTHING_RAN_RESUBMISSIONS = 5
 #: The attempt's metadata key for the --time its job was given and where it came from.
 TIME_LIMIT_KEY = "slurm_time_limit"
+#: The attempt's metadata key for Slurm's estimate of when its pending job starts (RFC 3339).
+EXPECTED_START_KEY = "slurm_expected_start"
+#: An estimate that moved less than this (seconds) is not written again: the backfill
+#: scheduler recomputes every pending job's estimate each bf_interval, and a drift of seconds
+#: would rewrite every pending task each time.
+EXPECTED_START_STEP = 60.0
 
 OUTCOME_STATES = {
     "complete": State.COMPLETE,
@@ -70,7 +77,8 @@ def decide(
     """The TES state of a task from what Slurm says of its job and what the job recorded.
     `time_limit`: the --time the job was given and where it came from (TIME_LIMIT_KEY);
     `missing_for`: how long neither squeue nor sacct has known the job (None: they know it);
-    `on_preemption`: slurm.on_preemption, for a job Slurm preempted."""
+    `on_preemption`: for a job Slurm preempted, the task's own or the site's choice
+    (backend_params.on_preemption): "report" ends it PREEMPTED, "resubmit" runs it again."""
     if records.outcome is not None:
         # The script writes its outcome last: the task is done, whatever Slurm says yet.
         return Decision(OUTCOME_STATES[records.outcome])
@@ -99,7 +107,7 @@ def decide(
         # itself is lost, not canceled (_lost_because). The same cycle asks sacct for jobs that
         # squeue lists as ended; this waits only while slurmdbd is a moment behind.
         return Decision(current)
-    if job.state == "PREEMPTED" and on_preemption == "preempted":
+    if job.state == "PREEMPTED" and on_preemption == "report":
         return _preempted(job)
     return _decide_ended(job, records, attempt, retries, time_limit)
 
@@ -112,7 +120,7 @@ def _ended(job: JobInfo) -> str:
 
 
 def _preempted(job: JobInfo) -> Decision:
-    """Final here (slurm.on_preemption = "preempted"): the client decides whether to run the
+    """Final here (on_preemption "report"): the client decides whether to run the
     task again. A job Slurm requeues itself is never seen PREEMPTED by squeue: it is
     followed under its id as it runs again."""
     where = f" in partition {job.partition}" if job.partition else ""
@@ -269,8 +277,33 @@ def log_decision(
     the decision's messages and condition. A job still pending has recorded nothing yet."""
     if not in_queue(job):
         fill_attempt_log(entry, records, job, final=decision.job_done)
+    note_expected_start(entry, job if in_queue(job) else None)
     entry.add_system_logs(decision.messages)
     entry.set_condition(None if decision.job_done else decision.condition)
+
+
+def note_expected_start(entry: AttemptLog, pending: JobInfo | None) -> None:
+    """Slurm's estimate of the pending job's start in the attempt's metadata, rewritten when it
+    moved by EXPECTED_START_STEP or more; gone once the job left the queue, or Slurm has no
+    estimate any more."""
+    expected = pending.expected_start if pending is not None else None
+    metadata = entry.metadata or {}
+    known = metadata.get(EXPECTED_START_KEY)
+    if expected is None:
+        metadata.pop(EXPECTED_START_KEY, None)
+        return
+    if known is not None and not _moved(known, expected):
+        return
+    entry.ensure_metadata()[EXPECTED_START_KEY] = format_time(expected)
+
+
+def _moved(known: str, expected: datetime) -> bool:
+    """Whether the estimate moved by EXPECTED_START_STEP or more from the one written."""
+    try:
+        moved = abs((datetime.fromisoformat(known) - expected).total_seconds())
+    except (ValueError, TypeError):
+        return True  # not one written here: written again
+    return moved >= EXPECTED_START_STEP
 
 
 def slurm_facts(metadata: dict[str, str], job: JobInfo) -> None:

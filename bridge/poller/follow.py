@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from bridge.core import backend_params
 from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
 from bridge.poller.attempt import TaskLogs
@@ -169,7 +170,7 @@ class Follower:
             current=current,
             time_limit=(entry.metadata or {}).get(TIME_LIMIT_KEY),
             missing_for=self.watch.missing_for(task),
-            on_preemption=self.ctx.config.slurm.on_preemption,
+            on_preemption=self._on_preemption(task, job),
         )
         log_decision(entry, decision, records, job)
         if decision.retry:
@@ -197,6 +198,16 @@ class Follower:
             decision.state,
             decision.job_done,
         )
+
+    def _on_preemption(self, task: TaskRecord, job: JobInfo | None) -> str:
+        """The task's own backend_parameters.on_preemption, else the site's. Its document is
+        read only for a job Slurm preempted: following jobs reads none (tasks_in_flight)."""
+        site = self.ctx.config.slurm.on_preemption
+        if job is None or job.state != "PREEMPTED":
+            return site
+        stored = task if task.document is not None else self.ctx.store.get_task(task.id)
+        resources = ((stored.document if stored else None) or {}).get("resources") or {}
+        return backend_params.on_preemption(resources.get("backend_parameters"), site)
 
     def _apply(self, batch: list[_Decided]) -> int:
         """One transaction for the batch. A crash between batches loses only uncommitted

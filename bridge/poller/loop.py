@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bridge.config import Config
 from bridge.core.tes import TERMINAL_STATES
@@ -24,6 +24,7 @@ from bridge.poller.cancel import Canceller
 from bridge.poller.capabilities import CapabilitiesReader
 from bridge.poller.cleanup import Cleaner
 from bridge.poller.context import CycleStats, ImageSource, PollerContext
+from bridge.poller.estimate import StartEstimates
 from bridge.poller.follow import Follower
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.recover import Recovery
@@ -32,7 +33,7 @@ from bridge.slurm import SlurmBackend, SlurmClient
 from bridge.store import POLLER_LOCK, SQLITE_ONE_NODE, Store, unavailable_reason
 from bridge.system import metrics
 from bridge.system.budget import CallBudget
-from bridge.system.relay import RelayServer
+from bridge.system.relay import Handler, RelayServer
 from bridge.system.wake import WakeReceiver
 
 if TYPE_CHECKING:
@@ -271,6 +272,22 @@ class _Signals:
         self.wake_now()
 
 
+def relay_handler(config: Config, store: Store, client: SlurmBackend) -> Handler:
+    """What answers the API's questions over bridge.system.relay, by their `kind`."""
+    owners = OwnerRunner(config) if config.site.run_as_owner else None
+    estimates = StartEstimates(PollerContext(config, store, client), owners)
+
+    def answer(request: dict[str, Any]) -> dict[str, Any]:
+        kind = request.get("kind", "output")  # an API from before kinds asks for output
+        if kind == "test-only":
+            return estimates.answer(request)
+        if kind == "output" and owners is not None:
+            return owners.read_output(request)
+        return {"error": "bad-request", "message": f"the poller does not answer {kind!r} here"}
+
+    return answer
+
+
 def run_poller(config: Config, *, once: bool = False) -> int:
     store = Store.from_url(config.database_url)
     lock: PollerLock | None = None
@@ -288,13 +305,13 @@ def run_poller(config: Config, *, once: bool = False) -> int:
         return Poller(config, store, slurm_client=client, images=images)
 
     receiver = WakeReceiver(config.state_dir, signals.nudge)
-    # Site mode: the API's live output is read as the owner here, where sudo is allowed. A
-    # standby serves it too: reading output writes nothing.
-    relay = RelayServer(config.state_dir, OwnerRunner(config).read_output)
+    # The API's questions: start estimates (sbatch --test-only) and, in site mode, the live
+    # output read as the owner here, where sudo is allowed. A standby answers too: neither
+    # writes anything.
+    relay = RelayServer(config.state_dir, relay_handler(config, store, client))
     if not once:
         receiver.start()
-        if config.site.run_as_owner:
-            relay.start()
+        relay.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signals.request_stop)
     log.info("poller started", extra={"work_dir": str(config.work_dir)})

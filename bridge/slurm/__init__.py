@@ -20,7 +20,8 @@ Modules, each importing only those before it:
 - ``jobs``: :class:`JobInfo`, and the parsers of the values squeue and sacct print alike.
 - ``releases``: the one place that says what differs by Slurm release (:class:`SlurmRelease`,
   :class:`SlurmFeatures`, :data:`TESTED_RELEASES`).
-- ``squeue``, ``sacct``, ``sinfo``, ``scontrol``: each command's formats and parsers.
+- ``squeue``, ``sacct``, ``sinfo``, ``scontrol``, ``sbatch``: each command's formats and
+  parsers (sbatch's: its ``--test-only`` answer, :class:`StartEstimate`).
 - ``run``: :func:`run_slurm`, and the RPCs each command costs slurmctld (:data:`RPC_COST`).
 - ``client``: :class:`SlurmClient` and the :class:`SlurmBackend` protocol.
 
@@ -60,6 +61,7 @@ from bridge.slurm.releases import (
 )
 from bridge.slurm.run import RPC_COST, run_slurm
 from bridge.slurm.sacct import SACCT_FIELDS, expand_array_range, parse_sacct
+from bridge.slurm.sbatch import StartEstimate, parse_test_only
 from bridge.slurm.scontrol import (
     RateLimit,
     exempt_because,
@@ -124,6 +126,7 @@ __all__ = [
     "SlurmRejected",
     "SlurmRelease",
     "SlurmUnavailable",
+    "StartEstimate",
     "base_state",
     "command_error",
     "describe_tested",
@@ -143,6 +146,7 @@ __all__ = [
     "parse_size",
     "parse_slurm_user",
     "parse_squeue",
+    "parse_test_only",
     "parse_time",
     "parse_version",
     "run_slurm",

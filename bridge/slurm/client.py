@@ -20,6 +20,7 @@ import logging
 import os
 import pwd
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -33,6 +34,7 @@ from bridge.slurm.jobs import JobInfo
 from bridge.slurm.releases import SlurmFeatures, SlurmRelease, describe_tested, parse_version
 from bridge.slurm.run import run_slurm
 from bridge.slurm.sacct import SACCT_FIELDS, parse_sacct
+from bridge.slurm.sbatch import StartEstimate, parse_test_only
 from bridge.slurm.scontrol import (
     RateLimit,
     exempt_because,
@@ -86,6 +88,15 @@ def _chunks(items: Sequence[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def on_path(command: str) -> str:
+    """`command` as the absolute path this process's PATH gives it, read once (unchanged where
+    it finds none). Through sudo (site mode) a bare name would be looked up on sudo's own
+    `secure_path` instead, which may find another program than the one the sudo rule names
+    (a newer release linked in /usr/local/bin, a rule naming /usr/bin/sbatch): sudo is given
+    the path the service itself runs, and the rule must name that program."""
+    return shutil.which(command) or command
+
+
 def _check_ids(job_ids: Iterable[str]) -> list[str]:
     ids = sorted({str(j).strip() for j in job_ids}, key=lambda j: (len(j), j))
     for job_id in ids:
@@ -120,6 +131,10 @@ class SlurmBackend(Protocol):
         array_size: int | None = None,
         script_args: Sequence[str] = (),
     ) -> str: ...
+
+    def test_only(
+        self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
+    ) -> StartEstimate: ...
 
     def max_array_size(self) -> int: ...
 
@@ -174,24 +189,29 @@ class SlurmClient:
         #: The user every job asked about belongs to (the service account, outside site mode):
         #: many ids are then looked up by listing this user's jobs (QUEUE_BY_USER_FROM).
         self.queue_user = queue_user
-        self.sbatch = sbatch
-        self.squeue = squeue
-        self.sacct = sacct
-        self.scancel = scancel
-        self.sinfo = sinfo
-        self.scontrol = scontrol
+        self.sbatch = on_path(sbatch)
+        self.squeue = on_path(squeue)
+        self.sacct = on_path(sacct)
+        self.scancel = on_path(scancel)
+        self.sinfo = on_path(sinfo)
+        self.scontrol = on_path(scontrol)
         self.timeout = timeout
         #: How far back find_by_names asks sacct.
         self.history = history
 
     def _run(
-        self, argv: list[str], timeout: float | None = None
+        self,
+        argv: list[str],
+        timeout: float | None = None,
+        *,
+        stdin: str | None = None,
+        clean: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """run_slurm with the budget, lowered first (at the first command, then every
         RATE_LIMIT_REFRESH s) to slurmctld's own rate limit where it has one."""
         if self.budget.rate and time.monotonic() >= self._rate_limit_due:
             self._apply_rate_limit()
-        return run_slurm(argv, timeout or self.timeout, self.budget)
+        return run_slurm(argv, timeout or self.timeout, self.budget, stdin=stdin, clean=clean)
 
     def _apply_rate_limit(self) -> None:
         try:
@@ -270,14 +290,27 @@ class SlurmClient:
         lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         job_id = lines[-1].split(";")[0] if lines else ""
         if not job_id.isdigit():
-            raise SlurmError(
-                f"sbatch printed no job id: {proc.stdout!r}",
-                argv=argv,
-                returncode=proc.returncode,
-                stdout=proc.stdout,
-                stderr=proc.stderr,
-            )
+            raise _unexpected(proc, f"sbatch printed no job id: {proc.stdout!r}")
         return job_id
+
+    def test_only(
+        self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
+    ) -> StartEstimate:
+        """Where and when Slurm would start the job of `script` (its text, which sbatch reads
+        on stdin) submitted now, without creating it (``sbatch --test-only``). Raises what a
+        real sbatch of it would: SlurmRejected where Slurm would refuse it."""
+        # --parsable first: site mode's sudo rule allows `sbatch --parsable *`. No -v: the
+        # answer is an info line, printed without it (bridge.slurm.sbatch).
+        argv = self._as(as_user, [self.sbatch, "--parsable", "--test-only", *extra_args])
+        proc = self._run(argv, stdin=script, clean=False)
+        if proc.returncode != 0:
+            raise command_error(proc, "asking sbatch --test-only", sbatch=self.sbatch)
+        estimate = parse_test_only(proc.stderr)
+        if estimate is None:
+            raise _unexpected(
+                proc, f"sbatch --test-only printed no estimate: {proc.stderr.strip()[-300:]!r}"
+            )
+        return estimate
 
     def _squeue(self, *selector: str) -> dict[str, JobInfo]:
         proc = self._run(squeue_argv(self.squeue, selector))
@@ -470,6 +503,17 @@ class SlurmClient:
             proc = self._run(self._as(as_user, [self.scancel, *verbose, *chunk]))
             if proc.returncode != 0:
                 raise command_error(proc, f"cancelling job(s) {' '.join(chunk)}")
+
+
+def _unexpected(proc: subprocess.CompletedProcess[str], message: str) -> SlurmError:
+    """A command that succeeded without printing what it should have."""
+    return SlurmError(
+        message,
+        argv=[str(a) for a in proc.args],
+        returncode=proc.returncode,
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+    )
 
 
 def account_name(uid: int) -> str | None:

@@ -43,6 +43,9 @@ class JobInfo:
     #: names no one: Slurm ended the job itself (e.g. slurmd found its id a duplicate). None when
     #: not known: squeue does not say, and another state has no canceller.
     canceled_by: str | None = None
+    #: Slurm's estimate of when a pending job starts (squeue's %S while PENDING, what
+    #: `squeue --start` shows); None when it has none (held, or not estimated yet).
+    expected_start: datetime | None = None
 
     @property
     def tes_state(self) -> str:

@@ -93,13 +93,20 @@ def clean_stderr(tool: str, stderr: str) -> tuple[str, int]:
 
 
 def run_slurm(
-    argv: Sequence[str], timeout: float, budget: CallBudget | None = None
+    argv: Sequence[str],
+    timeout: float,
+    budget: CallBudget | None = None,
+    *,
+    stdin: str | None = None,
+    clean: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """The one place that runs a Slurm command: in UTC, with Slurm's standard time format, killed
     after `timeout` seconds (raising :class:`SlurmUnavailable`), timed for the metrics; with a
     `budget`, it first takes the command's RPCs from it (RPC_COST), waiting if need be. Its
     stderr comes back without verbose lines (:func:`clean_stderr`), the rate-limit retries
-    they told of counted and logged."""
+    they told of counted and logged; with `clean` False, as the tool printed it (a command
+    run without -v, whose answer is an info line: sbatch --test-only). `stdin`: what the
+    command reads (sbatch: the job script)."""
     tool = _tool(argv)
     if budget is not None:
         budget.take(tool, RPC_COST.get(tool, 1))
@@ -113,9 +120,9 @@ def run_slurm(
     try:
         # Killed at its time-out and when the poller dies: an sbatch never outlives the
         # poller that started it (see the poller's recovery of interrupted submissions).
-        proc = run(argv, timeout=timeout, env=env)
+        proc = run(argv, timeout=timeout, env=env, stdin=stdin)
         failed = proc.returncode != 0
-        stderr, retries = clean_stderr(tool, proc.stderr)
+        stderr, retries = clean_stderr(tool, proc.stderr) if clean else (proc.stderr, 0)
         _count_retries(tool, retries)
         return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout, stderr)
     except CommandNotFound as exc:

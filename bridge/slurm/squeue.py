@@ -13,6 +13,11 @@ Slurm quirks (seen on Slurm 22.05; real output in tests/data/slurm/):
   here) one line each. ``squeue --jobs=123_4`` names one element.
 - 23.11.5+: ``--only-job-state`` reads the states alone through a lighter RPC
   (:attr:`~bridge.slurm.releases.SlurmFeatures.only_job_state`).
+- A pending job's ``%S`` is Slurm's estimate of its start, the same value ``squeue --start``
+  prints (every release): the backfill scheduler sets it every ``bf_interval`` (30 s by
+  default) for the jobs it looks at; "N/A" until then, for a held job, and for one whose
+  start it cannot foresee (jobs ahead without a time limit). So the estimate comes with the
+  squeue every cycle makes, at no extra call.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
         # squeue's start is an estimate while pending, and is set to the end time for a job that
         # was cancelled before it ran (no node); its end is the time limit while running.
         started = state not in ("PENDING", "CONFIGURING") and node_name is not None
+        expected = parse_time(start) if state == "PENDING" else None
         jobs[job_id] = JobInfo(
             job_id=job_id,
             name=name,
@@ -84,5 +90,6 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
             elapsed_seconds=parse_duration(used),
             max_rss_bytes=None,
             comment=_opt(comment),
+            expected_start=expected,
         )
     return jobs

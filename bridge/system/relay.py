@@ -1,5 +1,6 @@
 """The API's questions to the poller: one JSON request and one JSON answer over a Unix stream
-socket in the state directory.
+socket in the state directory. A request's `kind` says what it asks: `test-only` (where and
+when Slurm would start a task: the API never runs a Slurm command) or `output` (the default).
 
 Site mode reads a running executor's output as the task's owner through sudo. sudo is
 set-user-ID, which the API's unit forbids (`NoNewPrivileges=yes`, no capabilities): only the
@@ -35,7 +36,7 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class RelayUnavailable(Exception):
-    """No poller answers on the socket (not running, or not in site mode)."""
+    """No poller answers on the socket (not running)."""
 
 
 def _read_line(sock: socket.socket) -> bytes:
@@ -85,7 +86,10 @@ class RelayServer:
             sock.listen(32)
         except OSError as exc:
             sock.close()
-            log.warning("no relay socket (%s): site mode's live output is unavailable", exc)
+            log.warning(
+                "no relay socket (%s): start estimates and site mode's live output are unavailable",
+                exc,
+            )
             return False
         self._socket = sock
         threading.Thread(target=self._accept, name="relay", daemon=True).start()

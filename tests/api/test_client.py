@@ -456,6 +456,26 @@ def test_wait_says_why_a_queued_task_waits(server: Server):
     assert result.stderr.count(f"{task_id}: {reason}\n") == 1, result.stderr
 
 
+def test_wait_and_list_say_when_slurm_expects_a_pending_task_to_start(server: Server):
+    task_id = server.create(name=unique("pending"))
+    pending = "Slurm job 4712 is pending (Resources)"
+    attempt = {
+        "logs": [],
+        "outputs": [],
+        "system_logs": [pending],
+        "metadata": {"slurm_job_id": "4712", "slurm_expected_start": "2026-11-29T14:05:00Z"},
+    }
+    server.update(task_id, logs=[attempt])
+    result = tes_task(server.url, "wait", "--interval", "0.2", "--timeout", "1", task_id)
+    assert result.returncode == 7
+    expected = f"{task_id}: {pending}; Slurm expects it to start at 2026-11-29 14:05:00 UTC\n"
+    assert result.stderr.count(expected) == 1, result.stderr
+    table = tes_task(server.url, "list", "--name-prefix", "pending-").stdout.splitlines()
+    line = next(line for line in table if line.startswith(task_id))
+    assert line.split()[4:7] == ["4712", "start", "2026-11-29"], table
+    assert line.split()[7] == "14:05:00", table
+
+
 def test_wait_on_a_terminal_shows_states_live_and_a_count_line(server: Server):
     names = [unique("waited"), "", unique("waited")]
     ids = [server.create(**({"name": name} if name else {})) for name in names]

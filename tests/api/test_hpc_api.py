@@ -58,6 +58,8 @@ def limited(tmp_path, store) -> testing.TestClient:
         ("gres", "gpu;id"),
         ("partition", "a b"),
         ("qos", "$(id)"),
+        ("on_preemption", "never"),
+        ("on_preemption", "Report"),
     ],
 )
 def test_a_bad_backend_parameter_is_a_400_naming_it(client, key: str, value: str) -> None:
@@ -138,7 +140,7 @@ def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
             "slurm.max_time": "2-00:00:00",
             "slurm.max_jobs_in_flight": 100,
             "container.runtime": str(runtime),
-            "backend_parameters.supported": ["time", "gpus"],
+            "backend_parameters.supported": ["time", "gpus", "on_preemption"],
         },
     )
     fake = FakeSlurm(sinfo_partitions=GPU_SINFO)
@@ -156,8 +158,11 @@ def test_capabilities_show_what_the_poller_read(tmp_path, sqlite_store) -> None:
         assert gpu["name"] == "gpu" and gpu["gpus"] == 6
         assert gpu["gpu_types"] == {"a100": 4, "h100": 2} and gpu["nodes"] == ["g1", "g2"]
         assert gpu["max_time"] == "2-00:00:00" and gpu["max_cpus_per_node"] == 64
-        assert [p["key"] for p in doc["backend_parameters"]] == ["time", "gpus"]
+        keys = [p["key"] for p in doc["backend_parameters"]]
+        assert keys == ["time", "gpus", "on_preemption"]
         assert doc["backend_parameters"][1]["sbatch_option"] == "--gpus"
+        # Read by the poller, no sbatch option.
+        assert "sbatch_option" not in doc["backend_parameters"][2]
         assert re.fullmatch(doc["backend_parameters"][1]["pattern"], "a100:2")
         assert doc["time_limit"] == {"default": None, "maximum": "2-00:00:00"}
         assert doc["admission"] == {"max_jobs_in_flight": 100, "max_jobs_per_owner": None}

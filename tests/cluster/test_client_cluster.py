@@ -111,3 +111,29 @@ def test_the_client_docs_examples_run_as_written(bridge_service, tmp_path):
     submitted = lines[hello + 3]
     assert lines[-1] == f"{submitted} COMPLETE", lines
     assert "md5sum" in json.dumps(bridge_service.get(submitted))
+
+
+def test_run_test_only_says_where_slurm_would_start_it_and_creates_nothing(bridge_service):
+    url = bridge_service.url
+
+    def ids() -> list[str]:
+        listed = tes_task(url, "list", "--json", "--view", "MINIMAL")
+        assert listed.returncode == 0, listed.stderr
+        return [task["id"] for task in json.loads(listed.stdout)]
+
+    before = ids()
+    asked = tes_task(url, "run", "--test-only", "--cpus", "2", "alpine", "--", "true")
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    assert re.fullmatch(
+        r"Slurm would start it at \S+ \S+ UTC on node\S* \(2 processors, partition main\)\n",
+        asked.stdout,
+    ), asked.stdout
+    # A node feature no node has: Slurm would refuse the job, and says why.
+    refused = tes_task(
+        url, "run", "--test-only", "--backend-parameter", "constraint=no-such-feature",
+        "alpine", "--", "true",
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stdout.startswith("Slurm would refuse it: "), refused.stdout
+    assert "feature" in refused.stdout.lower(), refused.stdout
+    assert ids() == before

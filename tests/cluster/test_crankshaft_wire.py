@@ -1,24 +1,32 @@
-"""Sprocket's TES backend (crankshaft 0.10 over the `tes` crate), replayed on the wire against
-the service the quickstart starts.
+"""Sprocket's TES backend (crankshaft 0.10.0 over the `tes` crate 0.10.1, as sprocket's
+Cargo.lock pins them), replayed on the wire against the service the quickstart starts.
 
 Sprocket is a Rust binary that the test machines cannot fetch. So this test does what it does
-for each WDL task, as its source builds it (sprocket: crates/wdl-engine/src/backend/tes.rs;
-crankshaft: crankshaft-engine/src/service/runner/backend/tes.rs and tes/monitor.rs, the
-conversions in crankshaft-engine/src/task/*.rs; tes 0.9: src/v1/client.rs and
+for each WDL task, as its source builds it (stjude-rust-labs/sprocket at bc467b28, 2026-08-21:
+crates/wdl-engine/src/backend/tes.rs, `TesBackend::execute`; crankshaft 64ab525b (v0.10.0):
+crankshaft-engine/src/service/runner/backend/tes.rs and tes/monitor.rs, the conversions in
+crankshaft-engine/src/task.rs and task/{execution,input,input/contents,output,resources}.rs;
+the tes crate's wire types as of 0.9: src/v1/client.rs and
 src/v1/types/{requests,responses,task}.rs):
 
-- Sprocket writes the evaluated command, uploads it to its `inputs` URL under its digest and
-  POSTs `tasks` with one executor `bash /mnt/task/command` in `/mnt/task/work` (stdout and
-  stderr to `/mnt/task/`), `ignore_error: true`, the work directory as a DIRECTORY output and
-  stdout and stderr as FILE outputs under `<outputs>/<name>-<timestamp>/`, resources in GB
-  converted from GiB, `preemptible`, and the tag `crankshaft-task-group` of its monitor.
+- Sprocket writes the evaluated command to a local file and gives it to crankshaft as the
+  input at `/mnt/task/command` by path (`Contents::Path`), which crankshaft's conversion reads
+  and sends inline, as the input's `content` with no `url` (`Contents::one_hot`). It POSTs
+  `tasks` with one executor `bash /mnt/task/command` in `/mnt/task/work` (stdout and stderr to
+  `/mnt/task/`), `ignore_error: true` on every executor (crankshaft's `Executor::from` sets it
+  always), the work directory as a DIRECTORY output and stdout and stderr as FILE outputs under
+  `<outputs>/<name>-<timestamp>/`, resources in GB converted from GiB, `preemptible` (true
+  while the WDL task's `preemptible` count is above 0), no `backend_parameters`, and the tag
+  `crankshaft-task-group` of its monitor. A Docker image goes without its `docker://`, an
+  `oras://` or `library://` one with it; a local SIF is refused by sprocket itself.
 - Its monitor lists every second (`interval`) the tasks of its tag:
   `GET tasks?tag_key=crankshaft-task-group&tag_value=<tag>&page_size=2047&view=MINIMAL`, page
   by page, decoded as `MinimalTask`s. A task final there (COMPLETE, EXECUTOR_ERROR,
   SYSTEM_ERROR, CANCELED, PREEMPTED) is read once in the FULL view: the exit codes of the LAST
   task log's executor logs, or for SYSTEM_ERROR the last task log's `system_logs`, which
   becomes the error sprocket reports. PREEMPTED is a failure sprocket retries itself (as many
-  times as the task's `preemptible` hint allows), submitting a new task.
+  times as the task's `preemptible` hint allows), submitting a new task; so a site that serves
+  sprocket sets slurm.on_preemption = "report" (sprocket cannot send the backend parameter).
 
 The FULL view is checked against serde's reading of the `tes` crate's response types, where a
 missing required field fails the whole read (`TaskLog.logs`, `TaskLog.outputs`,
@@ -27,7 +35,6 @@ missing required field fails the whole read (`TaskLog.logs`, `TaskLog.outputs`,
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import time
 import uuid
@@ -76,14 +83,11 @@ def sprocket_task(
     for directory in (inputs_dir, outputs_dir):
         directory.mkdir(exist_ok=True)
         give_to_account(directory, workdir)
-    # The command, uploaded under its content digest (UrlExt::join_digest).
-    command_file = inputs_dir / hashlib.sha256(command.encode()).hexdigest()
-    command_file.write_text(command)
-    give_to_account(command_file, workdir)
     task_outputs = outputs_dir / f"{name}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     body = {
         "name": name,
-        "inputs": [{"url": file_url(command_file), "path": GUEST_COMMAND, "type": "FILE"}],
+        # The command file, read and sent inline (Contents::Path through Contents::one_hot).
+        "inputs": [{"path": GUEST_COMMAND, "type": "FILE", "content": command}],
         "outputs": [
             {"url": file_url(task_outputs / "work"), "path": GUEST_WORK_DIR, "type": "DIRECTORY"},
             {"url": file_url(task_outputs / "stdout"), "path": GUEST_STDOUT, "type": "FILE"},
@@ -289,9 +293,9 @@ def test_a_cancel_as_crankshaft_sends_it(
         timeout=10,
     )
     assert answer.status_code == 200, answer.text
-    # TES's CancelTaskResponse, `{}`. (The tes crate 0.9 decodes the answer as `()`, which serde
-    # reads only from `null`, so crankshaft logs a failed cancel on any server that follows the
-    # spec; the task is canceled all the same.)
+    # TES's CancelTaskResponse, `{}`. (The tes crate 0.9, the newest whose source is read here,
+    # decodes the answer as `()`, which serde reads only from `null`, so crankshaft logs a failed
+    # cancel on any server that follows the spec; the task is canceled all the same.)
     assert answer.json() == {}
     assert monitor.wait([task_id], timeout=60)[task_id] == "CANCELED"
 

@@ -1,5 +1,5 @@
 """The image cache on the real cluster: tags pushed again, registries that go away or stall,
-images that do not exist, local SIFs.
+images that do not exist, local SIFs, SIFs pushed to the registry with `apptainer push oras://`.
 
 Images are built from the local cluster's alpine OCI layout with a marker file (umoci) and
 pushed with skopeo under `test/images-*` in the local registry. Registry outages are played on a
@@ -304,12 +304,54 @@ def test_a_stalled_registry_times_out_and_says_so(service: BridgeService, black_
     service.cancel(task_id)
 
 
+@pytest.mark.parametrize("scheme", ["", "oras://"])
 def test_an_image_that_does_not_exist_fails_the_task_with_the_reason(
-    service: BridgeService, local_cluster: Any
+    service: BridgeService, local_cluster: Any, scheme: str
 ) -> None:
-    task = service.run(cat_marker(f"{local_cluster.registry}/test/images-refresh:no-such-tag"))
+    image = f"{scheme}{local_cluster.registry}/test/images-refresh:no-such-tag"
+    task = service.run(cat_marker(image))
     assert task["state"] == "SYSTEM_ERROR"
     assert any("does not exist" in line for line in system_logs(task)), task
+
+
+def push_oras(local_cluster: Any, sif: Path, reference: str) -> str:
+    """`apptainer push` of a SIF to the local registry as an OCI artifact; its manifest digest."""
+    run(local_cluster.apptainer, "push", "--no-https", str(sif), f"oras://{reference}")
+    repo, tag = reference.split("/", 1)[1].rsplit(":", 1)
+    answer = requests.head(
+        f"http://{local_cluster.registry}/v2/{repo}/manifests/{tag}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        timeout=10,
+    )
+    answer.raise_for_status()
+    return answer.headers["Docker-Content-Digest"]
+
+
+def test_an_oras_image_runs_and_its_tag_pushed_again_is_used_after_the_refresh(
+    service: BridgeService, publisher: Publisher, local_cluster: Any, tmp_path: Path
+) -> None:
+    """A SIF pushed with `apptainer push oras://` runs as an executor's image; its tag is
+    checked and pulled again by digest like a Docker image's."""
+    token = uuid.uuid4().hex[:8]
+    reference = f"{local_cluster.registry}/test/images-oras:{token}"
+    image = f"oras://{reference}"
+    probe = {"executors": [{"image": image, "command": ["sh", "-c", "cat /marker || echo none"]}]}
+    # The cluster's own alpine SIF, as it is: no /marker in it.
+    first = push_oras(local_cluster, local_cluster.state_dir / "cache/images/alpine.sif", reference)
+    assert stdout(service.run(probe)) == "none\n"
+
+    # Another SIF under the same tag: alpine with a /marker, pulled from the registry to a SIF.
+    publisher.push(f"test/images-oras-source:{token}", f"oras {token}")
+    marked = tmp_path / "marked.sif"
+    source = f"docker://{local_cluster.registry}/test/images-oras-source:{token}"
+    run(local_cluster.apptainer, "pull", "--no-https", str(marked), source)
+    second = push_oras(local_cluster, marked, reference)
+    assert second != first
+    time.sleep(REFRESH + 0.5)
+    assert stdout(service.run(probe)) == f"oras {token}"
+    entries = {e["reference"]: e for e in images_list(service)}
+    assert entries[image]["digest"] == second
+    assert second.split(":")[1][:32] in entries[image]["sif"]
 
 
 def test_an_allowed_local_sif_runs_and_others_are_refused(

@@ -1,8 +1,10 @@
 """Preemption for real: a task with `resources.preemptible` runs in the local cluster's
 scavenger partition (slurm.preemptible_partition); a plain sbatch job of the default partition,
 a higher PriorityTier, that needs the whole node makes Slurm preempt it (PreemptMode=REQUEUE;
-the bridge's --no-requeue makes that a cancel, state PREEMPTED). What becomes of the task is
-slurm.on_preemption's choice: PREEMPTED and final, or a new attempt that completes.
+the bridge's --no-requeue makes that a cancel, state PREEMPTED). What becomes of the task is the
+task's own choice (backend_parameters.on_preemption), else the site's (slurm.on_preemption):
+PREEMPTED and final ("report"), or a new attempt that completes ("resubmit"). Each test asks
+the opposite of its site's setting.
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ def start_service(
     )
 
 
-def preemptible_task(meeting: Path) -> dict[str, Any]:
+def preemptible_task(meeting: Path, on_preemption: str | None = None) -> dict[str, Any]:
     """Runs long the first time (leaving a mark), and ends at once when run again."""
     mark = meeting / "ran-once"
     script = f"if [ -e {mark} ]; then echo again; else touch {mark}; echo first; sleep 600; fi"
+    resources: dict[str, Any] = {"preemptible": True}
+    if on_preemption is not None:
+        resources["backend_parameters"] = {"on_preemption": on_preemption}
     return {
         "executors": [{"image": "alpine", "command": ["sh", "-c", script]}],
-        "resources": {"preemptible": True},
+        "resources": resources,
     }
 
 
@@ -105,11 +110,12 @@ def fill_node(node: str, blockers: list[str], seconds: int) -> str:
     return job
 
 
-def test_a_preempted_task_ends_preempted_with_the_reason(
+def test_a_task_that_asks_to_be_told_ends_preempted_with_the_reason(
     local_cluster: LocalCluster, tmp_path: Path, meeting: Path, blockers: list[str]
 ) -> None:
-    with start_service(local_cluster, tmp_path, meeting, "preempted") as service:
-        task_id = service.create(preemptible_task(meeting))
+    # As sprocket wants it, which counts preemptible attempts itself.
+    with start_service(local_cluster, tmp_path, meeting, "resubmit") as service:
+        task_id = service.create(preemptible_task(meeting, "report"))
         first = running_job(service, task_id, meeting)
         assert first["slurm_partition"] == local_cluster.preemptible_partition, first
         fill_node(first["slurm_node"], blockers, 60)
@@ -128,8 +134,8 @@ def test_a_preempted_task_ends_preempted_with_the_reason(
 def test_a_preempted_task_is_submitted_again_and_completes(
     local_cluster: LocalCluster, tmp_path: Path, meeting: Path, blockers: list[str]
 ) -> None:
-    with start_service(local_cluster, tmp_path, meeting, "resubmit") as service:
-        task_id = service.create(preemptible_task(meeting))
+    with start_service(local_cluster, tmp_path, meeting, "report") as service:
+        task_id = service.create(preemptible_task(meeting, "resubmit"))
         first = running_job(service, task_id, meeting)
         fill_node(first["slurm_node"], blockers, 5)
         task = service.wait(task_id, timeout=240)
@@ -165,7 +171,7 @@ def test_a_job_slurm_requeues_itself_is_followed_to_completion_under_its_id(
     # squeue never shows the job PREEMPTED, only COMPLETING then PENDING (BeginTime, two
     # minutes on) under the same id; it is neither PREEMPTED nor submitted again.
     requeue = 'extra_directives = ["--requeue"]'
-    with start_service(local_cluster, tmp_path, meeting, "preempted", requeue) as service:
+    with start_service(local_cluster, tmp_path, meeting, "report", requeue) as service:
         task_id = service.create(preemptible_task(meeting))
         first = running_job(service, task_id, meeting)
         fill_node(first["slurm_node"], blockers, 5)

@@ -40,12 +40,24 @@ INSTALLED = Path("/etc/sudoers.d/tes-bridge-test")
 SITE_VENV = Path("/var/lib/tes-bridge/site-test-venv")
 
 
+def slurm_command(name: str) -> str:
+    """The Slurm command the service runs: the first on its PATH (on 24.11 and later in the
+    local cluster, the release's link in /usr/local/bin, not Debian's /usr/bin one)."""
+    path = shutil.which(name)
+    assert path, f"{name} is not on PATH"
+    return path
+
+
 def sudoers_for(work_dir: Path, python: str) -> str:
-    """The shipped rule with this machine's paths (the venv's python, the test work dir)."""
+    """The shipped rule with this machine's paths (the venv's python, the test work dir, the
+    Slurm commands), as its comment asks a site to adapt it."""
     text = SUDOERS.read_text()
     assert "/opt/tes-bridge/bin/python" in text and "/var/lib/tes-bridge/work" in text
     # The work directory stands in regular expressions: escape what POSIX ERE treats specially.
     work = re.sub(r"([.\[\](){}*+?|^$\\#])", r"\\\1", str(work_dir))
+    for name in ("sbatch", "scancel"):
+        assert f"/usr/bin/{name} " in text
+        text = text.replace(f"/usr/bin/{name} ", f"{slurm_command(name)} ")
     return text.replace("/opt/tes-bridge/bin/python", python).replace(
         "/var/lib/tes-bridge/work", work
     )
@@ -223,10 +235,10 @@ def test_the_shipped_sudo_rule_is_valid_and_narrow(
     assert listing.returncode == 0, listing.stderr
     # Never as root, nor as a user outside tes-users, nor any other command.
     for user, argv in [
-        ("root", ["/usr/bin/sbatch", "--parsable", "/bin/true"]),
-        (unix_users.outsider, ["/usr/bin/sbatch", "--parsable", "/bin/true"]),
+        ("root", [slurm_command("sbatch"), "--parsable", "/bin/true"]),
+        (unix_users.outsider, [slurm_command("sbatch"), "--parsable", "/bin/true"]),
         ("tesalice", ["/bin/sh", "-c", "id"]),
-        ("tesalice", ["/usr/bin/scancel", "--user=tesbob"]),
+        ("tesalice", [slurm_command("scancel"), "--user=tesbob"]),
         ("tesalice", [sys.executable, "-c", "print(1)"]),
         ("tesalice", [sys.executable, "-m", "bridge.job", "stage-in", "--task-dir", "/tmp"]),
         ("tesalice", [sys.executable, "-m", "bridge.job", "adopt", "--task-dir", "/tmp/x"]),
@@ -234,7 +246,13 @@ def test_the_shipped_sudo_rule_is_valid_and_narrow(
         refused = as_user(unix_users.service, "sudo", "-n", "-u", user, "--", *argv)
         assert refused.returncode != 0, (user, argv)
         assert "not allowed" in refused.stderr or "password is required" in refused.stderr
-    # And the commands it needs work.
+    # And the commands it needs work: the Slurm ones by the paths the service runs them by.
+    for argv in (
+        [slurm_command("sbatch"), "--parsable", "/bin/true"],
+        [slurm_command("scancel"), "12"],
+    ):
+        listed = as_user(unix_users.service, "sudo", "-n", "-l", "-u", "tesalice", *argv)
+        assert listed.returncode == 0, (argv, listed.stderr)
     work = str(installed_rule)
     allowed = as_user(
         unix_users.service,
@@ -340,6 +358,26 @@ def test_tasks_run_as_their_owner(site: BridgeService, local_cluster: Any):
     for other in ("tesbob", "tesbridge"):
         assert as_user(other, "ls", str(work / task_id)).returncode != 0
         assert as_user(other, "cat", str(work / task_id / "task.json")).returncode != 0
+
+
+def test_a_start_estimate_is_asked_of_slurm_as_the_owner(site: BridgeService):
+    """POST /tasks:test-only: the API (no sudo) asks the poller, which runs sbatch --test-only
+    as the owner through the shipped sudo rule, the job script on stdin; nothing is created."""
+    deadline = time.monotonic() + 30
+    while True:  # a 503 while the poller starts: asked again, as its Retry-After says
+        answer = requests.post(
+            f"{site.api}/tasks:test-only",
+            json={"executors": [{"image": "alpine", "command": ["true"]}]},
+            auth=("tesalice", PASSWORDS["tesalice"]),
+            timeout=60,
+        )
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert answer.status_code == 200, answer.text
+    estimate = answer.json()
+    assert "start_time" in estimate and estimate["processors"] >= 1, (estimate, site.log_tail())
+    assert estimate["slurm"].startswith("sbatch: Job "), estimate
 
 
 def test_owners_see_only_their_tasks(site: BridgeService):

@@ -1,13 +1,18 @@
 """The web page of tasks in a real browser: Debian's headless Chromium, driven by Selenium
 through Debian's chromedriver, against the bridge on the real cluster with basic
-authentication. Screenshots of each step go to the test's temporary directory (printed)."""
+authentication. Screenshots of each step go to the test's temporary directory (printed). On a
+cluster made full, when a pending task is expected to start: on its page, and as `tes-bridge
+task` says it."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -23,6 +28,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.fixtures.auth import PASSWORDS, write_htpasswd
 from tests.fixtures.service import BridgeService, start_bridge_service
+from tests.tes_cli import tes_task
 
 pytestmark = pytest.mark.cluster
 
@@ -124,6 +130,19 @@ def _search(driver: WebDriver, *, state: str = "", name: str = "", tag: str = ""
     _until(driver, lambda d: d.find_element(By.ID, "tasks").get_attribute("data-loaded") != before)
 
 
+def _sign_in(
+    driver: WebDriver, service: BridgeService, before: Callable[[], None] = lambda: None
+) -> None:
+    """Open the service's address and sign in as Alice on the form the page shows."""
+    driver.get(service.url + "/")
+    assert driver.current_url == service.url + "/ui/"
+    assert _until(driver, lambda d: d.find_element(By.ID, "login").is_displayed())
+    before()
+    driver.find_element(By.ID, "login-user").send_keys(ALICE[0])
+    driver.find_element(By.ID, "login-password").send_keys(ALICE[1])
+    driver.find_element(By.ID, "login-submit").click()
+
+
 def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDriver, tmp_path):
     run = uuid.uuid4().hex[:8]
     tag = {"webui-run": run}
@@ -159,14 +178,7 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
     print(f"\nscreenshots in {tmp_path}")
     try:
         # The page is public, its data is not: the page asks for credentials.
-        browser.get(service.url + "/")
-        assert browser.current_url == service.url + "/ui/"
-        login = _until(browser, lambda d: d.find_element(By.ID, "login").is_displayed())
-        assert login
-        shot("sign-in")
-        browser.find_element(By.ID, "login-user").send_keys(ALICE[0])
-        browser.find_element(By.ID, "login-password").send_keys(ALICE[1])
-        browser.find_element(By.ID, "login-submit").click()
+        _sign_in(browser, service, before=lambda: shot("sign-in"))
         _until(browser, lambda d: done in _rows(d))
         assert not browser.find_element(By.ID, "login").is_displayed()
         assert browser.find_element(By.ID, "who").text == "signed in as tesalice"
@@ -296,3 +308,92 @@ def test_the_task_page_in_a_real_browser(service: BridgeService, browser: WebDri
         for task_id in (ticking,):
             requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)
     assert all(path.stat().st_size > 0 for path in shots)
+
+
+@pytest.fixture
+def full_cluster(local_cluster: Any) -> Iterator[list[str]]:
+    """Every node's memory taken for 10 minutes by a plain sbatch job with that time limit
+    (the partition's OverSubscribe=FORCE overrides --exclusive; memory is never shared): a new
+    job waits (Reason Resources), and Slurm's backfill can foresee when it starts."""
+    jobs: list[str] = []
+    try:
+        for node in local_cluster.nodes:
+            memory = _slurm("sinfo", "-h", "-N", "-n", node, "-o", "%m").split()[0]
+            jobs.append(_slurm("sbatch", "--parsable", f"--nodelist={node}", f"--mem={memory}",
+                               "--time=10", "--output=/dev/null", "--wrap=sleep 600"))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while _slurm("squeue", "-h", "-o", "%T", f"--jobs={','.join(jobs)}").split() != [
+            "RUNNING"
+        ] * len(jobs):
+            assert time.monotonic() < deadline, _slurm("squeue")
+            time.sleep(0.3)
+        yield jobs
+    finally:
+        if jobs:
+            subprocess.run(["scancel", *jobs], check=False, timeout=30)
+
+
+def _slurm(*argv: str) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout.strip()
+
+
+def test_a_pending_task_shows_when_slurm_expects_it_to_start(
+    service: BridgeService, browser: WebDriver, full_cluster: list[str]
+) -> None:
+    """On a full cluster: `run --test-only` says when a task would start, and a task created
+    there shows Slurm's estimate (squeue --start) in its FULL view, in `task wait`, in `task
+    list` and on its page."""
+    login = {"TES_USER": ALICE[0], "TES_PASSWORD": ALICE[1]}
+    ends = time.time() + 9 * 60  # the blockers' time limit, give or take a minute
+    asked = tes_task(service.url, "run", "--test-only", "--cpus", "2", "alpine", "--", "true",
+                     **login)  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    when = re.fullmatch(
+        r"Slurm would start it at (\S+ \S+) UTC on (\S+) \(2 processors, partition main\)\n",
+        asked.stdout,
+    )
+    assert when, asked.stdout
+    assert datetime.fromisoformat(when[1]).replace(tzinfo=UTC).timestamp() >= ends
+
+    name = f"webui-pending-{uuid.uuid4().hex[:8]}"
+    task_id = _post(service, ALICE, {
+        "name": name, "executors": [{"image": "alpine", "command": ["true"]}],
+    })  # fmt: skip
+    try:
+        # The backfill scheduler estimates every bf_interval (30 s by default).
+        deadline = time.monotonic() + 90
+        while (
+            not (attempt := (_get(service, task_id).get("logs") or [{}])[-1])
+            .get("metadata", {})
+            .get("slurm_expected_start")
+        ):
+            assert time.monotonic() < deadline, attempt
+            time.sleep(0.5)
+        expected = datetime.fromisoformat(attempt["metadata"]["slurm_expected_start"])
+        job = attempt["metadata"]["slurm_job_id"]
+        squeue = _slurm("squeue", "--start", "-h", "-o", "%S", f"--jobs={job}")
+        slurms = datetime.fromisoformat(squeue).replace(tzinfo=UTC)  # TZ=UTC: the tests' zone
+        assert abs((expected - slurms).total_seconds()) < 60 and expected.timestamp() >= ends
+
+        shown = f"{expected:%Y-%m-%d %H:%M:%S}"
+        waited = tes_task(service.url, "wait", "--interval", "0.2", "--timeout", "1", task_id,
+                          **login)  # fmt: skip
+        assert waited.returncode == 7
+        assert f"Slurm expects it to start at {shown} UTC" in waited.stderr, waited.stderr
+        listed = tes_task(service.url, "list", "--name-prefix", name, **login).stdout
+        assert f"start {shown}" in listed, listed
+
+        _sign_in(browser, service)
+        browser.get(f"{service.url}/ui/#/task/{task_id}")
+        cell = _until(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, ".attempt .expected-start")
+        )
+        assert cell.text.startswith("expected ") and "squeue --start" in cell.get_attribute("title")
+        local = browser.execute_script(
+            "return new Date(arguments[0]).getMinutes()",
+            attempt["metadata"]["slurm_expected_start"],
+        )
+        assert f":{local:02d}:" in cell.text
+    finally:
+        requests.post(f"{service.api}/tasks/{task_id}:cancel", json={}, auth=ALICE, timeout=10)

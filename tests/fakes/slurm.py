@@ -25,14 +25,22 @@ from bridge.slurm import (
     SlurmError,
     SlurmRelease,
     SlurmUnavailable,
+    StartEstimate,
     command_error,
     parse_sinfo_node_sizes,
     parse_sinfo_partitions,
+    parse_test_only,
 )
 from bridge.system.budget import CallBudget
 
 #: What a Slurm command prints while slurmctld is away (tests/data/slurm/*-controller-down*).
 UNREACHABLE = "Unable to contact slurm controller (connect failure)"
+#: What sbatch --test-only prints, in the form of 22.05 to 25.05 (src/api/allocate.c; 25.11's
+#: is in tests/data/slurm/26.05/sbatch-test-only.txt.stderr).
+WILL_RUN = (
+    "sbatch: Job 99 to start at 2026-11-29T10:00:00 using 1 processors on nodes n1 in "
+    "partition main\n"
+)
 #: What sbatch prints when its answer is lost: the job may exist all the same.
 NO_ANSWER = "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation"
 
@@ -106,6 +114,9 @@ class FakeSlurm:
         self.script_args: list[list[str]] = []
         #: The release `release()` says (the real client reads it once, from squeue --version).
         self.version: tuple[int, ...] | None = (22, 5, 8)
+        #: What sbatch --test-only prints on stderr, and each (script, extra args, user) asked.
+        self.test_only_stderr = WILL_RUN
+        self.tested: list[tuple[str, list[str], str | None]] = []
 
     def _check(self, command: str) -> None:
         self.calls.append(command)
@@ -146,6 +157,18 @@ class FakeSlurm:
         if array_size is not None:
             self.arrays.append(array_size)
         return self._queue(job_name, array_size)
+
+    def test_only(
+        self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
+    ) -> StartEstimate:
+        self._check("sbatch")
+        if self.sbatch_error is not None:
+            raise failure(["sbatch", "--test-only"], self.sbatch_error)
+        self.tested.append((script, list(extra_args), as_user))
+        estimate = parse_test_only(self.test_only_stderr)
+        if estimate is None:
+            raise SlurmError("sbatch --test-only printed no estimate (fake)", argv=["sbatch"])
+        return estimate
 
     def _queue(self, job_name: str, array_size: int | None = None) -> str:
         """A pending job, or (`array_size`) the elements `ID_I` of a pending array."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bridge.cli.check import Account, Doctor, Failed, SlurmChecks
+from bridge.cli.check import Account, Doctor, Failed, SiteChecks, SlurmChecks
 from bridge.config import Config, load_config
 
 FAKE = Path(__file__).parents[1] / "fakes" / "slurmbin"
@@ -126,3 +126,43 @@ def test_root_and_slurmuser_are_exempt_whatever_their_budget(
     said = rate_limit(tmp_path, "rl_enable", account=account, calls_per_second=0)
     assert "rl_enable" in said
     assert said.endswith(f"; not for {why}, so the call budget is not lowered to it")
+
+
+def test_the_sudo_rule_must_name_the_sbatch_and_scancel_the_service_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Site mode: sudo compares programs, not names. A rule naming Debian's /usr/bin/sbatch
+    where the service's PATH finds a newer release's first refuses every submission; a rule
+    naming a link to the program the service runs allows it."""
+    release, debian = tmp_path / "release", tmp_path / "debian"
+    links = tmp_path / "local"
+    for directory in (release, debian, links):
+        directory.mkdir()
+    for name in ("sbatch", "scancel"):
+        printing(release, name, "")
+        printing(debian, name, "")
+        (links / name).symlink_to(release / name)
+    monkeypatch.setenv("PATH", f"{links}{os.pathsep}{debian}{os.pathsep}/usr/bin:/bin")
+    work = tmp_path / "state" / "work"
+
+    def listing(sbatch: Path, scancel: Path) -> str:
+        rule = (
+            f"    (%tes-users, !root) NOPASSWD: {sbatch} --parsable *, {scancel} ^[0-9_+]{{1,32}}$,"
+            f" /py ^-m bridge\\.job adopt --work-dir {work} --task-dir x,"
+            f" /py ^-m bridge\\.job read-records --work-dir {work} --tail-bytes x\n"
+        )
+        return printing(tmp_path, "sudo", f"User tesbridge may run:\n{rule}")
+
+    def check(sudo: str) -> str:
+        settings = load_config(
+            environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+            overrides={"site.sudo": sudo, "job.python": "/py", "job.work_dir": str(work)},
+        )
+        return SiteChecks(settings, SERVICE).sudo_rule()
+
+    allowed = check(listing(release / "sbatch", links / "scancel"))
+    assert allowed == "tesbridge may run sbatch, scancel and bridge.job as task owners"
+    with pytest.raises(Failed) as failed:
+        check(listing(debian / "sbatch", release / "scancel"))
+    assert f"name another sbatch than {links / 'sbatch'}" in str(failed.value)
+    assert f"write {links / 'sbatch'} in the rule" in failed.value.fix

@@ -61,7 +61,7 @@ if os.path.exists({fail!r}):
     sys.exit(255)
 name = args[args.index("--name") + 1]
 with open(name, "w") as out:
-    out.write("SIF " + args[-1])
+    out.write("SIF " + args[-1] + os.environ.get("FAKE_PULL_CONTENT", ""))
 """
 
 
@@ -311,6 +311,97 @@ def test_a_moved_tag_is_pulled_again_after_the_refresh_interval(
     time.sleep(1.1)
     assert cache.ensure(pinned) == first
     assert len(registry.requests) == checks
+
+
+def test_an_oras_tag_is_checked_pulled_by_digest_and_refreshed_as_a_docker_one(
+    tmp_path: Path, runtime: dict[str, Path], registry: Registry
+) -> None:
+    image = f"oras://{registry.address}/sifs/tool:1"
+    first_digest = registry.push("sifs/tool:1", "one")
+    cache = make_cache(tmp_path, runtime, registry, {"refresh_seconds": 1})
+    first = cache.pull(image, timeout=30)
+    assert first.read_text() == f"SIF oras://{registry.address}/sifs/tool@{first_digest}"
+    assert first_digest.split(":")[1][:32] in first.name
+    second_digest = registry.push("sifs/tool:1", "two")
+    assert cache.ensure(image) == first  # within the refresh interval
+    time.sleep(1.1)
+    assert cache.ensure(image) is None
+    second = wait_for(lambda: cache.ensure(image))
+    assert second_digest.split(":")[1][:32] in second.name and first.is_file()
+    assert [p[-1] for p in pulls(runtime)] == [
+        f"oras://{registry.address}/sifs/tool@{first_digest}",
+        f"oras://{registry.address}/sifs/tool@{second_digest}",
+    ]
+
+
+def test_a_library_image_is_pulled_again_after_the_refresh_interval_and_named_by_its_content(
+    tmp_path: Path, runtime: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """library:// has no registry to ask for a digest: the runtime pulls it again after
+    container.refresh_seconds (from its own cache when the library's image is the same), and
+    the SIF is named by its content, so a changed image gets a new file as a moved tag does."""
+    image = "library://sylabs/default/alpine:3"
+    cache = make_cache(tmp_path, runtime, container={"refresh_seconds": 1})
+    first = cache.pull(image, timeout=30)
+    content = hashlib.sha256(first.read_bytes()).hexdigest()
+    assert first.name == f"alpine-{content[:32]}.sif"
+    (entry,) = cache.entries()
+    assert entry.digest == f"sha256:{content}" and entry.sif == first.name
+    assert cache.ensure(image) == first and len(pulls(runtime)) == 1  # fresh: not pulled
+
+    time.sleep(1.1)
+    assert cache.ensure(image) is None  # pulled again: the same image, the same file
+    assert wait_for(lambda: cache.ensure(image)) == first
+    assert len(pulls(runtime)) == 2 and sorted(p.name for p in first.parent.glob("*.sif")) == [
+        first.name
+    ]
+
+    monkeypatch.setenv("FAKE_PULL_CONTENT", " changed")  # the library's image changed
+    time.sleep(1.1)
+    assert cache.ensure(image) is None
+    second = wait_for(lambda: cache.ensure(image))
+    assert second != first and second.read_text().endswith(" changed") and first.is_file()
+
+    # Pinned by its hash: never pulled again.
+    pinned = f"library://sylabs/default/alpine:sha256.{content}"
+    cache.pull(pinned, timeout=30)
+    pulled = len(pulls(runtime))
+    time.sleep(1.1)
+    assert cache.ensure(pinned) is not None and len(pulls(runtime)) == pulled
+    assert not list(first.parent.glob(".*pulled*"))
+
+
+def test_a_library_that_cannot_be_reached_is_waited_for_then_given_up_on(
+    tmp_path: Path, runtime: dict[str, Path]
+) -> None:
+    """What Apptainer 1.4 says when the library's host is unknown (seen on the local cluster):
+    transient, then given up on after container.pull_give_up_seconds, like a registry."""
+    runtime["fail"].write_text(
+        "FATAL:   While pulling library image: error fetching image: error making request to "
+        'server:\n\tGet "https://library.invalid/v1/images/alpine:3?arch=amd64": dial tcp: '
+        "lookup library.invalid on 10.255.255.53:53: no such host"
+    )
+    image = "library://library.invalid/sylabs/default/alpine:3"
+    cache = make_cache(tmp_path, runtime, container={"pull_give_up_seconds": 2})
+    assert cache.ensure(image) is None
+
+    def retrying() -> str | None:
+        cache.ensure(image)
+        problem = cache.problem(image)
+        return problem if problem and "retrying" in problem else None
+
+    assert "no such host" in wait_for(retrying)
+
+    def gave_up() -> str | None:
+        try:
+            cache.ensure(image)
+        except ImagePullError as exc:
+            return exc.reason
+        return None
+
+    reason = wait_for(gave_up, timeout=15)
+    assert "no such host" in reason
+    assert reason.endswith("(container.pull_give_up_seconds)")
 
 
 def test_a_missing_tag_fails_at_once_and_is_looked_up_again_after_the_ttl(

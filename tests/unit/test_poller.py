@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -168,7 +168,7 @@ def test_preempted_job_ends_the_task_preempted_when_the_site_says_so():
         attempt=1,
         retries=2,
         current=State.RUNNING,
-        on_preemption="preempted",
+        on_preemption="report",
     )
     assert decision.state is State.PREEMPTED and decision.final and not decision.retry
     (message,) = decision.messages
@@ -186,7 +186,7 @@ def test_a_preempted_job_that_recorded_its_outcome_keeps_it():
         attempt=1,
         retries=2,
         current=State.RUNNING,
-        on_preemption="preempted",
+        on_preemption="report",
     )
     assert decision.state is State.COMPLETE
 
@@ -1266,14 +1266,11 @@ def preempting_poller(tmp_path: Path, store: Store, on_preemption: str) -> tuple
 
 
 def test_preempted_job_ends_its_task_preempted_and_final(tmp_path, sqlite_store):
-    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "report")
     task = sqlite_store.create_task(ECHO)
     poller.cycle()
     job_id = sqlite_store.get_task(task.id).job_id
-    # What squeue shows once Slurm preempted a --no-requeue job (seen on the local cluster).
-    slurm.jobs[job_id] = replace(
-        slurm.jobs[job_id], state="PREEMPTED", exit_code=0, partition="scavenger"
-    )
+    preempt(slurm, job_id)
     poller.cycle()
     poller.cycle()
     record = sqlite_store.get_task(task.id)
@@ -1289,10 +1286,45 @@ def test_preempted_job_ends_its_task_preempted_and_final(tmp_path, sqlite_store)
     assert "squeue" not in slurm.calls and "scancel" not in slurm.calls
 
 
+def preempt(slurm: FakeSlurm, job_id: str) -> None:
+    """What squeue shows once Slurm preempted a --no-requeue job (seen on the local cluster)."""
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="PREEMPTED", exit_code=0, partition="scavenger"
+    )
+
+
+@pytest.mark.parametrize(
+    ("site", "asked", "state"),
+    [
+        # "preempted" is the site setting's older name of "report".
+        ("preempted", None, "PREEMPTED"),
+        ("resubmit", "report", "PREEMPTED"),
+        ("report", "resubmit", "QUEUED"),
+        ("report", None, "PREEMPTED"),
+    ],
+)
+def test_a_task_says_what_becomes_of_it_when_preempted_and_the_site_says_it_otherwise(
+    tmp_path, sqlite_store, site, asked, state
+):
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, site)
+    params = {} if asked is None else {"on_preemption": asked}
+    task = sqlite_store.create_task({**ECHO, "resources": {"backend_parameters": params}})
+    poller.cycle()
+    job_id = sqlite_store.get_task(task.id).job_id
+    preempt(slurm, job_id)
+    poller.cycle()
+    record = sqlite_store.get_task(task.id)
+    assert record.state == state
+    if state == "QUEUED":  # submitted again, as a job lost to a node failure
+        poller.cycle()
+        assert slurm.calls.count("sbatch") == 2
+        assert sqlite_store.get_task(task.id).logs[0]["metadata"]["slurm_lost_job_ids"] == job_id
+
+
 def test_job_requeued_by_slurm_is_followed_not_failed_nor_submitted_again(
     tmp_path, sqlite_store, monkeypatch
 ):
-    poller, slurm = preempting_poller(tmp_path, sqlite_store, "preempted")
+    poller, slurm = preempting_poller(tmp_path, sqlite_store, "report")
     task = sqlite_store.create_task(ECHO)
     poller.cycle()
     job_id = sqlite_store.get_task(task.id).job_id
@@ -1523,6 +1555,50 @@ def test_pending_reason_is_one_line_that_goes_when_the_task_moves_on(env, monkey
     record = store.get_task(task.id)
     assert record.state == "COMPLETE"
     assert not any("pending" in line for line in record.logs[0].get("system_logs", []))
+
+
+def test_a_pending_job_shows_slurms_expected_start_in_its_attempt_until_it_runs(env, monkeypatch):
+    poller, store, slurm, _ = env
+    task_id = store.create_task(ECHO).id
+
+    def expected_now() -> str | None:
+        return store.get_task(task_id).logs[0]["metadata"].get("slurm_expected_start")
+
+    poller.cycle()
+    job_id = store.get_task(task_id).job_id
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Resources")
+    poller.cycle()
+    assert expected_now() is None  # squeue's N/A
+
+    estimate = datetime(2026, 11, 29, 14, 5, tzinfo=UTC)
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], expected_start=estimate)
+    slurm.calls.clear()
+    poller.cycle()
+    assert expected_now() == "2026-11-29T14:05:00.000000Z"
+    assert slurm.calls == ["squeue"]  # read with the squeue of every cycle
+    # Backfill's drift of seconds is not written again; a minute is.
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], expected_start=estimate + timedelta(seconds=59)
+    )
+    poller.cycle()
+    assert expected_now() == "2026-11-29T14:05:00.000000Z"
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], expected_start=estimate - timedelta(hours=1))
+    poller.cycle()
+    assert expected_now() == "2026-11-29T13:05:00.000000Z"
+    # Held: Slurm has no estimate any more.
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="JobHeldUser", expected_start=None)
+    poller.cycle()
+    assert expected_now() is None
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], reason="Priority", expected_start=estimate)
+    poller.cycle()
+    assert expected_now() is not None
+    slurm.jobs[job_id] = replace(
+        slurm.jobs[job_id], state="RUNNING", reason=None, expected_start=None
+    )
+    running = JobRecords(job_id=job_id, phase="running 0")
+    monkeypatch.setattr("bridge.poller.watch.read_records", lambda *a, **k: running)
+    poller.cycle()
+    assert store.get_task(task_id).state == "RUNNING" and expected_now() is None
 
 
 def test_final_log_has_sacct_facts_never_a_leftover_running(env, monkeypatch):

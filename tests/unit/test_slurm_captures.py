@@ -32,6 +32,7 @@ from bridge.slurm import (
     parse_sacct,
     parse_sinfo_partitions,
     parse_squeue,
+    parse_test_only,
     parse_version,
 )
 
@@ -260,3 +261,43 @@ def test_the_client_through_each_releases_commands(release: Path, tmp_path: Path
     ended = by_name(client.accounting(["1"]))
     assert ended["tes-fail"].exit_code == 3
     client.cancel(["999999"])
+
+
+def releases_with(name: str) -> list[str]:
+    """The releases whose captures hold `name` (made by capture.sh since it captures it)."""
+    return [r for r in RELEASES if (DATA / r / name).exists()]
+
+
+@pytest.mark.parametrize("name", releases_with("squeue-pending-estimate.txt"))
+def test_a_pending_jobs_expected_start_is_what_squeue_start_shows(name: str) -> None:
+    release = DATA / name
+    behind = by_name(parse_squeue(read(release, "squeue-pending-estimate.txt")))["tes-behind"]
+    assert (behind.state, behind.reason, behind.start_time) == ("PENDING", "Resources", None)
+    assert behind.expected_start is not None
+    # squeue --start: JOBID PARTITION NAME USER ST START_TIME NODES SCHEDNODES NODELIST(REASON)
+    start_time = read(release, "squeue-start.txt").split()[5]
+    assert behind.expected_start.strftime("%Y-%m-%dT%H:%M:%S") == start_time
+
+
+@pytest.mark.parametrize("name", releases_with("sbatch-test-only.txt.stderr"))
+def test_sbatch_test_only_answers_where_and_when(name: str) -> None:
+    release = DATA / name
+    stderr = read(release, "sbatch-test-only.txt.stderr")
+    estimate = parse_test_only(stderr)
+    assert estimate is not None and estimate.start is not None, stderr
+    assert (estimate.processors, estimate.partition) == (1, "main")
+    assert estimate.nodes.startswith("node") and estimate.said in stderr
+    # Behind the full cluster's fillers, whose 10 minutes had just begun, as tes-behind is.
+    behind = by_name(parse_squeue(read(release, "squeue-pending-estimate.txt")))["tes-behind"]
+    assert behind.expected_start is not None
+    assert 0 <= (estimate.start - behind.expected_start).total_seconds() <= 300
+    assert exit_code_of(release, "sbatch-test-only.txt") == 0
+    refused = subprocess.CompletedProcess(
+        ["sbatch", "--parsable", "--test-only"],
+        exit_code_of(release, "sbatch-test-only-refused.txt"),
+        "",
+        read(release, "sbatch-test-only-refused.txt.stderr"),
+    )
+    assert refused.returncode == 1
+    error = command_error(refused, "asking sbatch --test-only")
+    assert isinstance(error, SlurmRejected) and "feature" in error.reason.lower(), error

@@ -124,16 +124,24 @@ def test_a_refusal_read_through_v_reads_as_without_it(tmp_path: Path) -> None:
     assert caught.value.reason == "Batch job submission failed: Invalid partition name specified"
 
 
-def test_through_sudo_the_v_follows_the_tool_and_scancel_goes_without(tmp_path: Path) -> None:
+def test_through_sudo_the_v_follows_the_tool_and_scancel_goes_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Site mode: `sbatch --parsable -v ...` is what the sudo rule's `sbatch --parsable *`
-    allows; its scancel rule allows job ids alone."""
+    allows; its scancel rule allows job ids alone. sudo gets each tool by the path the
+    service's PATH gives it (sudo's own secure_path may find another release's first)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "scancel"):
+        tool(bin_dir, name)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     sudo = tool(tmp_path, "sudo", stdout="43\n")
     client = SlurmClient(sudo=sudo)
     client.submit(tmp_path / "job.sh", job_name="tes-x", as_user="alice")
     client.cancel(["43"], as_user="alice")
     assert calls(tmp_path, "sudo") == [
-        f"-n -u alice -- sbatch --parsable -v --job-name=tes-x {tmp_path}/job.sh",
-        "-n -u alice -- scancel 43",
+        f"-n -u alice -- {bin_dir}/sbatch --parsable -v --job-name=tes-x {tmp_path}/job.sh",
+        f"-n -u alice -- {bin_dir}/scancel 43",
     ]
 
 

@@ -149,6 +149,15 @@ function usage(task, log) {
   };
 }
 
+// When Slurm expects the attempt's pending job to start (squeue --start), where the server
+// says it; null once the job started.
+function expectedStart(log) {
+  const meta = (log && log.metadata) || {};
+  if (!meta.slurm_expected_start || (log && log.start_time)) return null;
+  return el("span", { class: "expected-start", title: "Slurm's estimate (squeue --start)" },
+    `expected ${when(meta.slurm_expected_start)}`);
+}
+
 function lastAttempt(task) {
   const logs = task.logs || [];
   return logs.length ? logs[logs.length - 1] : null;
@@ -377,7 +386,7 @@ function taskRow(task, owners) {
     owners ? el("td", { class: "owner" }, owners[task.id] || "") : null,
     el("td", { class: "job" }, ((log && log.metadata) || {}).slurm_job_id || ""),
     el("td", { class: "created", title: task.creation_time || "" }, when(task.creation_time)),
-    el("td", { class: "duration" }, duration(used.elapsed)),
+    el("td", { class: "duration" }, expectedStart(log) || duration(used.elapsed)),
     el("td", { class: "exit" }, exitCode(log)),
     el("td", { class: "reason" }, reasonOf(task)),
     el("td", { class: "tags" }, tags.join(", ")),
@@ -842,6 +851,7 @@ function attemptPart(task, log, index) {
       ["Partition", meta.slurm_partition],
       ["Time limit", timeLimit(meta) ? el("span", { class: "time-limit" }, timeLimit(meta)) : ""],
       ["Slurm state", meta.slurm_state],
+      ["Start", expectedStart(log)],
       ["Started", when(log.start_time)], ["Ended", when(log.end_time)],
       ["Elapsed", meta.slurm_elapsed_seconds ? `${meta.slurm_elapsed_seconds} s` : ""],
       ["Max RSS", used.peak ? el("span", { class: "max-rss", title: used.peakSource },

@@ -150,6 +150,31 @@ if [[ $(scontrol show config) == *rl_enable* ]]; then
   fi
 fi
 
+# A full cluster: each node's memory taken by a job with a time limit (the partition's
+# OverSubscribe=FORCE overrides --exclusive; memory is never shared), so that a job behind them
+# waits (Resources) and the backfill scheduler estimates its start (each bf_interval, 30 s by
+# default); sbatch --test-only answers the same for a job it does not create.
+full_cluster() {
+  local fillers=() behind n memory
+  for n in $(sinfo -h -N -o %N | sort -u); do
+    memory=$(sinfo -h -N -n "$n" -o %m | head -n 1)
+    fillers+=("$(sb -J tes-filler -w "$n" --mem="$memory" --time=10 --wrap 'sleep 600')")
+  done
+  sleep 2
+  behind=$(sb -J tes-behind --time=5 --wrap true)
+  for _ in $(seq 1 90); do
+    [[ $(squeue -h --jobs="$behind" -o %S) != N/A ]] && break
+    sleep 1
+  done
+  cap squeue-pending-estimate.txt squeue -h -r --states=all --jobs="$behind" -o "$SQ_FMT"
+  cap squeue-start.txt squeue --start -h --jobs="$behind"
+  cap sbatch-test-only.txt sbatch --parsable --test-only -o /dev/null --time=5 --wrap true
+  cap sbatch-test-only-refused.txt sbatch --parsable --test-only -o /dev/null \
+    --constraint=nosuch --wrap true
+  scancel "${fillers[@]}" "$behind"
+}
+full_cluster
+
 # A node whose slurmd dies under a running job: NODE_FAIL once slurmctld declares it down.
 nodes=$(sinfo -h -N -o %N | sort -u)
 if (($(wc -l <<<"$nodes") >= 2)); then
