@@ -411,15 +411,22 @@ class SlurmClient:
         return self._job_states(ids)
 
     def _job_states(self, ids: list[str]) -> dict[str, str]:
+        # `--only-job-state` answers each array element's id asked with every element asked of
+        # its array (26.05: a burst's 500-element array read as 250,000 lines, most of a poll
+        # cycle; tests/data/slurm/26.05/squeue-only-job-state-elements.txt): each array is
+        # asked for once, by its own id, and only the elements followed are kept.
+        wanted = set(ids)
+        asked = list(dict.fromkeys(job_id.partition("_")[0] for job_id in ids))
         states: dict[str, str] = {}
-        for chunk in _chunks(ids):
+        for chunk in _chunks(asked):
             argv = squeue_argv(self.squeue, [f"--jobs={','.join(chunk)}"], states_only=True)
             proc = self._run(argv)
             if proc.returncode != 0:
                 if _INVALID_JOB_ID in proc.stderr:
                     continue
                 raise command_error(proc, "reading the queue's job states")
-            states.update(parse_job_states(proc.stdout))
+            found = parse_job_states(proc.stdout)
+            states.update((job_id, state) for job_id, state in found.items() if job_id in wanted)
         return states
 
     def rate_limit(self) -> RateLimit | None:

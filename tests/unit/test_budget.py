@@ -342,6 +342,29 @@ esac""",
     assert all("--states=all" in a for a in asked)
 
 
+def test_array_elements_states_are_asked_by_their_arrays_id(tmp_path: Path) -> None:
+    """26.05's `--only-job-state` answers each element id asked with every element asked of its
+    array (N ids, N*N lines: real output replayed): the client asks for the array once, by its
+    id, and keeps the elements it follows."""
+    data = Path(__file__).parents[1] / "data" / "slurm" / "26.05"
+    squeue = stand_in(
+        tmp_path,
+        "squeue",
+        f"""case "$*" in
+  --version) echo "slurm 26.05.5" ;;
+  *11589_*) cat {data / "squeue-only-job-state-elements.txt"} ;;
+  *) cat {data / "squeue-only-job-state-array.txt"} ;;
+esac""",
+    )
+    elements = (data / "squeue-only-job-state-elements.txt").read_text().splitlines()
+    assert len(elements) == 9 and len(set(elements)) == 3  # what asking by element gives
+    client = SlurmClient(squeue=squeue)
+    followed = ["11589_0", "11589_3", "77"]
+    assert client.queue_states(followed) == {"11589_0": "PENDING", "11589_3": "PENDING"}
+    asked = [a for a in calls(tmp_path, "squeue") if a != "--version"]
+    assert len(asked) == 1 and "--jobs=77,11589 " in asked[0]
+
+
 # --- the poller spends it ------------------------------------------------------------------
 
 

@@ -88,6 +88,14 @@ cap squeue-default-states.txt squeue -h --jobs="$all" -o "$SQ_FMT"
 cap squeue-version.txt squeue --version
 if [[ $(squeue --help 2>&1) == *only-job-state* ]]; then
   cap squeue-only-job-state.txt squeue -h -r --only-job-state --states=all --jobs="$all" -o '%i|%T'
+  # A held array's elements asked by id: each id is answered with every element of its array
+  # (26.05), so the client asks for the array's id once.
+  held_array=$(sb -J tes-held-array --hold --array=0-4 --wrap 'true')
+  cap squeue-only-job-state-elements.txt squeue -h -r --only-job-state --states=all \
+    --jobs="${held_array}_0,${held_array}_1,${held_array}_2" -o '%i|%T'
+  cap squeue-only-job-state-array.txt squeue -h -r --only-job-state --states=all \
+    --jobs="$held_array" -o '%i|%T'
+  scancel "$held_array"
 fi
 cap scontrol-show-config.txt scontrol show config
 
