@@ -6,6 +6,8 @@
         task.json                  the task document (TES wire format)
         job-config.json            settings the job side needs (see bridge.job.settings)
         job.sh                     the rendered sbatch script
+        job-stage-in.sh            (staged on the transfer partition) its stage-in job's
+        job-stage-out.sh           and its stage-out job's scripts
         slurm-<job id>.out         Slurm's own output of the script
         root/                      container path /a/b lives at root/a/b
         records/<job id>/          what one run of the job did (see bridge.job.records)
@@ -26,6 +28,10 @@ from bridge.core.naming import has_wildcards as has_wildcards
 TASK_JSON = "task.json"
 JOB_CONFIG_JSON = "job-config.json"
 SCRIPT = "job.sh"
+#: The scripts of a task's stage-in and stage-out jobs, when it is staged on the transfer
+#: partition (staging.where = "transfer"; bridge.jobscript.parts).
+STAGE_IN_SCRIPT = "job-stage-in.sh"
+STAGE_OUT_SCRIPT = "job-stage-out.sh"
 SLURM_OUTPUT = "slurm-%j.out"
 LEASE_FENCE = "lease-fence"
 

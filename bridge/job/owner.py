@@ -43,6 +43,8 @@ from bridge.core.naming import is_task_id
 from bridge.job.layout import (
     JOB_CONFIG_JSON,
     SCRIPT,
+    STAGE_IN_SCRIPT,
+    STAGE_OUT_SCRIPT,
     TASK_JSON,
     TaskLayout,
     write_atomically,
@@ -54,6 +56,8 @@ from bridge.job.safepath import UnsafePathError
 
 #: The files adopt writes, with their modes (the script must be executable by its owner only).
 FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}
+#: The scripts adopt also writes for a task staged on the transfer partition (both or none).
+PART_FILES = {STAGE_IN_SCRIPT: 0o700, STAGE_OUT_SCRIPT: 0o700}
 
 
 #: read-output's exit status when the stream is a link or not a regular file.
@@ -91,15 +95,18 @@ def _own_dir(path: Path) -> None:
 
 
 def adopt(task_dir: Path, files: dict[str, str]) -> None:
-    if set(files) != set(FILES):
-        raise OwnerError(f"expected exactly the files {sorted(FILES)}")
+    wanted = dict(FILES)
+    if set(files) & set(PART_FILES):
+        wanted.update(PART_FILES)
+    if set(files) != set(wanted):
+        raise OwnerError(f"expected exactly the files {sorted(wanted)}")
     with contextlib.suppress(FileExistsError):  # a later attempt of the same task
         os.mkdir(task_dir, 0o700)
     _own_dir(task_dir)
     os.chmod(task_dir, 0o700)  # task documents can carry secrets
     layout = TaskLayout(task_dir)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
-    for name, mode in FILES.items():
+    for name, mode in wanted.items():
         write_atomically(task_dir / name, files[name], mode)
 
 

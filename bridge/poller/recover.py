@@ -16,10 +16,14 @@ make it stand down and be submitted again)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
+from bridge.core.naming import RUN_PART, STAGE_IN_PART, STAGE_OUT_PART
 from bridge.job.layout import write_lease_fence
 from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index, submitted_name
 from bridge.poller.attempt import AttemptLog, TaskLogs
+from bridge.poller.chain import PART_KEYS, Chain, chain_of_task
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import JobInfo, SlurmError
@@ -35,6 +39,8 @@ class Recovery:
         self.owners = owners
         #: The token each interrupted task's directory is fenced at (by this poller).
         self._fenced: dict[str, int] = {}
+        #: Submits the jobs a staged task's chain lacks (ChainSbatch.resume; set by the loop).
+        self.resume_chain: Callable[[TaskRecord, Chain, CycleStats], int] | None = None
         #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
         #: takeover, when the old leader's sbatch may still be under way on another host
         #: (see `hold_after_takeover`).
@@ -59,7 +65,15 @@ class Recovery:
         if not pending:
             return
         names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
+        chains: list[tuple[TaskRecord, Chain]] = []
         for task in pending:
+            chain = chain_of_task(task)
+            if chain is not None:
+                chains.append((task, chain))
+                for part, job_id in chain.parts():
+                    if job_id is None:
+                        names.setdefault(chain.name_of(part), [])
+                continue
             mark = array_mark(task)
             name, index = mark if mark else (submitted_name(task), None)
             names.setdefault(name, []).append((task, index))
@@ -81,7 +95,46 @@ class Recovery:
             for task, index in members:
                 if not self._adopted(task, index, jobs):
                     to_fence += self._no_job(task, settled_before, fenced)
+        for task, chain in chains:
+            to_fence += self._recover_chain(task, chain, found, settled_before, fenced, stats)
         self._fence(to_fence)
+
+    def _recover_chain(
+        self,
+        task: TaskRecord,
+        chain: Chain,
+        found: dict[str, list[JobInfo]],
+        settled_before: float,
+        fenced: set[str],
+        stats: CycleStats,
+    ) -> list[TaskRecord]:
+        """A staged task's interrupted chain (poller.chain): its jobs found by name are
+        adopted, in order; a chain found whole is the task's; the missing jobs are submitted
+        (`resume_chain`) once their sbatch has settled and the task was fenced, none twice. A
+        chain without its stage-in job is forgotten like any job not found."""
+        ids = dict(chain.parts())
+        for part, job_id in chain.parts():
+            if job_id is None:
+                job = _newest_job_of_this_attempt(task, found.get(chain.name_of(part), []))
+                if job is None:
+                    break
+                ids[part] = job.job_id
+        now = Chain(chain.name, ids[STAGE_IN_PART], ids[RUN_PART], ids[STAGE_OUT_PART])
+        if now != chain:
+            task.logs = _with_chain(task, now)
+            log.info("found jobs %s of the interrupted chain of task %s", now.ids(), task.id)
+            self.ctx.store.note_submission(task.id, logs=task.logs)
+        if now.stage_in is None:
+            return self._no_job(task, settled_before, fenced)
+        if now.run and now.stage_out:
+            self.ctx.store.record_job(task.id, now.run, logs=task.logs)
+        elif (task.submit_started_at or 0.0) > settled_before or self._holding():
+            log.info("interrupted chain of task %s: looking again for its later jobs", task.id)
+        elif task.id in fenced and self.resume_chain is not None:
+            self.resume_chain(task, now, stats)
+        else:
+            return [task]
+        return []
 
     def _adopted(self, task: TaskRecord, index: str | None, jobs: list[JobInfo]) -> bool:
         """Whether the task's job is among `jobs` (an array's: the array is, its element may not
@@ -158,6 +211,16 @@ class Recovery:
 
     def _holding(self) -> bool:
         return self.ctx.clock() < self.hold_until
+
+
+def _with_chain(task: TaskRecord, chain: Chain) -> list[dict[str, Any]]:
+    """The task's logs with the chain's job ids in its attempt's metadata."""
+    logs = TaskLogs(task.logs)
+    metadata = logs.attempt(max(task.attempt, 1)).ensure_metadata()
+    for part, job_id in chain.parts():
+        if job_id:
+            metadata[PART_KEYS[part] + "_job_id" if part in PART_KEYS else "slurm_job_id"] = job_id
+    return logs.to_json()
 
 
 def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from bridge.core.tes import State
 from bridge.job.records import JobRecords, read_records
-from bridge.poller.arrays import submitted_name
+from bridge.poller.arrays import attempt_metadata, submitted_name
+from bridge.poller.chain import chain_of_task, watched
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import in_queue
 from bridge.poller.owners import OwnerRunner
@@ -45,7 +46,7 @@ class JobWatch:
     def update(self, tasks: list[TaskRecord], awaited: Iterable[str], stats: CycleStats) -> None:
         """Read what Slurm says of `tasks`' jobs; `awaited`: finished jobs whose final record
         is still read from sacct (they ride on the same call)."""
-        job_ids = [t.job_id for t in tasks if t.job_id]
+        job_ids = [job_id for job_id, _ in _job_keys(tasks)]
         self.paced = not self._due()
         if self.paced:
             return
@@ -159,10 +160,11 @@ class JobWatch:
         job = self._accounting.get(job_id)
         return job if job is not None and job.ended else None
 
-    def missing_for(self, task: TaskRecord) -> float | None:
-        """How long neither squeue nor sacct has known the task's job; None while one does."""
+    def missing_for(self, task: TaskRecord, job: tuple[str, str] | None = None) -> float | None:
+        """How long neither squeue nor sacct has known the task's job (`job`: that one of its
+        chain, by id and name); None while one does."""
         assert task.job_id is not None
-        since = self._missing_since.get((task.job_id, submitted_name(task)))
+        since = self._missing_since.get(job or (task.job_id, submitted_name(task)))
         return None if since is None else self.ctx.clock() - since
 
     def records(self, task: TaskRecord) -> JobRecords:
@@ -174,12 +176,13 @@ class JobWatch:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         return self.read_records(task)
 
-    def read_records(self, task: TaskRecord) -> JobRecords:
-        """What the task's job recorded, read now whatever Slurm last said (not in site mode,
-        where only the job's owner may read them)."""
+    def read_records(self, task: TaskRecord, records_id: str | None = None) -> JobRecords:
+        """What the task's job (or `records_id`: a job of its chain) recorded, read now
+        whatever Slurm last said (not in site mode, where only the job's owner may read them)."""
         assert task.job_id is not None
         keep = self.ctx.config.job.log_tail_bytes
-        return read_records(self.ctx.task_dir(task.id), task.job_id, keep_bytes=keep)
+        job_id = records_id or task.job_id
+        return read_records(self.ctx.task_dir(task.id), job_id, keep_bytes=keep)
 
 
 def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
@@ -192,7 +195,17 @@ def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
 
 
 def _job_keys(tasks: list[TaskRecord]) -> list[tuple[str, str]]:
-    return [(t.job_id, submitted_name(t)) for t in tasks if t.job_id]
+    """The (id, name) of each job followed: the tasks' jobs, and the transfer jobs of staged
+    tasks still asked of Slurm (chain.watched)."""
+    keys = []
+    for task in tasks:
+        if not task.job_id:
+            continue
+        keys.append((task.job_id, submitted_name(task)))
+        chain = chain_of_task(task)
+        if chain is not None:
+            keys += watched(chain, attempt_metadata(task))
+    return keys
 
 
 def _named(info: JobInfo | None, name: str | None) -> JobInfo | None:

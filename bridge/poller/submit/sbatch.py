@@ -12,6 +12,7 @@ from bridge.poller.arrays import ArrayPlanner, Ready, marked_logs
 from bridge.poller.attempt import Condition, ConditionKind
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerRunner
+from bridge.poller.submit.chain import ChainSbatch
 from bridge.poller.submit.failures import SbatchFailures
 from bridge.poller.submit.outcome import Backoff, Outcomes
 from bridge.poller.submit.record import Recorder
@@ -47,6 +48,8 @@ class Sbatch:
         self.outcomes = outcomes
         self.failures = failures
         self.recorder = recorder
+        #: Tasks staged on the transfer partition: three jobs each.
+        self.chain = ChainSbatch(ctx, backoff, outcomes, failures, recorder)
 
     def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
@@ -63,7 +66,9 @@ class Sbatch:
             if self._budget_spent(until):
                 break  # the Slurm call budget is spent for now: the rest go next cycle
             try:
-                if len(unit) == 1:
+                if len(unit) == 1 and unit[0].prepared.staged:
+                    stats.submitted += self.chain.submit(unit[0], stats)
+                elif len(unit) == 1:
                     stats.submitted += self.submit_one(unit[0], stats)
                 else:
                     stats.submitted += self.submit_array(unit, stats)
