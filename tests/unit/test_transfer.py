@@ -329,3 +329,37 @@ def test_a_crash_after_the_last_sbatch_adopts_the_chain(env):
     poller.cycle()
     assert "sbatch" not in slurm.calls[calls:]
     assert store.get_task(task.id).job_id == "101"
+
+
+# ----------------------------------------------------------------------------- task logs
+
+
+def test_task_logs_names_the_three_jobs_of_a_staged_task():
+    import io
+
+    from bridge.client.watch import LogPrinter
+
+    metadata = {
+        "slurm_stage_in_job_id": "41",
+        "slurm_stage_in_state": "COMPLETED",
+        "slurm_stage_in_exit_code": "0",
+        "slurm_stage_in_partition": "xfer",
+        "slurm_job_id": "42",
+        "slurm_state": "RUNNING",
+        "slurm_partition": "offline",
+        "slurm_stage_out_job_id": "43",
+    }
+    out, err = io.StringIO(), io.StringIO()
+    printer = LogPrinter(out, err)
+    printer.show({"id": "t", "executors": [{}], "logs": [{"logs": [], "metadata": metadata}]})
+    assert err.getvalue().splitlines() == [
+        "job: stage-in job 41: COMPLETED, exit code 0, partition xfer",
+        "job: task job 42: RUNNING, partition offline",
+        "job: stage-out job 43: submitted",
+    ]
+    # Printed again only when it changes; a task of one job has no such lines.
+    printer.show({"id": "t", "executors": [{}], "logs": [{"logs": [], "metadata": metadata}]})
+    assert len(err.getvalue().splitlines()) == 3
+    plain = io.StringIO()
+    LogPrinter(io.StringIO(), plain).show({"logs": [{"metadata": {"slurm_job_id": "7"}}]})
+    assert plain.getvalue() == ""
