@@ -8,16 +8,19 @@ The same chain runs against the real cluster in tests/cluster/test_transfer.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bridge.config import ConfigError, load_config
+from bridge.config import Config, ConfigError, load_config
 from bridge.core.naming import STAGE_IN_EXIT_CODE
+from bridge.job.records import read_records
 from bridge.jobscript.parts import remote_urls, staged_apart
-from bridge.jobscript.render import task_files
+from bridge.jobscript.render import prepare_task_dir, task_files
 from bridge.jobscript.task import parse_task
 from bridge.poller import Poller, job_name
 from bridge.store import Store
@@ -363,3 +366,67 @@ def test_task_logs_names_the_three_jobs_of_a_staged_task():
     plain = io.StringIO()
     LogPrinter(io.StringIO(), plain).show({"logs": [{"metadata": {"slurm_job_id": "7"}}]})
     assert plain.getvalue() == ""
+
+
+# ----------------------------------------------------------------------------- the parts run
+
+
+def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
+    """The three scripts run one after another (as Slurm's afterok chain runs them), with the
+    job side's real staging against loopback servers and a stand-in runtime: the stage-in
+    downloads, the task's job runs the executor and ends 0 though it failed, the stage-out
+    uploads all the same and ends as the task did, and the records are one job's."""
+    from tests.unit.test_job_side import FAKE_RUNTIME, REPO
+
+    storage_servers.put("http", "parts/in.txt", b"hello\n")
+    runtime = tmp_path / "apptainer"
+    runtime.write_text(FAKE_RUNTIME)
+    runtime.chmod(0o755)
+    image = tmp_path / "img.sif"
+    image.write_text("")
+    config = Config.model_validate(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "container": {"runtime": str(runtime), "allow_root": True},
+            "job": {"python": sys.executable},
+            "staging": {
+                **storage_servers.staging_options(),
+                "where": "transfer",
+                "transfer_partition": "xfer",
+            },
+        }
+    )
+    out_url = storage_servers.url_for("http", "parts/out.txt")
+    # The stand-in runtime runs the executor on the host: it is given the host paths of its
+    # container's /in/a and /out/b.
+    root = config.work_dir / "job-1" / "root"
+    upper = f"tr a-z A-Z <{root}/in/a >{root}/out/b;"
+    task = {
+        "id": "job-1",
+        "inputs": [{"url": storage_servers.url_for("http", "parts/in.txt"), "path": "/in/a"}],
+        "outputs": [{"url": out_url, "path": "/out/b"}],
+        "executors": [{"image": "img", "command": ["sh", "-c", f"{upper} exit 3"]}],
+    }
+    task_dir = prepare_task_dir(task, config=config, image_paths={"img": str(image)}).parent
+
+    def run(name: str, job_id: str, *args: str) -> int:
+        env = dict(os.environ, SLURM_JOB_ID=job_id, PYTHONPATH=str(REPO))
+        result = subprocess.run(
+            ["bash", str(task_dir / name), *args], env=env, capture_output=True, timeout=60
+        )
+        return result.returncode
+
+    assert run("job-stage-in.sh", "7") == 0
+    assert read_records(task_dir, "7", keep_bytes=1024).phase == "staged"
+    assert run("job.sh", "8", "after=7") == 0  # the executor's failure is the stage-out's to tell
+    middle = read_records(task_dir, "8", keep_bytes=1024)
+    assert middle.phase == "ran" and middle.outcome is None
+    assert [e.exit_code for e in middle.executors] == [3]
+    assert run("job-stage-out.sh", "9", "after=8") == 3  # as the task ended: sacct shows it
+    records = read_records(task_dir, "8", keep_bytes=1024)
+    assert records.outcome == "executor_error" and records.phase == "done"
+    assert [o["url"] for o in records.outputs] == [out_url]
+    assert storage_servers.server_path("http", "parts/out.txt").read_bytes() == b"HELLO\n"
+    # The stage-in's start is the attempt's; a part run again after its end does nothing.
+    assert records.start_time == read_records(task_dir, "7", keep_bytes=1024).start_time
+    assert run("job-stage-out.sh", "9", "after=8") == 0
