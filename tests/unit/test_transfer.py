@@ -430,3 +430,23 @@ def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
     # The stage-in's start is the attempt's; a part run again after its end does nothing.
     assert records.start_time == read_records(task_dir, "7", keep_bytes=1024).start_time
     assert run("job-stage-out.sh", "9", "after=8") == 0
+
+
+def test_a_chain_goes_only_when_the_budget_holds_its_three_sbatches(env):
+    """The call budget keeps BUDGET_RESERVE tokens for the cycle's squeue, sacct and scancel:
+    a staged task needs three sbatches' worth above them, a task of one job one."""
+    from bridge.system.budget import CallBudget
+
+    poller, store, slurm = env
+    staged = store.create_task(REMOTE)
+    now = [1000.0]
+    slurm.budget = CallBudget(
+        0.001, 6, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s)
+    )
+    poller.cycle()
+    assert "sbatch" not in slurm.calls
+    assert state(store, staged.id) == "QUEUED" and store.get_task(staged.id).job_id is None
+    store.cancel_task(staged.id)
+    store.create_task(LOCAL)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1

@@ -63,7 +63,9 @@ class Sbatch:
                 waiting = [r.task for later in units[index:] for r in later]
                 self.outcomes.tell_waiting(waiting, self.backoff.reason)
                 break
-            if self._budget_spent(until):
+            # A staged task's chain is three sbatches (submit.chain).
+            sbatches = 3 if len(unit) == 1 and unit[0].prepared.staged else 1
+            if self._budget_spent(until, sbatches):
                 break  # the Slurm call budget is spent for now: the rest go next cycle
             try:
                 if len(unit) == 1 and unit[0].prepared.staged:
@@ -76,11 +78,12 @@ class Sbatch:
                 if self.outcomes.unexpected(exc, [r.task for r in unit]):
                     break
 
-    def _budget_spent(self, until: float) -> bool:
-        """Whether this round stops for the call budget: it would leave fewer than
-        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
+    def _budget_spent(self, until: float, sbatches: int = 1) -> bool:
+        """Whether this round stops for the call budget: the unit's `sbatches` would leave
+        fewer than BUDGET_RESERVE tokens, or it has used its time (counted as a wait either
+        way)."""
         budget = self.ctx.slurm.budget
-        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch", cost=sbatches):
             return True
         if budget.rate and self.ctx.clock() > until:
             budget.note_wait("sbatch")
