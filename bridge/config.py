@@ -608,15 +608,6 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _transfer_not_in_site_mode(self) -> Config:
-        if self.site.run_as_owner and self.staging.where == "transfer":
-            raise ValueError(
-                'staging.where = "transfer" cannot be used with site.run_as_owner yet: the '
-                'stage-in job\'s records are read as the service account; use "job"'
-            )
-        return self
-
-    @model_validator(mode="after")
     def _sandbox_not_in_site_mode(self) -> Config:
         if self.site.run_as_owner and self.container.image_format == "sandbox":
             raise ValueError(

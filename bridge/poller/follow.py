@@ -104,8 +104,9 @@ class Follower:
         #: Tasks of the last follow() whose job is done with (final, or to be submitted again).
         self.finished: set[str] = set()
         #: Jobs of staged tasks' chains that are done with while Slurm still holds them (a
-        #: failed stage-in's later jobs): canceled at the end of the follow, with one scancel.
-        self._leftovers: list[str] = []
+        #: failed stage-in's later jobs), by who cancels them (site mode: the task's owner):
+        #: canceled at the end of the follow, one scancel each.
+        self._leftovers: dict[str | None, list[str]] = {}
 
     def await_canceled(self, task: TaskRecord) -> None:
         """`task` was canceled and its job scanceled: the job's final facts (sacct's state, end
@@ -190,7 +191,7 @@ class Follower:
             decision = adjust(decision, at)
         log_decision(entry, decision, records, job)
         if chain is not None:
-            self._chain_facts(entry, chain, task.job_id, at, decision.job_done)
+            self._chain_facts(entry, chain, task, at, decision.job_done)
         if decision.retry:
             entry.lose_job()  # the next job continues this attempt (see poller.attempt)
         if decision.job_done:
@@ -267,13 +268,13 @@ class Follower:
         job = jobs.get(at.job_id)
         if in_queue(job):
             return at, job, JobRecords(job_id=at.records_id)
-        return at, job, self.watch.read_records(task, at.records_id)
+        return at, job, self.watch.records_of(task, at.records_id)
 
     def _chain_facts(
         self,
         entry: AttemptLog,
         chain: Chain,
-        run: str,
+        task: TaskRecord,
         at: Position | None,
         done: bool,
     ) -> None:
@@ -281,6 +282,9 @@ class Follower:
         facts of a transfer job go under its part's keys (not the task's job's); a chain done
         with leaves no job behind."""
         metadata = entry.ensure_metadata()
+        run = task.job_id
+        assert run is not None
+        owner = task.owner if self.ctx.site else None
         for part, job_id in chain.parts():
             job = self.watch.job(job_id, chain.name_of(part)) if job_id else None
             if job is None:
@@ -289,7 +293,7 @@ class Follower:
                 part_facts(metadata, part, job)
             if done and in_queue(job):
                 # Never to run: a later part after a chain that ended (a failed stage-in).
-                self._leftovers.append(job.job_id)
+                self._leftovers.setdefault(owner, []).append(job.job_id)
         if at is not None and at.part != RUN_PART:
             # fill_attempt_log wrote the transfer job's as the task's job's: put them back.
             run_job = self.watch.job(run, chain.name)
@@ -300,17 +304,17 @@ class Follower:
         metadata["slurm_job_id"] = run
 
     def _cancel_leftovers(self, stats: CycleStats) -> None:
-        """One scancel for the chains' jobs that are done with (a failed stage-in's later jobs,
-        which Slurm cancels for their dependency too, a moment later)."""
-        leftovers, self._leftovers = sorted(set(self._leftovers)), []
-        if not leftovers:
-            return
-        try:
-            self.ctx.check_lease()
-            stats.slurm_calls += 1
-            self.ctx.slurm.cancel(leftovers)
-        except SlurmError as exc:
-            log.warning("cannot cancel the chain jobs %s: %s", leftovers, short(exc))
+        """One scancel (per owner in site mode) for the chains' jobs that are done with (a
+        failed stage-in's later jobs, which Slurm cancels for their dependency too, a moment
+        later)."""
+        leftovers, self._leftovers = self._leftovers, {}
+        for owner, job_ids in leftovers.items():
+            try:
+                self.ctx.check_lease()
+                stats.slurm_calls += 1
+                self.ctx.slurm.cancel(sorted(set(job_ids)), as_user=owner)
+            except SlurmError as exc:
+                log.warning("cannot cancel the chain jobs %s: %s", job_ids, short(exc))
 
     def _apply(self, batch: list[_Decided]) -> int:
         """One transaction for the batch. A crash between batches loses only uncommitted

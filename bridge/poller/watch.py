@@ -32,8 +32,10 @@ class JobWatch:
         self.unavailable: str | None = None
         self._queue: dict[str, JobInfo] = {}
         self._accounting: dict[str, JobInfo] = {}
-        #: Site mode: the records read as each owner, by task id.
+        #: Site mode: the records read as each owner, by task id (and of a staged task's
+        #: stage-in job, by task id and that job's id).
         self._records: dict[str, JobRecords] = {}
+        self._stage_in_records: dict[tuple[str, str], JobRecords] = {}
         #: Followed jobs that neither squeue nor sacct knows: since when.
         #: (job id, job name) -> when neither squeue nor sacct knew that job.
         self._missing_since: dict[tuple[str, str], float] = {}
@@ -87,9 +89,19 @@ class JobWatch:
     def _read_records_as_owners(
         self, owners: OwnerRunner, tasks: list[TaskRecord]
     ) -> dict[str, JobRecords]:
-        """One read per owner, of the jobs that have started (a pending one recorded nothing)."""
+        """One read per owner, of the jobs that have started (a pending one recorded nothing),
+        and of the stage-in jobs of staged tasks whose own job has not."""
         waiting = {j for j, info in self._queue.items() if info.tes_state == State.QUEUED.value}
-        return owners.read_records([t for t in tasks if t.job_id not in waiting])
+        jobs = [(t, t.job_id) for t in tasks if t.job_id and t.job_id not in waiting]
+        for task in tasks:
+            # A staged task's stage-in job keeps its records apart until the task's job starts.
+            chain = chain_of_task(task)
+            if task.job_id in waiting and chain is not None and chain.stage_in:
+                jobs.append((task, chain.stage_in))
+        found = owners.read_jobs(jobs)
+        own_job = {t.id: t.job_id for t in tasks}
+        self._stage_in_records = {k: r for k, r in found.items() if k[1] != own_job.get(k[0])}
+        return {k[0]: r for k, r in found.items() if k[1] == own_job.get(k[0])}
 
     def _squeue_with_leaving(self, job_ids: list[str], stats: CycleStats) -> dict[str, JobInfo]:
         """squeue's word on the followed jobs, and on the jobs of decided tasks Slurm still
@@ -175,6 +187,16 @@ class JobWatch:
         if self.owners is not None:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         return self.read_records(task)
+
+    def records_of(self, task: TaskRecord, records_id: str) -> JobRecords:
+        """What the job `records_id` of the task's chain recorded (the stage-in job's own, or
+        the task's job's), read now (site mode: as read this cycle)."""
+        if self.owners is None:
+            return self.read_records(task, records_id)
+        if records_id == task.job_id:
+            return self._records.get(task.id) or JobRecords(job_id=records_id)
+        found = self._stage_in_records.get((task.id, records_id))
+        return found or JobRecords(job_id=records_id)
 
     def read_records(self, task: TaskRecord, records_id: str | None = None) -> JobRecords:
         """What the task's job (or `records_id`: a job of its chain) recorded, read now

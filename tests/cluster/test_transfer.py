@@ -180,6 +180,9 @@ def test_cancel_during_stage_in_leaves_no_job_behind(service, servers, partition
     ):
         assert time.monotonic() < deadline, service.get(task_id)
         time.sleep(0.2)
+    # Its stage-in job has not ended yet (the task's job, whose executor sleeps, would say
+    # RUNNING): the cancel comes while the chain is at its first job.
+    assert service.get(task_id)["state"] in ("QUEUED", "INITIALIZING")
     service.cancel(task_id)
     ids = chain_ids(service.get(task_id))
     deadline = time.monotonic() + 30

@@ -20,6 +20,7 @@ from bridge.poller.arrays import PreparedJob, Ready, marked_logs
 from bridge.poller.attempt import Condition, ConditionKind, TaskLogs
 from bridge.poller.chain import PART_KEYS, Chain
 from bridge.poller.context import CycleStats, PollerContext, short
+from bridge.poller.owners import OwnerRunner
 from bridge.poller.submit.failures import SbatchFailures
 from bridge.poller.submit.outcome import Backoff, Outcomes
 from bridge.poller.submit.prepare import disk_gb, time_limit
@@ -36,12 +37,15 @@ class ChainSbatch:
     def __init__(
         self,
         ctx: PollerContext,
+        owners: OwnerRunner | None,
         backoff: Backoff,
         outcomes: Outcomes,
         failures: SbatchFailures,
         recorder: Recorder,
     ) -> None:
         self.ctx = ctx
+        #: Site mode: the jobs are submitted (and canceled) as the task's owner.
+        self.owners = owners
         self.backoff = backoff
         self.outcomes = outcomes
         self.failures = failures
@@ -112,7 +116,8 @@ class ChainSbatch:
         the chain exists), or is left to recovery (some do)."""
         task_dir = self.ctx.task_dir(task.id)
         script = task_dir / PART_SCRIPTS.get(part, SCRIPT)
-        args: list[str] = []
+        owner = self._owner(task)
+        args = self.owners.account_args(owner, task.document or {}) if self.owners else []
         # The fence token, as every job's (see Sbatch._epoch_args).
         script_args = [f"{LEASE_EPOCH_ARG}{self.ctx.fence_token()}"]
         if before is not None:
@@ -123,7 +128,7 @@ class ChainSbatch:
             stats.slurm_calls += 1
             return self.ctx.slurm.submit(
                 script, job_name=chain.name_of(part), comment=task.id, extra_args=args,
-                script_args=script_args,
+                as_user=owner, script_args=script_args,
             )  # fmt: skip
         except SlurmRejected as exc:
             message = self.failures.refusal(exc, prepared, stats)
@@ -144,6 +149,10 @@ class ChainSbatch:
                 log.warning("sbatch of the %s job of task %s failed: %s", part, task.id, exc)
         return None
 
+    def _owner(self, task: TaskRecord) -> str | None:
+        """Who runs sbatch and scancel for the task (site mode: its owner)."""
+        return task.owner if self.owners is not None else None
+
     def _note(self, task: TaskRecord, attempt: int, part: str, job_id: str) -> None:
         """Store a part's job id at once (and, as the next sbatch's start, now)."""
         logs = TaskLogs(task.logs)
@@ -163,6 +172,6 @@ class ChainSbatch:
             return
         try:
             stats.slurm_calls += 1
-            self.ctx.slurm.cancel(submitted)
+            self.ctx.slurm.cancel(submitted, as_user=self._owner(task))
         except SlurmError as exc:
             log.warning("cannot cancel jobs %s of failed task %s: %s", submitted, task.id, exc)

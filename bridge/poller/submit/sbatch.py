@@ -49,7 +49,7 @@ class Sbatch:
         self.failures = failures
         self.recorder = recorder
         #: Tasks staged on the transfer partition: three jobs each.
-        self.chain = ChainSbatch(ctx, backoff, outcomes, failures, recorder)
+        self.chain = ChainSbatch(ctx, owners, backoff, outcomes, failures, recorder)
 
     def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
