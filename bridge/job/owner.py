@@ -11,7 +11,8 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
   with N bytes of each executor stream (its excerpt, bridge.job.excerpt: the option keeps its
   older name, which the sudo rule pins);
 - ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
-- ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at token N (a lease epoch,
+- ``fence --work-dir WORK --task-dir DIR --epoch N [--part P]``: fence DIR (or only part P of
+  a staged task's chain) at token N (a lease epoch,
   or a lone poller's clock in ms): a job whose sbatch started before stands down
   (bridge.job.layout.write_lease_fence);
 - ``read-output --work-dir WORK --task-dir DIR --job-id J --executor N --stream S --offset K
@@ -41,6 +42,7 @@ from typing import Any
 
 from bridge.core.naming import is_task_id
 from bridge.job.layout import (
+    FENCED_PARTS,
     JOB_CONFIG_JSON,
     SCRIPT,
     STAGE_IN_SCRIPT,
@@ -188,7 +190,7 @@ def _fence(args: argparse.Namespace) -> int:
     task_dir = _task_dir(args.task_dir, args.work_dir)
     if os.path.lexists(task_dir):
         _own_dir(task_dir)
-    write_lease_fence(task_dir, args.epoch)
+    write_lease_fence(task_dir, args.epoch, args.part)
     return 0
 
 
@@ -266,6 +268,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     fence_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
     fence_cmd.add_argument("--task-dir", required=True, action=Once)
     fence_cmd.add_argument("--epoch", type=int, required=True, action=Once)
+    fence_cmd.add_argument(
+        "--part", choices=FENCED_PARTS, action=Once, help="only this part of a staged task's chain"
+    )
     fence_cmd.set_defaults(job_func=_guarded(_fence))
 
     read = subparsers.add_parser(

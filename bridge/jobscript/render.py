@@ -35,7 +35,13 @@ from bridge.core.naming import (
     WHOLE_PART,
 )
 from bridge.core.tes import ExecutorModel
-from bridge.job.layout import LEASE_FENCE, TaskLayout, write_atomically
+from bridge.job.layout import (
+    FENCED_PARTS,
+    LEASE_FENCE,
+    TaskLayout,
+    lease_fence_name,
+    write_atomically,
+)
 from bridge.job.settings import JobSettings
 from bridge.jobscript.binds import SCRATCH_TARGETS, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import directives_and_rule
@@ -255,6 +261,7 @@ def render_script(
         "after_arg": AFTER_ARG,
         "part": part,
         "lease_fence": LEASE_FENCE,
+        "part_fence": lease_fence_name(part) if part in FENCED_PARTS else "",
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
         "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],

@@ -150,9 +150,11 @@ class OwnerRunner:
     def remove(self, owner: str, task_dir: Path) -> None:
         self.run(owner, ["remove", "--task-dir", str(task_dir)])
 
-    def fence(self, owner: str, task_dir: Path, epoch: int) -> None:
-        """Fence the task directory at lease `epoch` as its owner (bridge.job.owner fence)."""
-        self.run(owner, ["fence", "--task-dir", str(task_dir), "--epoch", str(epoch)])
+    def fence(self, owner: str, task_dir: Path, epoch: int, part: str | None = None) -> None:
+        """Fence the task directory (or `part` of a staged task's chain) at lease `epoch` as
+        its owner (bridge.job.owner fence)."""
+        args = ["fence", "--task-dir", str(task_dir), "--epoch", str(epoch)]
+        self.run(owner, args + (["--part", part] if part else []))
 
     def account_args(self, owner: str | None, document: dict[str, Any]) -> list[str]:
         """`--account=` from the mapping file, unless the task names its own account."""

@@ -310,8 +310,10 @@ def test_a_crash_between_the_sbatches_submits_only_the_missing_jobs(env):
     assert record.job_id is None and record.submit_started_at is not None
     assert metadata(store, task.id)["slurm_stage_in_job_id"] == "100"
     poller.clock = lambda: record.submit_started_at + 1000  # the sbatch has settled
-    poller.cycle()  # the task's job not found: the task is fenced
+    poller.cycle()  # the task's job not found: that part alone is fenced
     assert slurm.calls.count("sbatch") == 0
+    task_dir = poller.task_dir(task.id)
+    assert (task_dir / "lease-fence-run").is_file() and not (task_dir / "lease-fence").exists()
     poller.cycle()  # still none: the two missing jobs are submitted, the stage-in kept
     assert slurm.calls.count("sbatch") == 2
     record = store.get_task(task.id)
@@ -450,3 +452,27 @@ def test_a_chain_goes_only_when_the_budget_holds_its_three_sbatches(env):
     store.create_task(LOCAL)
     poller.cycle()
     assert slurm.calls.count("sbatch") == 1
+
+
+def test_a_fenced_part_stands_down_and_the_others_go_on(tmp_path):
+    """Recovery fences the first job of a chain it did not find (lease-fence-<part>): a late job
+    of that part, submitted under an older token, stands down; the chain's jobs it found, of the
+    same older token, do not."""
+    from bridge.core.naming import SUPERSEDED_EXIT_CODE
+    from bridge.job.layout import write_lease_fence
+
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)}, overrides=TRANSFER)
+    task = {**REMOTE, "id": "t1"}
+    script = prepare_task_dir(task, config=config, image_paths={"alpine": "/nonexistent.sif"})
+    write_lease_fence(script.parent, 5, "run")
+
+    def run(name: str, *args: str) -> int:
+        env = dict(os.environ, SLURM_JOB_ID="9")
+        result = subprocess.run(
+            ["bash", str(script.parent / name), *args], env=env, capture_output=True, timeout=60
+        )
+        return result.returncode
+
+    assert run("job.sh", "lease-epoch=4", "after=8") == SUPERSEDED_EXIT_CODE
+    assert run("job.sh", "lease-epoch=5", "after=8") != SUPERSEDED_EXIT_CODE
+    assert run("job-stage-out.sh", "lease-epoch=4", "after=9") != SUPERSEDED_EXIT_CODE
