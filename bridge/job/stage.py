@@ -325,6 +325,8 @@ def _stage_out(layout: TaskLayout, log: RecordsWriter) -> int:
     outputs = StageOut(layout, _context(layout, settings, log), log, ignore_missing=ignore_missing)
     for index, item in enumerate(items(task, "outputs")):
         outputs.stage(index, item, in_place=index in settings.in_place_outputs)
+    if outputs.unconnected and settings.check_runtime:
+        log.system_log(no_network_hint())  # uploading in the task's own job: name the setting
     return outputs.exit_code()
 
 
@@ -355,6 +357,8 @@ class StageOut:
         self.ignore_missing = ignore_missing
         self.missing = 0
         self.failed = 0
+        #: An upload failed for a connection that could not be made (see `_no_connection`).
+        self.unconnected = False
 
     def exit_code(self) -> int:
         if self.failed:
@@ -378,6 +382,7 @@ class StageOut:
                 upload.one(output.path, output.url, output.kind)
         except (StagingError, LayoutError, OSError) as exc:
             self.failed += 1
+            self.unconnected = self.unconnected or _no_connection(exc)
             self.log.system_log(f"{label}: {_reason(exc)}")
 
     def missing_output(self, label: str, why: str) -> None:
@@ -504,6 +509,7 @@ class _Upload:
             size = os.fstat(fd).st_size
             self.backend.upload_file(fd, size, url, self.stage.ctx)
         except (StagingError, OSError) as exc:
+            self.stage.unconnected = self.stage.unconnected or _no_connection(exc)
             self._failed(f"upload of {path} to {url} failed: {_reason(exc)}")
             return
         finally:

@@ -431,3 +431,18 @@ def test_an_input_no_connection_reaches_names_the_transfer_setting(
     lines = task.read().system_logs
     hint = [line for line in lines if 'staging.where = "transfer"' in line]
     assert len(hint) == (1 if check_runtime else 0), lines
+    # An upload alike (its records follow stage-in's in the same job).
+    task.layout.task_json.write_text(
+        json.dumps(
+            {
+                "id": "t1",
+                "executors": [{"image": "x", "command": ["true"]}],
+                "outputs": [{"path": "/out/y", "url": f"http://127.0.0.1:{port}/y"}],
+            }
+        )
+    )
+    task.host("/out/y").parent.mkdir(parents=True, exist_ok=True)
+    task.host("/out/y").write_text("y\n")
+    assert stage_out(task.layout.task_dir, task.records) == STAGE_FAILED
+    lines = task.read().system_logs
+    assert [line for line in lines if 'staging.where = "transfer"' in line] == hint * 2, lines
