@@ -1,6 +1,7 @@
 """Staging on the transfer partition (staging.where = "transfer") on the real cluster: a task with
-remote inputs and outputs runs as three Slurm jobs, its stage-in and stage-out on the transfer
-partition, its own job between them, chained with --dependency=afterok.
+remote inputs (HTTP, S3, DRS) and an S3 output runs as three Slurm jobs, its stage-in and
+stage-out on the transfer partition, its own job between them, chained with
+--dependency=afterok.
 
 The local cluster names its network-less partition and its transfer partition in cluster.env
 (LOCAL_CLUSTER_OFFLINE_PARTITION, LOCAL_CLUSTER_TRANSFER_PARTITION); where it has neither, the
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.drs import DrsServer
 from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.fixtures.storage import BUCKET, StorageServers
 
@@ -43,12 +45,15 @@ def servers(cluster_storage_servers: StorageServers) -> StorageServers:
 def service(
     local_cluster: Any,
     servers: StorageServers,
+    cluster_drs_server: DrsServer,
     partitions: tuple[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[BridgeService]:
+    drs = cluster_drs_server
     toml = servers.staging_toml() + (
         f'where = "transfer"\ntransfer_partition = "{partitions[1]}"\n'
         'transfer_time_limit = "10:00"\ntransfer_memory_mb = 256\n'
+        f'ca_bundle = "{drs.ca}"\ndrs_tokens_file = "{drs.root / "drs-tokens.toml"}"\n'
     )
     with start_bridge_service(
         local_cluster, tmp_path_factory.mktemp("transfer"), extra_toml=toml
@@ -95,11 +100,14 @@ def system_logs(task: dict[str, Any]) -> str:
     return "\n".join(line for log in task.get("logs", []) for line in log.get("system_logs", []))
 
 
-def test_remote_inputs_and_output_run_as_three_chained_jobs(service, servers, partitions):
+def test_remote_inputs_and_output_run_as_three_chained_jobs(
+    service, servers, cluster_drs_server, partitions
+):
     task_partition, transfer_partition = partitions
     data = os.urandom(50_000)
     servers.put("http", "xfer/in/a.bin", data)
     servers.put("s3", "xfer/in/b.txt", b"bee\n")
+    cluster_drs_server.blob("xfer-drs", b"dee\n")
     task = service.run(
         {
             "name": "xfer",
@@ -107,6 +115,7 @@ def test_remote_inputs_and_output_run_as_three_chained_jobs(service, servers, pa
             "inputs": [
                 {"path": "/in/a.bin", "url": servers.url_for("http", "xfer/in/a.bin")},
                 {"path": "/in/b.txt", "url": f"s3://{BUCKET}/xfer/in/b.txt"},
+                {"path": "/in/c.txt", "url": cluster_drs_server.uri("xfer-drs")},
             ],
             "outputs": [{"path": "/out/sum", "url": f"s3://{BUCKET}/xfer/out/sum"}],
             "executors": [
@@ -115,14 +124,14 @@ def test_remote_inputs_and_output_run_as_three_chained_jobs(service, servers, pa
                     "command": [
                         "sh",
                         "-c",
-                        "wc -c < /in/a.bin > /out/sum; cat /in/b.txt >> /out/sum",
+                        "wc -c < /in/a.bin > /out/sum; cat /in/b.txt /in/c.txt >> /out/sum",
                     ],
                 }
             ],
         }
     )
     assert task["state"] == "COMPLETE", system_logs(task)
-    assert servers.server_path("s3", "xfer/out/sum").read_text().split() == ["50000", "bee"]
+    assert servers.server_path("s3", "xfer/out/sum").read_text().split() == ["50000", "bee", "dee"]
     stage_in, run, stage_out = chain_ids(task)
     rows = final_records([stage_in, run, stage_out])
     assert [rows[j]["Partition"] for j in (stage_in, run, stage_out)] == [
