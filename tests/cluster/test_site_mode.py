@@ -41,9 +41,13 @@ SITE_VENV = Path("/var/lib/tes-bridge/site-test-venv")
 
 
 def sudoers_for(work_dir: Path, python: str) -> str:
-    """The shipped rule with this machine's paths (the venv's python, the test work dir)."""
+    """The shipped rule with this machine's paths (the venv's python, the test work dir, the
+    Slurm commands the service runs: a release built from source lives in /usr/local/bin)."""
     text = SUDOERS.read_text()
     assert "/opt/tes-bridge/bin/python" in text and "/var/lib/tes-bridge/work" in text
+    for command in ("sbatch", "scancel"):
+        assert f"/usr/bin/{command} " in text
+        text = text.replace(f"/usr/bin/{command} ", f"{shutil.which(command)} ")
     # The work directory stands in regular expressions: escape what POSIX ERE treats specially.
     work = re.sub(r"([.\[\](){}*+?|^$\\#])", r"\\\1", str(work_dir))
     return text.replace("/opt/tes-bridge/bin/python", python).replace(
