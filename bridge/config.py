@@ -10,6 +10,7 @@ being silently ignored.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Mapping
@@ -351,6 +352,8 @@ _RUNTIME_DIRS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 #: URL schemes the job side can stage (bridge.job.staging).
 STAGING_PROTOCOLS = ["file", "http", "https", "s3", "ftp", "drs"]
+#: A partition or QOS name, as it may go into an `#SBATCH` line.
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class StagingConfig(_Section):
@@ -393,6 +396,42 @@ class StagingConfig(_Section):
     #: Compact DRS identifiers (`drs://prefix:accession`) the site resolves itself:
     #: prefix -> the DRS server's `host` or `host:port`. Others are refused at create.
     drs_prefixes: dict[str, str] = Field(default_factory=dict)
+    #: Where the inputs and outputs that need the network are moved: "job", inside the task's
+    #: own job on the compute node; "transfer", in Slurm jobs of their own on the transfer
+    #: partition or QOS (stage-in, the task's job, stage-out, chained with --dependency), for
+    #: clusters whose compute nodes reach only the shared filesystems (docs/site.md).
+    where: Literal["job", "transfer"] = "job"
+    #: The partition of the stage-in and stage-out jobs (nodes with outbound network).
+    transfer_partition: str | None = None
+    #: The QOS of the stage-in and stage-out jobs (a site's data-transfer QOS).
+    transfer_qos: str | None = None
+    #: Each stage-in and stage-out job's --time (Slurm's formats).
+    transfer_time_limit: str = "4:00:00"
+    #: Each stage-in and stage-out job's --mem, in MB.
+    transfer_memory_mb: int = Field(default=2048, ge=64)
+
+    @field_validator("transfer_partition", "transfer_qos")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        if value is not None and not _SLURM_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Slurm partition or QOS name")
+        return value
+
+    @field_validator("transfer_time_limit")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if parse_time(value) is None:
+            raise ValueError(f"{value!r} is not a Slurm time (e.g. 4:00:00 or 1-00:00:00)")
+        return value
+
+    @model_validator(mode="after")
+    def _transfer_needs_a_place(self) -> StagingConfig:
+        if self.where == "transfer" and not (self.transfer_partition or self.transfer_qos):
+            raise ValueError(
+                'where = "transfer" needs transfer_partition or transfer_qos: where the '
+                "stage-in and stage-out jobs run (nodes with outbound network)"
+            )
+        return self
 
     @field_validator("protocols")
     @classmethod
@@ -432,7 +471,13 @@ class StagingConfig(_Section):
 
     def job_options(self) -> dict[str, Any]:
         """What bridge.job.staging.StagingOptions reads from job-config.json."""
-        options = self.model_dump(mode="json", exclude={"protocols", "streamable_bind"})
+        options = self.model_dump(
+            mode="json",
+            exclude={
+                "protocols", "streamable_bind", "where", "transfer_partition", "transfer_qos",
+                "transfer_time_limit", "transfer_memory_mb",
+            },
+        )  # fmt: skip
         options["enabled"] = list(self.protocols)
         return options
 

@@ -786,6 +786,18 @@ class _Transitions(_Part):
                 return False
             return self._transition(task_id, _CANCELED, cancel_pending=True)
 
+    def note_submission(
+        self, task_id: str, *, logs: list[dict[str, Any]], now: float | None = None
+    ) -> bool:
+        """Submission in flight (any state) -> the same, with `logs` (the ids of a chain's jobs
+        submitted or found so far) and `now`, when given, as the start of its next sbatch:
+        after a crash, the chain's other jobs are looked up by name and only the missing ones
+        are submitted."""
+        changes: dict[str, Any] = {"logs": logs}
+        if now is not None:
+            changes["submit_started_at"] = now
+        return self._transition(task_id, _IN_FLIGHT, **changes)
+
     def forget_submission(self, task_id: str, *, attempt: int) -> bool:
         """Submission in flight (any state) whose sbatch created no job -> no submission,
         `attempt` given back, no cancel to carry out: the task may be submitted again."""

@@ -521,6 +521,13 @@ class SlurmChecks(CheckGroup):
         partitions = [line.split()[0].rstrip("*") for line in out.splitlines() if line.strip()]
         if not partitions:
             raise Failed("sinfo lists no partition", "configure a partition in slurm.conf")
+        transfer = self.config.staging.transfer_partition
+        if self.config.staging.where == "transfer" and transfer and transfer not in partitions:
+            raise Failed(
+                f"staging.transfer_partition {transfer!r} is not a partition of this cluster "
+                f"({', '.join(partitions)}): stage-in and stage-out jobs would be refused",
+                "set staging.transfer_partition to the partition of the nodes with network",
+            )
         return "slurmctld answers; partitions: " + ", ".join(partitions)
 
     def release(self) -> str:

@@ -161,7 +161,10 @@ example:
 Print what the executors of the task's last attempt have written so far, in any state
 (running, finished, canceled, stopped at its time limit): executor by executor, its stdout (on
 stdout) and stderr (on stderr), then its exit code once it has one (on stderr, as `executor N:
-exit code X`); then the attempt's system logs (on stderr, as `system: ...`). With several
+exit code X`); then the attempt's system logs (on stderr, as `system: ...`) and, for a task
+tes-slurm-bridge staged on a transfer partition, its three jobs (on stderr, as `job: stage-in
+job N: COMPLETED, exit code 0, partition xfer`, `job: task job ...`, `job: stage-out job ...`,
+again as their states change). With several
 executors, a line `--- executor N stdout ---` (or `stderr`) comes before each executor's text
 on that stream. From tes-slurm-bridge the output is whole (its live output endpoint); other
 servers keep part of a finished executor's output in the task, which is printed. The exit

@@ -262,6 +262,33 @@ def _documented(logs: list[Any], executor: int, stream: str) -> str:
     return str((logs[executor] or {}).get(stream) or "")
 
 
+#: A task the bridge staged on a transfer partition names its three jobs in its attempt's
+#: metadata (`slurm_stage_in_job_id`, `slurm_job_id`, `slurm_stage_out_job_id`, and each one's
+#: state, partition and exit code): each part, and the metadata keys' prefix.
+_PARTS = (("stage-in", "slurm_stage_in"), ("task", "slurm"), ("stage-out", "slurm_stage_out"))
+
+
+def job_parts(metadata: dict[str, Any]) -> list[str]:
+    """One line per job of a staged task's attempt (part, job id, state, exit code, partition);
+    none for a task of one job."""
+    if not metadata.get("slurm_stage_in_job_id"):
+        return []
+    lines = []
+    for part, key in _PARTS:
+        job_id = metadata.get(f"{key}_job_id")
+        if not job_id:
+            continue
+        line = f"{part} job {job_id}: {metadata.get(f'{key}_state') or 'submitted'}"
+        code = metadata.get(f"{key}_exit_code")
+        if code not in (None, ""):
+            line += f", exit code {code}"
+        partition = metadata.get(f"{key}_partition")
+        if partition:
+            line += f", partition {partition}"
+        lines.append(line)
+    return lines
+
+
 class LogPrinter:
     """Prints the last attempt's executor stdout (to `out`), stderr and system logs (to `err`),
     each time only what was not printed before."""
@@ -293,6 +320,10 @@ class LogPrinter:
             if line not in self.system_seen:
                 self.system_seen.add(line)
                 self.err.write(f"system: {line}\n")
+        for line in job_parts(last.get("metadata") or {}):
+            if line not in self.system_seen:
+                self.system_seen.add(line)
+                self.err.write(f"job: {line}\n")
         self.out.flush()
         self.err.flush()
 

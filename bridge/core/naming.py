@@ -45,6 +45,17 @@ STAGE_OUT_EXIT_CODE = 73
 #: submission's fence token (`PollerContext.fence_token`): the lease epoch of an elected poller
 #: (`lease-epoch=7`), a lone poller's clock in milliseconds.
 LEASE_EPOCH_ARG = "lease-epoch="
+#: The argument the later jobs of a staged task's chain are given (staging.where =
+#: "transfer"): `after=<job id>`, the chain's job before them (the task's job: the stage-in
+#: job, whose records it continues; the stage-out job: the task's job, whose records it
+#: completes).
+AFTER_ARG = "after="
+#: The parts of a staged task's chain, in order: its job's own part is `run`; a task whose
+#: inputs and outputs need no network is one job, `whole`.
+STAGE_IN_PART = "stage-in"
+RUN_PART = "run"
+STAGE_OUT_PART = "stage-out"
+WHOLE_PART = "whole"
 
 
 def is_task_id(value: object) -> TypeGuard[str]:
@@ -69,6 +80,12 @@ def job_name(task_id: str, task_name: object = None) -> str:
     unique = f"{JOB_NAME_PREFIX}{task_id}"
     part = job_name_part(task_name)
     return f"{part}-{unique}" if part else unique
+
+
+def part_job_name(name: str, part: str) -> str:
+    """The job name of a part of a staged task's chain: the task's job name (`job_name`) for its
+    own job, that name and `-stage-in` or `-stage-out` for the transfer jobs around it."""
+    return name if part in (RUN_PART, WHOLE_PART) else f"{name}-{part}"
 
 
 def array_job_name(token: str, task_names: Iterable[object] = ()) -> str:

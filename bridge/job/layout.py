@@ -6,12 +6,15 @@
         task.json                  the task document (TES wire format)
         job-config.json            settings the job side needs (see bridge.job.settings)
         job.sh                     the rendered sbatch script
+        job-stage-in.sh            (staged on the transfer partition) its stage-in job's
+        job-stage-out.sh           and its stage-out job's scripts
         slurm-<job id>.out         Slurm's own output of the script
         root/                      container path /a/b lives at root/a/b
         records/<job id>/          what one run of the job did (see bridge.job.records)
         tmp/                       scratch space for the runtime and staging
         lease-fence                the lowest fence token whose jobs may run this task
                                    (see write_lease_fence)
+        lease-fence-<part>         the same, for one part of a staged task's chain
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ import os
 import posixpath
 from pathlib import Path
 
+from bridge.core.naming import RUN_PART, STAGE_IN_PART, STAGE_OUT_PART
 from bridge.core.naming import has_wildcards as has_wildcards
 
 TASK_JSON = "task.json"
 JOB_CONFIG_JSON = "job-config.json"
 SCRIPT = "job.sh"
+#: The scripts of a task's stage-in and stage-out jobs, when it is staged on the transfer
+#: partition (staging.where = "transfer"; bridge.jobscript.parts).
+STAGE_IN_SCRIPT = "job-stage-in.sh"
+STAGE_OUT_SCRIPT = "job-stage-out.sh"
 SLURM_OUTPUT = "slurm-%j.out"
 LEASE_FENCE = "lease-fence"
 
@@ -73,7 +81,22 @@ def write_atomically(path: Path, text: str, mode: int) -> None:
     os.replace(tmp, path)
 
 
-def write_lease_fence(task_dir: Path, epoch: int) -> None:
+#: The parts of a staged task's chain that may be fenced alone (`lease-fence-<part>`).
+FENCED_PARTS = (STAGE_IN_PART, RUN_PART, STAGE_OUT_PART)
+
+
+def lease_fence_name(part: str | None = None) -> str:
+    """The fence file of the whole task, or (`part`) of that part of a staged task's chain
+    only: the first job its recovery did not find, whose sbatch may yet be acted on, while the
+    chain's earlier jobs, which were found, go on."""
+    if part is None:
+        return LEASE_FENCE
+    if part not in FENCED_PARTS:
+        raise ValueError(f"not a part of a staged task's chain: {part!r}")
+    return f"{LEASE_FENCE}-{part}"
+
+
+def write_lease_fence(task_dir: Path, epoch: int, part: str | None = None) -> None:
     """Fence the task's directory at `epoch` (a fence token: a lease epoch, or a lone poller's
     clock in ms): a job of this task submitted with an earlier token stands down when it starts
     (templates/job.sh.j2, exit code SUPERSEDED_EXIT_CODE). A poller that found no job for an
@@ -82,9 +105,10 @@ def write_lease_fence(task_dir: Path, epoch: int) -> None:
     directory when it is missing (as the renderer would)."""
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"a lease epoch is a whole number >= 0, not {epoch!r}")
+    name = lease_fence_name(part)
     with contextlib.suppress(FileExistsError):
         os.mkdir(task_dir, 0o700)
-    write_atomically(Path(task_dir) / LEASE_FENCE, f"{epoch}\n", 0o600)
+    write_atomically(Path(task_dir) / name, f"{epoch}\n", 0o600)
 
 
 class TaskLayout:

@@ -11,7 +11,8 @@ deploy/sudoers.tes-bridge (``sudo -n -u OWNER <python> -m bridge.job ...``):
   with N bytes of each executor stream (its excerpt, bridge.job.excerpt: the option keeps its
   older name, which the sudo rule pins);
 - ``remove --work-dir WORK --task-dir DIR``: remove an old task directory;
-- ``fence --work-dir WORK --task-dir DIR --epoch N``: fence DIR at token N (a lease epoch,
+- ``fence --work-dir WORK --task-dir DIR --epoch N [--part P]``: fence DIR (or only part P of
+  a staged task's chain) at token N (a lease epoch,
   or a lone poller's clock in ms): a job whose sbatch started before stands down
   (bridge.job.layout.write_lease_fence);
 - ``read-output --work-dir WORK --task-dir DIR --job-id J --executor N --stream S --offset K
@@ -41,8 +42,11 @@ from typing import Any
 
 from bridge.core.naming import is_task_id
 from bridge.job.layout import (
+    FENCED_PARTS,
     JOB_CONFIG_JSON,
     SCRIPT,
+    STAGE_IN_SCRIPT,
+    STAGE_OUT_SCRIPT,
     TASK_JSON,
     TaskLayout,
     write_atomically,
@@ -54,6 +58,8 @@ from bridge.job.safepath import UnsafePathError
 
 #: The files adopt writes, with their modes (the script must be executable by its owner only).
 FILES = {TASK_JSON: 0o600, JOB_CONFIG_JSON: 0o600, SCRIPT: 0o700}
+#: The scripts adopt also writes for a task staged on the transfer partition (both or none).
+PART_FILES = {STAGE_IN_SCRIPT: 0o700, STAGE_OUT_SCRIPT: 0o700}
 
 
 #: read-output's exit status when the stream is a link or not a regular file.
@@ -91,15 +97,18 @@ def _own_dir(path: Path) -> None:
 
 
 def adopt(task_dir: Path, files: dict[str, str]) -> None:
-    if set(files) != set(FILES):
-        raise OwnerError(f"expected exactly the files {sorted(FILES)}")
+    wanted = dict(FILES)
+    if set(files) & set(PART_FILES):
+        wanted.update(PART_FILES)
+    if set(files) != set(wanted):
+        raise OwnerError(f"expected exactly the files {sorted(wanted)}")
     with contextlib.suppress(FileExistsError):  # a later attempt of the same task
         os.mkdir(task_dir, 0o700)
     _own_dir(task_dir)
     os.chmod(task_dir, 0o700)  # task documents can carry secrets
     layout = TaskLayout(task_dir)
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
-    for name, mode in FILES.items():
+    for name, mode in wanted.items():
         write_atomically(task_dir / name, files[name], mode)
 
 
@@ -181,7 +190,7 @@ def _fence(args: argparse.Namespace) -> int:
     task_dir = _task_dir(args.task_dir, args.work_dir)
     if os.path.lexists(task_dir):
         _own_dir(task_dir)
-    write_lease_fence(task_dir, args.epoch)
+    write_lease_fence(task_dir, args.epoch, args.part)
     return 0
 
 
@@ -259,6 +268,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     fence_cmd.add_argument("--work-dir", required=True, action=Once, help=WORK_DIR_HELP)
     fence_cmd.add_argument("--task-dir", required=True, action=Once)
     fence_cmd.add_argument("--epoch", type=int, required=True, action=Once)
+    fence_cmd.add_argument(
+        "--part", choices=FENCED_PARTS, action=Once, help="only this part of a staged task's chain"
+    )
     fence_cmd.set_defaults(job_func=_guarded(_fence))
 
     read = subparsers.add_parser(

@@ -40,6 +40,9 @@ class JobSettings:
     #: output without copying it.
     in_place_inputs: list[int] = field(default_factory=list)
     in_place_outputs: list[int] = field(default_factory=list)
+    #: Whether stage-in checks the container runtime and the images: not where it runs on a
+    #: transfer node of its own (staging.where = "transfer"), whose task's job checks them.
+    check_runtime: bool = True
     #: container.allow_root: executors may run as root (refused otherwise, see bridge.job.execute).
     allow_root: bool = False
     #: storage.missing_outputs: "ignore" or "fail" (see bridge.job.stage). A file written

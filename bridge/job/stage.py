@@ -9,10 +9,12 @@ Exit codes (the job script turns them into the outcome):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fnmatch
 import json
 import os
 import shutil
+import socket
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -151,7 +153,7 @@ def _stage_in(layout: TaskLayout, log: RecordsWriter) -> int:
     if loaded is None:
         return STAGE_FAILED
     task, settings = loaded
-    if not _preflight(settings, log):
+    if settings.check_runtime and not _preflight(settings, log):
         return STAGE_FAILED
     try:
         _reset_root(layout)
@@ -165,7 +167,41 @@ def _stage_in(layout: TaskLayout, log: RecordsWriter) -> int:
     inputs.make_in_place_output_dirs(items(task, "outputs"))
     for index, item in enumerate(items(task, "inputs")):
         inputs.stage(index, item)
+    if inputs.unconnected and settings.check_runtime:
+        # Staging in the task's own job (staging.where = "job"): name the setting.
+        log.system_log(no_network_hint())
     return inputs.exit_code()
+
+
+#: A connection that could not be made at all (no route, no name server, refused, timed out).
+_NO_CONNECTION = frozenset(
+    {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ETIMEDOUT}
+)
+
+
+def _no_connection(exc: BaseException | None) -> bool:
+    """Whether `exc` (or an error it was raised from or during) is a connection that could not
+    be made: what staging meets on a compute node without outbound network."""
+    for _ in range(12):
+        if exc is None:
+            return False
+        if isinstance(exc, socket.gaierror):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _NO_CONNECTION:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def no_network_hint() -> str:
+    """The line a task gets when staging in its job could not connect: the site setting that
+    moves it to nodes with network."""
+    return (
+        f"this node ({os.uname().nodename}) could not connect to a server; where compute nodes "
+        'have no outbound network, set staging.where = "transfer" and '
+        "staging.transfer_partition (stage-in and stage-out jobs on nodes with network; "
+        "docs/site.md)"
+    )
 
 
 def _reason(exc: BaseException) -> str:
@@ -196,6 +232,8 @@ class StageIn:
         self.ctx = ctx
         self.log = log
         self.failed = 0
+        #: An input failed for a connection that could not be made (see `_no_connection`).
+        self.unconnected = False
 
     def exit_code(self) -> int:
         return STAGE_FAILED if self.failed else STAGE_OK
@@ -212,6 +250,7 @@ class StageIn:
                 self._place(task_input)
         except (StagingError, LayoutError, OSError) as exc:
             self.failed += 1
+            self.unconnected = self.unconnected or _no_connection(exc)
             self.log.system_log(f"{label}: {_reason(exc)}")
 
     def make_in_place_output_dirs(self, outputs: list[object]) -> None:
@@ -297,6 +336,8 @@ def _stage_out(layout: TaskLayout, log: RecordsWriter) -> int:
     outputs = StageOut(layout, _context(layout, settings, log), log, ignore_missing=ignore_missing)
     for index, item in enumerate(items(task, "outputs")):
         outputs.stage(index, item, in_place=index in settings.in_place_outputs)
+    if outputs.unconnected and settings.check_runtime:
+        log.system_log(no_network_hint())  # uploading in the task's own job: name the setting
     return outputs.exit_code()
 
 
@@ -327,6 +368,8 @@ class StageOut:
         self.ignore_missing = ignore_missing
         self.missing = 0
         self.failed = 0
+        #: An upload failed for a connection that could not be made (see `_no_connection`).
+        self.unconnected = False
 
     def exit_code(self) -> int:
         if self.failed:
@@ -350,6 +393,7 @@ class StageOut:
                 upload.one(output.path, output.url, output.kind)
         except (StagingError, LayoutError, OSError) as exc:
             self.failed += 1
+            self.unconnected = self.unconnected or _no_connection(exc)
             self.log.system_log(f"{label}: {_reason(exc)}")
 
     def missing_output(self, label: str, why: str) -> None:
@@ -476,6 +520,7 @@ class _Upload:
             size = os.fstat(fd).st_size
             self.backend.upload_file(fd, size, url, self.stage.ctx)
         except (StagingError, OSError) as exc:
+            self.stage.unconnected = self.stage.unconnected or _no_connection(exc)
             self._failed(f"upload of {path} to {url} failed: {_reason(exc)}")
             return
         finally:

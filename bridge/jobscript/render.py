@@ -26,13 +26,27 @@ import jinja2
 import bridge
 from bridge.config import Config
 from bridge.core import backend_params, naming, reasons
-from bridge.core.naming import LEASE_EPOCH_ARG, NO_RECORDS_EXIT_CODE, SUPERSEDED_EXIT_CODE
+from bridge.core.naming import (
+    AFTER_ARG,
+    LEASE_EPOCH_ARG,
+    NO_RECORDS_EXIT_CODE,
+    RUN_PART,
+    SUPERSEDED_EXIT_CODE,
+    WHOLE_PART,
+)
 from bridge.core.tes import ExecutorModel
-from bridge.job.layout import LEASE_FENCE, TaskLayout, write_atomically
+from bridge.job.layout import (
+    FENCED_PARTS,
+    LEASE_FENCE,
+    TaskLayout,
+    lease_fence_name,
+    write_atomically,
+)
 from bridge.job.settings import JobSettings
 from bridge.job.stage import STAGE_NO_RECORDS
 from bridge.jobscript.binds import SCRATCH_TARGETS, BindPlan, bind_args, compute_binds
 from bridge.jobscript.directives import directives_and_rule
+from bridge.jobscript.parts import PART_SCRIPTS, staged_apart, transfer_directives
 from bridge.jobscript.task import RenderError, TesTask, container_path, parse_task
 from bridge.slurm import NodeSizes
 
@@ -209,13 +223,17 @@ def render_script(
     nodes: NodeSizes | None = None,
     plan: BindPlan | None = None,
     owner: str | None = None,
+    part: str = WHOLE_PART,
 ) -> str:
     """The job script for `task`; raises RenderError when a task value cannot be used.
     `plan`: the task's `compute_binds`, when the caller has it already; `owner`: the task's
-    owner (for `slurm.rules` on Unix groups)."""
+    owner (for `slurm.rules` on Unix groups); `part`: the part of a task staged on the
+    transfer partition (bridge.jobscript.parts), else the whole task."""
     typed = parse_task(task)
     layout = TaskLayout(task_dir)
     directives, rule = directives_and_rule(typed, config, layout, nodes, owner)
+    if part in PART_SCRIPTS:
+        directives, rule = transfer_directives(typed, part, config, layout, owner), None
     plan = plan or compute_binds(typed, config=config, layout=layout)
     gpus = backend_params.wants_gpus(typed.resources.backend_parameters)
     flags = _RuntimeFlags(
@@ -242,7 +260,10 @@ def render_script(
         "superseded_exit_code": SUPERSEDED_EXIT_CODE,
         **_ENDINGS,
         "lease_epoch_arg": LEASE_EPOCH_ARG,
+        "after_arg": AFTER_ARG,
+        "part": part,
         "lease_fence": LEASE_FENCE,
+        "part_fence": lease_fence_name(part) if part in FENCED_PARTS else "",
         "scratch_mountpoints": plan.scratch_mountpoints,
         "scratch_mountfiles": plan.scratch_mountfiles,
         "gpu_environment": list(GPU_ENVIRONMENT) if gpus else [],
@@ -288,6 +309,8 @@ def job_settings(
         allow_root=config.container.allow_root,
         missing_outputs=config.storage.missing_outputs,
         staging=config.staging.job_options(),
+        # A stage-in job on a transfer node: the task's job checks the runtime and images.
+        check_runtime=not staged_apart(typed, config),
     )
 
 
@@ -313,7 +336,9 @@ def prepare_task_dir(
     layout.tmp.mkdir(mode=0o700, exist_ok=True)
     write_atomically(layout.task_json, files[layout.task_json.name], 0o600)
     write_atomically(layout.job_config, files[layout.job_config.name], 0o600)
-    write_atomically(layout.script, files[layout.script.name], 0o700)
+    for name in (layout.script.name, *PART_SCRIPTS.values()):
+        if name in files:
+            write_atomically(layout.task_dir / name, files[name], 0o700)
     return layout.script
 
 
@@ -325,13 +350,15 @@ def task_files(
     nodes: NodeSizes | None = None,
     owner: str | None = None,
 ) -> dict[str, str]:
-    """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`.
+    """The texts of task.json, job-config.json and job.sh for `<work_dir>/<task id>/`, and the
+    scripts of its stage-in and stage-out jobs when it is staged on the transfer partition.
 
     Site mode hands them to `bridge.job adopt`, which writes them as the task's owner.
     """
     typed = parse_task(task)
     layout = TaskLayout(config.work_dir / typed.id)
     plan = compute_binds(typed, config=config, layout=layout)
+    staged = staged_apart(typed, config)
     script = render_script(
         typed,
         config=config,
@@ -340,12 +367,20 @@ def task_files(
         nodes=nodes,
         plan=plan,
         owner=owner,
+        part=RUN_PART if staged else WHOLE_PART,
     )
     settings = job_settings(
         typed, config=config, task_dir=layout.task_dir, image_paths=image_paths, plan=plan
     )
-    return {
+    files = {
         layout.task_json.name: json.dumps(typed.document, ensure_ascii=True) + "\n",
         layout.job_config.name: settings.to_json(),
         layout.script.name: script,
     }
+    if staged:
+        for part, name in PART_SCRIPTS.items():
+            files[name] = render_script(
+                typed, config=config, task_dir=layout.task_dir, image_paths=image_paths,
+                plan=plan, owner=owner, part=part,
+            )  # fmt: skip
+    return files

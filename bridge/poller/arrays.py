@@ -29,7 +29,7 @@ from bridge.core import backend_params
 from bridge.core.naming import job_name
 from bridge.job.layout import write_atomically
 from bridge.jobscript.array import read_directives, render_array_script, shape
-from bridge.poller.attempt import TaskLogs
+from bridge.poller.attempt import STAGE_IN_KEY, STAGE_OUT_KEY, STAGING_KEY, TRANSFER, TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.slurm import SlurmError
 from bridge.store import TaskRecord
@@ -46,7 +46,10 @@ ARRAY_JOB_KEY = "slurm_array_job_id"
 #: name (`naming.job_name`: the task's name first). An attempt without it (nor an array's name)
 #: was submitted by an earlier version, as `tes-<task id>`.
 JOB_NAME_KEY = "slurm_job_name"
-_MARKS = (ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY, JOB_NAME_KEY)
+_MARKS = (
+    ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY, JOB_NAME_KEY, STAGING_KEY,
+    STAGE_IN_KEY + "_job_id", STAGE_OUT_KEY + "_job_id",
+)  # fmt: skip
 #: Slurm's own ceiling of MaxArraySize.
 MAX_ANY = 4_000_001
 
@@ -60,6 +63,9 @@ class PreparedJob:
     time_limit: backend_params.TimeLimit | None
     #: resources.disk_gb (0: none), which sbatch --tmp asks for per slurm.disk_request.
     disk_gb: float
+    #: Staged on the transfer partition: stage-in, this job and stage-out (poller.chain),
+    #: never in an array.
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,10 +93,10 @@ class Plan:
 _ALONE = object()
 
 
-def _attempt_metadata(task: TaskRecord) -> dict[str, str]:
-    """The current attempt's metadata, read from the stored entry as it is: the follow asks
-    for it several times per task and cycle, and typing the entry (TaskLogs) each time cost a
-    cycle with 10,000 array elements in flight seconds."""
+def attempt_metadata(task: TaskRecord) -> dict[str, str]:
+    """The metadata of the task's current attempt (empty before it has one), read from the
+    stored entry as it is: the follow asks for it several times per task and cycle, and typing
+    the entry (TaskLogs) each time cost a cycle with 10,000 array elements in flight seconds."""
     if not task.logs:
         return {}
     # The entry TaskLogs.attempt() would give; never one it would append (that has none).
@@ -100,7 +106,7 @@ def _attempt_metadata(task: TaskRecord) -> dict[str, str]:
 
 def array_mark(task: TaskRecord) -> tuple[str, str] | None:
     """The array name and element index its current attempt's sbatch was given, if any."""
-    metadata = _attempt_metadata(task)
+    metadata = attempt_metadata(task)
     name, index = metadata.get(ARRAY_NAME_KEY), metadata.get(ARRAY_INDEX_KEY)
     return (name, index) if name and index is not None else None
 
@@ -111,13 +117,16 @@ def submitted_name(task: TaskRecord) -> str:
     mark = array_mark(task)
     if mark is not None:
         return mark[0]
-    return _attempt_metadata(task).get(JOB_NAME_KEY) or job_name(task.id)
+    return attempt_metadata(task).get(JOB_NAME_KEY) or job_name(task.id)
 
 
-def marked_logs(task: TaskRecord, attempt: int, mark: tuple[str, int | None]) -> Any:
+def marked_logs(
+    task: TaskRecord, attempt: int, mark: tuple[str, int | None], *, staged: bool = False
+) -> Any:
     """The task's logs with attempt `attempt` marked with the name its job is given, and the
     element `mark[1]` of the array `mark[0]` (None: a job of its own, named `mark[0]`), the marks
-    of an earlier submission removed; None when nothing changes."""
+    of an earlier submission removed; `staged`: the job is the middle of a chain of three
+    (poller.chain). None when nothing changes."""
     logs = TaskLogs(task.logs)
     metadata = logs.attempt(attempt).ensure_metadata()
     before = {key: metadata.get(key) for key in _MARKS}
@@ -126,6 +135,8 @@ def marked_logs(task: TaskRecord, attempt: int, mark: tuple[str, int | None]) ->
     name, element = mark
     if element is None:
         metadata[JOB_NAME_KEY] = name
+        if staged:
+            metadata[STAGING_KEY] = TRANSFER
     else:
         metadata[ARRAY_NAME_KEY] = name
         metadata[ARRAY_INDEX_KEY] = str(element)
@@ -223,6 +234,8 @@ class ArrayPlanner:
             self._cap *= 2
 
     def _key(self, item: Ready) -> tuple[Any, ...]:
+        if item.prepared.staged:
+            return (_ALONE, item.task.id)  # a chain of three jobs (poller.chain)
         try:
             return (item.task.owner, item.owner, shape(read_directives(item.prepared.script)))
         except (OSError, UnicodeDecodeError):

@@ -26,6 +26,17 @@ Logs = list[dict[str, Any]]
 
 #: The attempt's metadata key for the jobs it lost (NODE_FAIL, ...), comma-separated, oldest first.
 LOST_JOBS_KEY = "slurm_lost_job_ids"
+#: A task staged on the transfer partition (staging.where = "transfer"): its attempt's
+#: metadata marks it before the first sbatch (STAGING_KEY = "transfer"), and holds the ids of
+#: its stage-in and stage-out jobs beside `slurm_job_id` (the task's own job) and what Slurm
+#: said of each (`slurm_stage_in_state`, ..._node, ..._partition, ..._exit_code).
+STAGING_KEY = "slurm_staging"
+#: STAGING_KEY's value.
+TRANSFER = "transfer"
+STAGE_IN_KEY = "slurm_stage_in"
+STAGE_OUT_KEY = "slurm_stage_out"
+#: The suffixes of each transfer job's keys: STAGE_IN_KEY + "_job_id", ...
+PART_FACTS = ("_job_id", "_state", "_node", "_partition", "_exit_code")
 #: The metadata one Slurm job gives its attempt: the next job's replace them.
 _JOB_FACTS = (
     "slurm_job_id",
@@ -184,9 +195,20 @@ class AttemptLog:
             node = metadata.get("slurm_node")
             if node:
                 self.add_system_logs([f"Slurm job {job_id} ran on node {node}"])
-            metadata[LOST_JOBS_KEY] = ",".join([*lost, job_id])
+        # A staged task's chain goes whole: its transfer jobs are lost with it.
+        chain = [
+            metadata.get(STAGE_IN_KEY + "_job_id"),
+            job_id,
+            metadata.get(STAGE_OUT_KEY + "_job_id"),
+        ]
+        gone = [j for j in chain if j and j not in lost]
+        if gone:
+            metadata[LOST_JOBS_KEY] = ",".join([*lost, *gone])
         for key in _JOB_FACTS:
             metadata.pop(key, None)
+        for key in (STAGE_IN_KEY, STAGE_OUT_KEY):
+            for suffix in PART_FACTS:
+                metadata.pop(key + suffix, None)
         self.logs = []
         self.outputs = []
         self.start_time = None

@@ -7,11 +7,19 @@ import logging
 from collections.abc import Callable
 
 from bridge.poller.attempt import TaskLogs
+from bridge.poller.chain import chain_of_task
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.slurm import SlurmError
 from bridge.store import TaskRecord
 
 log = logging.getLogger("bridge.poller")
+
+
+def job_ids(task: TaskRecord) -> list[str]:
+    """The task's jobs: its job, and the transfer jobs of a staged task's chain (poller.chain)."""
+    chain = chain_of_task(task)
+    ids = chain.ids() if chain is not None else []
+    return ids if task.job_id in ids else [j for j in [task.job_id, *ids] if j]
 
 
 class Canceller:
@@ -35,7 +43,7 @@ class Canceller:
             try:
                 self.ctx.check_lease()  # a poller that lost its lease cancels nothing
                 stats.slurm_calls += 1
-                self.ctx.slurm.cancel([t.job_id for t in owned if t.job_id], as_user=owner)
+                self.ctx.slurm.cancel([j for t in owned for j in job_ids(t)], as_user=owner)
                 done += owned
             except SlurmError as exc:
                 log.warning("scancel failed; trying again next cycle: %s", short(exc))

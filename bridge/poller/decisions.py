@@ -258,7 +258,10 @@ def _decide_active(job: JobInfo, records: JobRecords, current: State) -> Decisio
         paused = f"Slurm job {job.job_id} is {job.state.lower()}"
         return Decision(State.PAUSED, condition=Condition(kind, paused))
     if tes_state in (State.INITIALIZING.value, State.RUNNING.value):
-        if records.phase and (records.phase.startswith("running") or records.phase == "uploading"):
+        # "ran": a staged task's job ended its executors, its stage-out job uploads next.
+        if records.phase and (
+            records.phase.startswith("running") or records.phase in ("uploading", "ran")
+        ):
             return Decision(State.RUNNING)
         return Decision(State.INITIALIZING)
     return Decision(current)  # a state we do not know: keep what we had (bridge.slurm warns, once)

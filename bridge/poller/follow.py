@@ -8,10 +8,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.core import backend_params
+from bridge.core.naming import RUN_PART, STAGE_OUT_PART
 from bridge.core.tes import TERMINAL_STATES, State
 from bridge.job.records import JobRecords
-from bridge.poller.attempt import TaskLogs
-from bridge.poller.context import CycleStats, PollerContext
+from bridge.poller.arrays import attempt_metadata
+from bridge.poller.attempt import AttemptLog, TaskLogs
+from bridge.poller.chain import (
+    PART_KEYS,
+    Chain,
+    Position,
+    adjust,
+    chain_of_task,
+    part_facts,
+    position,
+    stage_in_done,
+)
+from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import (
     TIME_LIMIT_KEY,
     decide,
@@ -22,7 +34,7 @@ from bridge.poller.decisions import (
 )
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.watch import JobWatch
-from bridge.slurm import JobInfo
+from bridge.slurm import JobInfo, SlurmError
 from bridge.store import JobDecision, TaskRecord, unavailable_reason
 from bridge.system import metrics
 
@@ -41,8 +53,10 @@ FINAL_RSS_WAIT = 15.0
 
 @dataclass(frozen=True)
 class AwaitedFacts:
-    """A finished task whose final Slurm facts sacct did not have yet."""
+    """A finished task's job (or a job of its chain) whose final Slurm facts sacct did not
+    have yet."""
 
+    task_id: str
     job_id: str
     attempt: int
     since: float
@@ -83,12 +97,17 @@ class Follower:
     def __init__(self, ctx: PollerContext, owners: OwnerRunner | None) -> None:
         self.ctx = ctx
         self.watch = JobWatch(ctx, owners)
-        #: Finished tasks whose final Slurm facts are still read from sacct, by task id.
-        self._awaited: dict[str, AwaitedFacts] = {}
+        #: Finished tasks' jobs whose final Slurm facts are still read from sacct, by task id
+        #: and job id.
+        self._awaited: dict[tuple[str, str], AwaitedFacts] = {}
         #: Canceled tasks whose job's final record is still read from sacct, by task id.
         self._canceled: dict[str, _Canceled] = {}
         #: Tasks of the last follow() whose job is done with (final, or to be submitted again).
         self.finished: set[str] = set()
+        #: Jobs of staged tasks' chains that are done with while Slurm still holds them (a
+        #: failed stage-in's later jobs), by who cancels them (site mode: the task's owner):
+        #: canceled at the end of the follow, one scancel each.
+        self._leftovers: dict[str | None, list[str]] = {}
 
     def await_canceled(self, task: TaskRecord) -> None:
         """`task` was canceled and its job scanceled: the job's final facts (sacct's state, end
@@ -125,6 +144,7 @@ class Follower:
             stats.updated += self._apply(batch)
         self._refresh_facts(awaited)
         self._finish_canceled(canceled)
+        self._cancel_leftovers(stats)
 
     def finish_recorded(self, recorded: list[tuple[str, str]], stats: CycleStats) -> None:
         """Decide the tasks of `recorded` (task id, job id) whose job wrote its outcome from
@@ -155,13 +175,13 @@ class Follower:
         """The task's decision from what the watch read this cycle (or from `job` and
         `records`, given by finish_recorded)."""
         assert task.job_id is not None
-        if records is None:
-            job = self.watch.job_of(task)
-            records = self.watch.records(task)
+        chain = chain_of_task(task)
+        at, job, records = self._view(task, chain, job, records)
         current = State(task.state)
         logs = TaskLogs(task.logs)
         attempt = max(task.attempt, 1)
         entry = logs.attempt(attempt)
+        missing = (at.job_id, chain.name_of(at.part)) if at and chain else None
         decision = decide(
             job=job,
             records=records,
@@ -169,18 +189,23 @@ class Follower:
             retries=self.ctx.config.slurm.retries,
             current=current,
             time_limit=(entry.metadata or {}).get(TIME_LIMIT_KEY),
-            missing_for=self.watch.missing_for(task),
+            missing_for=self.watch.missing_for(task, missing),
             on_preemption=self._on_preemption(task, job),
         )
+        if at is not None:
+            decision = adjust(decision, at)
         log_decision(entry, decision, records, job)
+        if chain is not None:
+            self._chain_facts(entry, chain, task, at, decision.job_done)
         if decision.retry:
             entry.lose_job()  # the next job continues this attempt (see poller.attempt)
         if decision.job_done:
             self.finished.add(task.id)
             if self.watch.holds(task):  # decided from its records before Slurm let it go
                 self.watch.note_leaving(task)
-        if decision.final and (job is None or not job.ended or job.max_rss_bytes is None):
-            self._awaited[task.id] = AwaitedFacts(task.job_id, attempt, self.ctx.clock())
+        if decision.final:
+            run_job = job if at is None or at.part == RUN_PART else None
+            self._await_facts(task, attempt, chain, run_job)
         new_logs = logs.to_json()
         update = JobDecision(
             task.id,
@@ -209,6 +234,103 @@ class Follower:
         resources = ((stored.document if stored else None) or {}).get("resources") or {}
         return backend_params.on_preemption(resources.get("backend_parameters"), site)
 
+    def _view(
+        self,
+        task: TaskRecord,
+        chain: Chain | None,
+        job: JobInfo | None,
+        records: JobRecords | None,
+    ) -> tuple[Position | None, JobInfo | None, JobRecords]:
+        """What the task is decided from: the part of its chain it is at (None: its one job),
+        that job and the records; `records` given (finish_recorded): those, with `job`."""
+        if records is not None:
+            return None, job, records
+        if chain is not None:
+            return self._chain_view(task, chain)
+        return None, self.watch.job_of(task), self.watch.records(task)
+
+    def _await_facts(
+        self, task: TaskRecord, attempt: int, chain: Chain | None, job: JobInfo | None
+    ) -> None:
+        """A final task's jobs whose final facts sacct did not give yet (`job`: what Slurm said
+        of the task's job, None when not read this time) are read again on the next cycles;
+        a staged task's stage-out job's too."""
+        assert task.job_id is not None
+        now = self.ctx.clock()
+        if job is None or not job.ended or job.max_rss_bytes is None:
+            self._awaited[(task.id, task.job_id)] = AwaitedFacts(task.id, task.job_id, attempt, now)
+        if chain is not None and chain.stage_out:
+            out = self.watch.job(chain.stage_out, chain.name_of(STAGE_OUT_PART))
+            if out is None or not out.ended:
+                facts = AwaitedFacts(task.id, chain.stage_out, attempt, now)
+                self._awaited[(task.id, chain.stage_out)] = facts
+
+    def _chain_view(
+        self, task: TaskRecord, chain: Chain
+    ) -> tuple[Position | None, JobInfo | None, JobRecords]:
+        """Where a staged task's chain is (poller.chain.position), that part's job, and the
+        records that hold the task's."""
+        if not (chain.stage_in and chain.run and chain.stage_out):
+            # An earlier version's marks, or a chain recovery has not completed: the task's job.
+            return None, self.watch.job_of(task), self.watch.records(task)
+        jobs = {
+            job_id: self.watch.job(job_id, chain.name_of(part))
+            for part, job_id in chain.parts()
+            if job_id
+        }
+        done = stage_in_done(attempt_metadata(task))
+        at = position(chain, jobs, done)
+        job = jobs.get(at.job_id)
+        if in_queue(job):
+            return at, job, JobRecords(job_id=at.records_id)
+        return at, job, self.watch.records_of(task, at.records_id)
+
+    def _chain_facts(
+        self,
+        entry: AttemptLog,
+        chain: Chain,
+        task: TaskRecord,
+        at: Position | None,
+        done: bool,
+    ) -> None:
+        """The attempt's metadata of a staged task: `slurm_job_id` is the task's job, Slurm's
+        facts of a transfer job go under its part's keys (not the task's job's); a chain done
+        with leaves no job behind."""
+        metadata = entry.ensure_metadata()
+        run = task.job_id
+        assert run is not None
+        owner = task.owner if self.ctx.site else None
+        for part, job_id in chain.parts():
+            job = self.watch.job(job_id, chain.name_of(part)) if job_id else None
+            if job is None:
+                continue
+            if part in PART_KEYS:
+                part_facts(metadata, part, job)
+            if done and in_queue(job):
+                # Never to run: a later part after a chain that ended (a failed stage-in).
+                self._leftovers.setdefault(owner, []).append(job.job_id)
+        if at is not None and at.part != RUN_PART:
+            # fill_attempt_log wrote the transfer job's as the task's job's: put them back.
+            run_job = self.watch.job(run, chain.name)
+            for key in ("slurm_state", "slurm_node", "slurm_partition", "slurm_elapsed_seconds"):
+                metadata.pop(key, None)
+            if run_job is not None and not in_queue(run_job):
+                slurm_facts(metadata, run_job)
+        metadata["slurm_job_id"] = run
+
+    def _cancel_leftovers(self, stats: CycleStats) -> None:
+        """One scancel (per owner in site mode) for the chains' jobs that are done with (a
+        failed stage-in's later jobs, which Slurm cancels for their dependency too, a moment
+        later)."""
+        leftovers, self._leftovers = self._leftovers, {}
+        for owner, job_ids in leftovers.items():
+            try:
+                self.ctx.check_lease()
+                stats.slurm_calls += 1
+                self.ctx.slurm.cancel(sorted(set(job_ids)), as_user=owner)
+            except SlurmError as exc:
+                log.warning("cannot cancel the chain jobs %s: %s", job_ids, short(exc))
+
     def _apply(self, batch: list[_Decided]) -> int:
         """One transaction for the batch. A crash between batches loses only uncommitted
         decisions, and those tasks keep their last state: the next cycle decides them again
@@ -233,10 +355,11 @@ class Follower:
                 decided.observe()
         return len(changed)
 
-    def _refresh_facts(self, awaited: dict[str, AwaitedFacts]) -> None:
+    def _refresh_facts(self, awaited: dict[tuple[str, str], AwaitedFacts]) -> None:
         """Write sacct's final record into finished tasks that were missing it."""
         now = self.ctx.clock()
-        for task_id, facts in awaited.items():
+        for key, facts in awaited.items():
+            task_id = facts.task_id
             job = self.watch.final_record(facts.job_id)
             if job is not None:
                 self._write_facts(task_id, facts.attempt, job)
@@ -244,11 +367,11 @@ class Follower:
                 # a job too short for any accounting sample never gets one.
                 ended_ago = now - job.end_time.timestamp() if job.end_time else 0.0
                 if job.max_rss_bytes is not None or ended_ago > FINAL_RSS_WAIT:
-                    self._awaited.pop(task_id, None)
+                    self._awaited.pop(key, None)
                     continue
             if now - facts.since > FINAL_FACTS_GRACE:
                 log.warning("sacct has no final record of job %s (task %s)", facts.job_id, task_id)
-                self._awaited.pop(task_id, None)
+                self._awaited.pop(key, None)
 
     def _write_facts(self, task_id: str, attempt: int, job: JobInfo) -> None:
         task = self.ctx.store.get_task(task_id)
@@ -259,6 +382,11 @@ class Follower:
         if metadata.get("slurm_job_id") == job.job_id:
             slurm_facts(metadata, job)
             self.ctx.store.amend_final_logs(task_id, logs.to_json())
+            return
+        for part, key in PART_KEYS.items():
+            if metadata.get(key + "_job_id") == job.job_id:
+                part_facts(metadata, part, job)
+                self.ctx.store.amend_final_logs(task_id, logs.to_json())
 
     def _finish_canceled(self, canceled: dict[str, _Canceled]) -> None:
         """Write the final record of the scanceled jobs that sacct knows as ended."""
@@ -285,4 +413,5 @@ class Follower:
         entry.add_system_logs([f"Slurm job {job.job_id} ended in state {job.state}"])
         self.ctx.store.amend_final_logs(task_id, logs.to_json())
         if job.max_rss_bytes is None:  # it may land in slurmdbd a moment later
-            self._awaited[task_id] = AwaitedFacts(job.job_id, attempt, self.ctx.clock())
+            facts = AwaitedFacts(task_id, job.job_id, attempt, self.ctx.clock())
+            self._awaited[(task_id, job.job_id)] = facts

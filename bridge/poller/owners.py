@@ -97,22 +97,23 @@ class OwnerRunner:
         self.run(owner, ["adopt", "--task-dir", str(task_dir)], json.dumps(files))
         return task_dir / "job.sh"
 
-    def read_records(self, tasks: list[TaskRecord]) -> dict[str, JobRecords]:
-        """The records of these tasks' jobs by task id: one `read-records` per owner. An owner
-        whose records cannot be read is left out (logged)."""
-        found: dict[str, JobRecords] = {}
-        by_owner: dict[str, list[TaskRecord]] = {}
-        for task in tasks:
-            if task.owner and task.job_id:
-                by_owner.setdefault(task.owner, []).append(task)
+    def read_jobs(self, jobs: list[tuple[TaskRecord, str]]) -> dict[tuple[str, str], JobRecords]:
+        """The records of these jobs of these tasks (a task's job; a staged task's stage-in
+        job) by task id and job id: one `read-records` per owner. An owner whose records
+        cannot be read is left out (logged)."""
+        found: dict[tuple[str, str], JobRecords] = {}
+        by_owner: dict[str, list[tuple[TaskRecord, str]]] = {}
+        for task, job_id in jobs:
+            if task.owner:
+                by_owner.setdefault(task.owner, []).append((task, job_id))
         keep = str(self.config.job.log_tail_bytes)
         for owner, owned in by_owner.items():
-            pairs = {f"{self.config.work_dir / t.id}:{t.job_id}": t for t in owned}
+            pairs = {f"{self.config.work_dir / t.id}:{j}": (t.id, j) for t, j in owned}
             try:
                 out = self.run(owner, ["read-records", "--tail-bytes", keep, *pairs])
                 for pair, data in json.loads(out).items():
                     if pair in pairs:
-                        found[pairs[pair].id] = records_from_json(data)
+                        found[pairs[pair]] = records_from_json(data)
             except (OwnerCommandError, ValueError, KeyError, TypeError) as exc:
                 log.warning("cannot read the records of %s's jobs: %s", owner, short(exc))
         return found
@@ -149,9 +150,11 @@ class OwnerRunner:
     def remove(self, owner: str, task_dir: Path) -> None:
         self.run(owner, ["remove", "--task-dir", str(task_dir)])
 
-    def fence(self, owner: str, task_dir: Path, epoch: int) -> None:
-        """Fence the task directory at lease `epoch` as its owner (bridge.job.owner fence)."""
-        self.run(owner, ["fence", "--task-dir", str(task_dir), "--epoch", str(epoch)])
+    def fence(self, owner: str, task_dir: Path, epoch: int, part: str | None = None) -> None:
+        """Fence the task directory (or `part` of a staged task's chain) at lease `epoch` as
+        its owner (bridge.job.owner fence)."""
+        args = ["fence", "--task-dir", str(task_dir), "--epoch", str(epoch)]
+        self.run(owner, args + (["--part", part] if part else []))
 
     def account_args(self, owner: str | None, document: dict[str, Any]) -> list[str]:
         """`--account=` from the mapping file, unless the task names its own account."""

@@ -16,10 +16,14 @@ make it stand down and be submitted again)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
+from bridge.core.naming import RUN_PART, STAGE_IN_PART, STAGE_OUT_PART
 from bridge.job.layout import write_lease_fence
 from bridge.poller.arrays import ARRAY_JOB_KEY, array_mark, element_index, submitted_name
 from bridge.poller.attempt import AttemptLog, TaskLogs
+from bridge.poller.chain import PART_KEYS, Chain, chain_of_task
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerCommandError, OwnerRunner
 from bridge.slurm import JobInfo, SlurmError
@@ -33,8 +37,11 @@ class Recovery:
         self.ctx = ctx
         #: Site mode: the fence is written as the task's owner.
         self.owners = owners
-        #: The token each interrupted task's directory is fenced at (by this poller).
-        self._fenced: dict[str, int] = {}
+        #: The token each interrupted task's directory is fenced at (by this poller), by task id
+        #: and the part of a staged task's chain fenced alone (None: the whole task).
+        self._fenced: dict[tuple[str, str | None], int] = {}
+        #: Submits the jobs a staged task's chain lacks (ChainSbatch.resume; set by the loop).
+        self.resume_chain: Callable[[TaskRecord, Chain, CycleStats], int] | None = None
         #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
         #: takeover, when the old leader's sbatch may still be under way on another host
         #: (see `hold_after_takeover`).
@@ -55,11 +62,19 @@ class Recovery:
         task fenced before a look that found nothing is forgotten (and submitted again)."""
         pending = self.ctx.store.interrupted_submissions()
         ids = {task.id for task in pending}
-        self._fenced = {tid: e for tid, e in self._fenced.items() if tid in ids}
+        self._fenced = {key: e for key, e in self._fenced.items() if key[0] in ids}
         if not pending:
             return
         names: dict[str, list[tuple[TaskRecord, str | None]]] = {}
+        chains: list[tuple[TaskRecord, Chain]] = []
         for task in pending:
+            chain = chain_of_task(task)
+            if chain is not None:
+                chains.append((task, chain))
+                for part, job_id in chain.parts():
+                    if job_id is None:
+                        names.setdefault(chain.name_of(part), [])
+                continue
             mark = array_mark(task)
             name, index = mark if mark else (submitted_name(task), None)
             names.setdefault(name, []).append((task, index))
@@ -75,13 +90,57 @@ class Recovery:
         # act on a request it received: "no job" is believed only once that time has passed.
         slurm_cfg = self.ctx.config.slurm
         settled_before = self.ctx.clock() - slurm_cfg.command_timeout - slurm_cfg.submit_settle
-        to_fence: list[TaskRecord] = []
+        to_fence: list[tuple[TaskRecord, str | None]] = []
         for name, members in names.items():
             jobs = found.get(name, [])
             for task, index in members:
                 if not self._adopted(task, index, jobs):
                     to_fence += self._no_job(task, settled_before, fenced)
+        for task, chain in chains:
+            to_fence += self._recover_chain(task, chain, found, settled_before, fenced, stats)
         self._fence(to_fence)
+
+    def _recover_chain(
+        self,
+        task: TaskRecord,
+        chain: Chain,
+        found: dict[str, list[JobInfo]],
+        settled_before: float,
+        fenced: set[tuple[str, str | None]],
+        stats: CycleStats,
+    ) -> list[tuple[TaskRecord, str | None]]:
+        """A staged task's interrupted chain (poller.chain): its jobs found by name are
+        adopted, in order; a chain found whole is the task's; the missing jobs are submitted
+        (`resume_chain`) once their sbatch has settled and the first of them was fenced alone
+        (the jobs found were submitted under the same token and go on), none twice. A chain
+        without its stage-in job is forgotten like any job not found."""
+        ids = dict(chain.parts())
+        for part, job_id in chain.parts():
+            if job_id is None:
+                job = _newest_job_of_this_attempt(task, found.get(chain.name_of(part), []))
+                if job is None:
+                    break
+                ids[part] = job.job_id
+        now = Chain(chain.name, ids[STAGE_IN_PART], ids[RUN_PART], ids[STAGE_OUT_PART])
+        if now != chain:
+            task.logs = _with_chain(task, now)
+            log.info("found jobs %s of the interrupted chain of task %s", now.ids(), task.id)
+            self.ctx.store.note_submission(task.id, logs=task.logs)
+        if now.stage_in is None:
+            return self._no_job(task, settled_before, fenced)
+        # The first job not found (the task's or the stage-out); none: the chain is whole.
+        missing = next((part for part, job_id in now.parts() if job_id is None), None)
+        if missing is None:
+            assert now.run is not None
+            self.ctx.store.record_job(task.id, now.run, logs=task.logs)
+        elif (task.submit_started_at or 0.0) > settled_before or self._holding():
+            log.info("interrupted chain of task %s: looking again for its later jobs", task.id)
+        elif (task.id, missing) in fenced and self.resume_chain is not None:
+            # Fenced alone: a late job of that part stands down; the jobs found go on.
+            self.resume_chain(task, now, stats)
+        else:
+            return [(task, missing)]
+        return []
 
     def _adopted(self, task: TaskRecord, index: str | None, jobs: list[JobInfo]) -> bool:
         """Whether the task's job is among `jobs` (an array's: the array is, its element may not
@@ -96,45 +155,46 @@ class Recovery:
         return job is not None
 
     def _no_job(
-        self, task: TaskRecord, settled_before: float, fenced: set[str]
-    ) -> list[TaskRecord]:
+        self, task: TaskRecord, settled_before: float, fenced: set[tuple[str, str | None]]
+    ) -> list[tuple[TaskRecord, str | None]]:
         """No job found for the task: wait for its sbatch to settle, forget it once it was
-        fenced before this look, else the task to fence now ([task])."""
+        fenced before this look, else the task to fence now ([(task, None)])."""
         if (task.submit_started_at or 0.0) > settled_before or self._holding():
             log.info("interrupted submission of task %s: no job yet, looking again", task.id)
-        elif task.id in fenced:
+        elif (task.id, None) in fenced:
             # No job before the fence, and none after it may run: submitted again.
             self.ctx.store.forget_submission(task.id, attempt=max(task.attempt - 1, 0))
         else:
-            return [task]
+            return [(task, None)]
         return []
 
-    def _fenced_now(self) -> set[str]:
-        """The tasks this poller has fenced (an elected one: at its current epoch)."""
+    def _fenced_now(self) -> set[tuple[str, str | None]]:
+        """The tasks (and parts of chains) this poller has fenced (an elected one: at its
+        current epoch)."""
         epoch = self.ctx.store.fence_epoch
         if epoch is None:
             return set(self._fenced)
-        return {tid for tid, e in self._fenced.items() if e == epoch}
+        return {key for key, e in self._fenced.items() if e == epoch}
 
-    def _fence(self, tasks: list[TaskRecord]) -> None:
-        """Fence the directories of tasks whose job was not found, at this leader's epoch: the
-        next look, finding none again, forgets them. Only those: a job that was found is the
-        task's, and runs."""
+    def _fence(self, tasks: list[tuple[TaskRecord, str | None]]) -> None:
+        """Fence the directories of tasks whose job was not found (or the part of a staged
+        task's chain not found), at this leader's epoch: the next look, finding none again,
+        forgets them. Only those: a job that was found is the task's, and runs."""
         if not tasks:
             return
         epoch = self.ctx.fence_token()
-        for task in tasks:
+        for task, part in tasks:
             task_dir = self.ctx.task_dir(task.id)
             try:
                 if self.owners is not None and task.owner:
-                    self.owners.fence(task.owner, task_dir, epoch)
+                    self.owners.fence(task.owner, task_dir, epoch, part)
                 else:
-                    write_lease_fence(task_dir, epoch)
+                    write_lease_fence(task_dir, epoch, part)
             except (OSError, OwnerCommandError) as exc:
                 log.warning("cannot fence the directory of task %s yet: %s", task.id, exc)
                 continue
             log.info("interrupted submission of task %s: no job, fenced, looking again", task.id)
-            self._fenced[task.id] = epoch
+            self._fenced[(task.id, part)] = epoch
 
     def _adopt(self, task: TaskRecord, job: JobInfo) -> None:
         log.info("found job %s of interrupted submission of task %s", job.job_id, task.id)
@@ -158,6 +218,16 @@ class Recovery:
 
     def _holding(self) -> bool:
         return self.ctx.clock() < self.hold_until
+
+
+def _with_chain(task: TaskRecord, chain: Chain) -> list[dict[str, Any]]:
+    """The task's logs with the chain's job ids in its attempt's metadata."""
+    logs = TaskLogs(task.logs)
+    metadata = logs.attempt(max(task.attempt, 1)).ensure_metadata()
+    for part, job_id in chain.parts():
+        if job_id:
+            metadata[PART_KEYS[part] + "_job_id" if part in PART_KEYS else "slurm_job_id"] = job_id
+    return logs.to_json()
 
 
 def _newest_job_of_this_attempt(task: TaskRecord, jobs: list[JobInfo]) -> JobInfo | None:

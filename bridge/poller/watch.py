@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from bridge.core.tes import State
 from bridge.job.records import JobRecords, read_records
-from bridge.poller.arrays import submitted_name
+from bridge.poller.arrays import attempt_metadata, submitted_name
+from bridge.poller.chain import chain_of_task, watched
 from bridge.poller.context import CycleStats, PollerContext, short
 from bridge.poller.decisions import in_queue
 from bridge.poller.owners import OwnerRunner
@@ -35,8 +36,10 @@ class JobWatch:
         self.unavailable: str | None = None
         self._queue: dict[str, JobInfo] = {}
         self._accounting: dict[str, JobInfo] = {}
-        #: Site mode: the records read as each owner, by task id.
+        #: Site mode: the records read as each owner, by task id (and of a staged task's
+        #: stage-in job, by task id and that job's id).
         self._records: dict[str, JobRecords] = {}
+        self._stage_in_records: dict[tuple[str, str], JobRecords] = {}
         #: Site mode: tasks whose owner's records could not be read: since when.
         self._unreadable_since: dict[str, float] = {}
         #: Followed jobs that neither squeue nor sacct knows: since when.
@@ -51,7 +54,7 @@ class JobWatch:
     def update(self, tasks: list[TaskRecord], awaited: Iterable[str], stats: CycleStats) -> None:
         """Read what Slurm says of `tasks`' jobs; `awaited`: finished jobs whose final record
         is still read from sacct (they ride on the same call)."""
-        job_ids = [t.job_id for t in tasks if t.job_id]
+        job_ids = [job_id for job_id, _ in _job_keys(tasks)]
         self.paced = not self._due()
         if self.paced:
             return
@@ -92,15 +95,31 @@ class JobWatch:
     def _read_records_as_owners(
         self, owners: OwnerRunner, tasks: list[TaskRecord]
     ) -> dict[str, JobRecords]:
-        """One read per owner, of the jobs that have started (a pending one recorded nothing)."""
+        """One read per owner, of the jobs that have started (a pending one recorded nothing),
+        and of the stage-in jobs of staged tasks whose own job has not."""
         waiting = {j for j, info in self._queue.items() if info.tes_state == State.QUEUED.value}
-        asked = [t for t in tasks if t.job_id not in waiting and t.owner]
-        found = owners.read_records(asked)
+        jobs = [(t, t.job_id) for t in tasks if t.job_id and t.job_id not in waiting]
+        for task in tasks:
+            # A staged task's stage-in job keeps its records apart until the task's job starts.
+            chain = chain_of_task(task)
+            if task.job_id in waiting and chain is not None and chain.stage_in:
+                jobs.append((task, chain.stage_in))
+        found = owners.read_jobs(jobs)
+        own_job = {t.id: t.job_id for t in tasks}
+        self._stage_in_records = {k: r for k, r in found.items() if k[1] != own_job.get(k[0])}
+        self._note_unreadable(jobs, found)
+        return {k[0]: r for k, r in found.items() if k[1] == own_job.get(k[0])}
+
+    def _note_unreadable(
+        self, asked: list[tuple[TaskRecord, str]], found: dict[tuple[str, str], JobRecords]
+    ) -> None:
+        """Since when each task's asked records could not be read (see records_unreadable)."""
         now = self.ctx.clock()
         self._unreadable_since = {
-            t.id: self._unreadable_since.get(t.id, now) for t in asked if t.id not in found
+            t.id: self._unreadable_since.get(t.id, now)
+            for t, job_id in asked
+            if t.owner and (t.id, job_id) not in found
         }
-        return found
 
     def records_unreadable(self, task: TaskRecord) -> bool:
         """Site mode: the owner's records of the task's job could not be read, lately (for
@@ -177,10 +196,11 @@ class JobWatch:
         job = self._accounting.get(job_id)
         return job if job is not None and job.ended else None
 
-    def missing_for(self, task: TaskRecord) -> float | None:
-        """How long neither squeue nor sacct has known the task's job; None while one does."""
+    def missing_for(self, task: TaskRecord, job: tuple[str, str] | None = None) -> float | None:
+        """How long neither squeue nor sacct has known the task's job (`job`: that one of its
+        chain, by id and name); None while one does."""
         assert task.job_id is not None
-        since = self._missing_since.get((task.job_id, submitted_name(task)))
+        since = self._missing_since.get(job or (task.job_id, submitted_name(task)))
         return None if since is None else self.ctx.clock() - since
 
     def records(self, task: TaskRecord) -> JobRecords:
@@ -192,12 +212,23 @@ class JobWatch:
             return self._records.get(task.id) or JobRecords(job_id=task.job_id)
         return self.read_records(task)
 
-    def read_records(self, task: TaskRecord) -> JobRecords:
-        """What the task's job recorded, read now whatever Slurm last said (not in site mode,
-        where only the job's owner may read them)."""
+    def records_of(self, task: TaskRecord, records_id: str) -> JobRecords:
+        """What the job `records_id` of the task's chain recorded (the stage-in job's own, or
+        the task's job's), read now (site mode: as read this cycle)."""
+        if self.owners is None:
+            return self.read_records(task, records_id)
+        if records_id == task.job_id:
+            return self._records.get(task.id) or JobRecords(job_id=records_id)
+        found = self._stage_in_records.get((task.id, records_id))
+        return found or JobRecords(job_id=records_id)
+
+    def read_records(self, task: TaskRecord, records_id: str | None = None) -> JobRecords:
+        """What the task's job (or `records_id`: a job of its chain) recorded, read now
+        whatever Slurm last said (not in site mode, where only the job's owner may read them)."""
         assert task.job_id is not None
         keep = self.ctx.config.job.log_tail_bytes
-        return read_records(self.ctx.task_dir(task.id), task.job_id, keep_bytes=keep)
+        job_id = records_id or task.job_id
+        return read_records(self.ctx.task_dir(task.id), job_id, keep_bytes=keep)
 
 
 def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
@@ -210,7 +241,17 @@ def _names_by_job_id(tasks: list[TaskRecord]) -> dict[str, set[str]]:
 
 
 def _job_keys(tasks: list[TaskRecord]) -> list[tuple[str, str]]:
-    return [(t.job_id, submitted_name(t)) for t in tasks if t.job_id]
+    """The (id, name) of each job followed: the tasks' jobs, and the transfer jobs of staged
+    tasks still asked of Slurm (chain.watched)."""
+    keys = []
+    for task in tasks:
+        if not task.job_id:
+            continue
+        keys.append((task.job_id, submitted_name(task)))
+        chain = chain_of_task(task)
+        if chain is not None:
+            keys += watched(chain, attempt_metadata(task))
+    return keys
 
 
 def _named(info: JobInfo | None, name: str | None) -> JobInfo | None:

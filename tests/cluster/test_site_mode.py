@@ -195,6 +195,10 @@ htpasswd_file = "{htpasswd}"
 admin_users = ["tesadmin"]
 [site]
 run_as_owner = true
+[staging]
+# Tasks with remote inputs or outputs: three jobs, each as the owner (test_transfer_jobs_...).
+where = "transfer"
+transfer_partition = "{transfer_partition(local_cluster)}"
 """,
         env={
             "TES_BRIDGE_WORK_DIR": str(work),
@@ -211,9 +215,16 @@ run_as_owner = true
         yield service
 
 
-def _sacct_user(job_id: str, task_id: str) -> str:
+def transfer_partition(local_cluster: Any) -> str:
+    """The local cluster's transfer partition (tests/cluster/test_transfer.py)."""
+    env = local_cluster.env
+    return env.get("LOCAL_CLUSTER_TRANSFER_PARTITION") or local_cluster.preemptible_partition
+
+
+def _sacct_user(job_id: str, task_id: str, part: str = "") -> str:
     """The job's user in accounting, once slurmdbd has the job's own record (it first holds a
-    placeholder named "allocation" with user root; see bridge/slurm/sacct.py)."""
+    placeholder named "allocation" with user root; see bridge/slurm/sacct.py); `part`: the
+    suffix of a transfer job's name (`-stage-in`)."""
     deadline = time.monotonic() + 60
     while True:
         out = subprocess.run(
@@ -222,7 +233,7 @@ def _sacct_user(job_id: str, task_id: str) -> str:
             text=True,
         ).stdout.strip()
         name, _, user = out.partition("|")
-        if name == f"tes-{task_id}" or time.monotonic() > deadline:
+        if name == f"tes-{task_id}{part}" or time.monotonic() > deadline:
             return user
         time.sleep(1)
 
@@ -427,6 +438,29 @@ def test_staging_obeys_the_owners_unix_permissions(site: BridgeService):
     alice_task = alice.wait(alice.post(task))
     assert alice_task["state"] == "COMPLETE", alice_task
     assert alice_task["logs"][-1]["logs"][0]["stdout"] == "alice's secret\n"
+
+
+def test_transfer_jobs_stage_as_the_owner(site: BridgeService, cluster_storage_servers: Any):
+    """staging.where = "transfer" in site mode: the stage-in job, the task's job and the
+    stage-out job are the owner's (written, submitted, read and followed as the owner)."""
+    servers = cluster_storage_servers
+    servers.put("http", "site/in.txt", b"from the web\n")
+    alice = Client(site, "tesalice")
+    task = alice.wait(
+        alice.post(
+            {
+                "inputs": [{"path": "/in/x", "url": servers.url_for("http", "site/in.txt")}],
+                "executors": [{"image": "alpine", "command": ["cat", "/in/x"]}],
+            }
+        )
+    )
+    assert task["state"] == "COMPLETE", task
+    attempt = task["logs"][-1]
+    assert attempt["logs"][0]["stdout"] == "from the web\n"
+    metadata = attempt["metadata"]
+    for key, part in (("stage_in", "-stage-in"), ("", ""), ("stage_out", "-stage-out")):
+        job_id = metadata[f"slurm_{key}_job_id" if key else "slurm_job_id"]
+        assert _sacct_user(job_id, task["id"], part) == "tesalice", (job_id, part)
 
 
 def test_unauthenticated_requests_are_refused(site: BridgeService):

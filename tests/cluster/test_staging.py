@@ -15,36 +15,21 @@ from typing import Any
 import pytest
 import requests
 
-from tests.fixtures.drs import DrsServer, sha256, start_drs_server
+from tests.fixtures.drs import DrsServer, sha256
 from tests.fixtures.service import BridgeService, start_bridge_service
-from tests.fixtures.storage import BUCKET, StorageServers, start_storage_servers
+from tests.fixtures.storage import BUCKET, StorageServers
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="session")
-def storage_servers(local_cluster: Any) -> Iterator[StorageServers]:
-    """The servers' files and the credentials files the config names on the shared filesystem:
-    stage-in and stage-out run on the compute nodes, which read those files there."""
-    root = local_cluster.shared_path("storage")
-    servers = start_storage_servers(root)
-    try:
-        yield servers
-    finally:
-        servers.stop()
-        shutil.rmtree(root, ignore_errors=True)
+def storage_servers(cluster_storage_servers: StorageServers) -> StorageServers:
+    return cluster_storage_servers
 
 
 @pytest.fixture(scope="session")
-def drs_server(storage_servers: StorageServers) -> Iterator[DrsServer]:
-    """Its CA and the site's tokens file on the shared filesystem, where the jobs read them."""
-    server = start_drs_server(storage_servers.root / "drs")
-    (server.root / "drs-tokens.toml").write_text(server.tokens_toml())
-    (server.root / "drs-tokens.toml").chmod(0o600)
-    try:
-        yield server
-    finally:
-        server.stop()
+def drs_server(cluster_drs_server: DrsServer) -> DrsServer:
+    return cluster_drs_server
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,8 @@ class FakeSlurm:
         self.arrays: list[int] = []
         #: The script's own arguments of each sbatch (the lease epoch of an elected poller).
         self.script_args: list[list[str]] = []
+        #: sbatch's own options of each sbatch (a staged task's --dependency).
+        self.extra_args: list[list[str]] = []
         #: The release `release()` says (the real client reads it once, from squeue --version).
         self.version: tuple[int, ...] | None = (22, 5, 8)
         #: What sbatch --test-only prints on stderr, and each (script, extra args, user) asked.
@@ -137,6 +139,7 @@ class FakeSlurm:
         script_args: Sequence[str] = (),
     ) -> str:
         self.script_args.append(list(script_args))
+        self.extra_args.append(list(extra_args))
         if self.rate_limited_then_killed:
             self._queue(job_name, array_size)
             self.calls.append("sbatch")

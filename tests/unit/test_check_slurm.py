@@ -65,6 +65,20 @@ def test_the_checks_on_the_stand_in_slurm(tmp_path: Path, monkeypatch: pytest.Mo
     assert "rl_enable" in checks["slurm rate limit"]()
 
 
+def test_a_transfer_partition_slurm_lacks_fails_naming_the_setting(tmp_path: Path) -> None:
+    sinfo = printing(tmp_path, "sinfo", "main* up\nxfer up\n")
+    environ = {"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")}
+
+    def check(partition: str) -> str:
+        overrides = {"slurm.sinfo": sinfo, "staging.where": "transfer"}
+        overrides["staging.transfer_partition"] = partition
+        return SlurmChecks(load_config(environ=environ, overrides=overrides), SERVICE).slurm()
+
+    assert check("xfer") == "slurmctld answers; partitions: main, xfer"
+    with pytest.raises(Failed, match=r"staging\.transfer_partition 'dtn' is not a partition"):
+        check("dtn")
+
+
 @pytest.mark.parametrize(
     ("printed", "said"),
     [

@@ -209,3 +209,18 @@ def test_the_poller_reads_live_output_for_the_api_without_sudo_in_the_api(
     finally:
         relay.close()
     assert not (state / "poller.relay").exists()
+
+
+def test_adopt_writes_a_staged_task_s_three_scripts_or_one(work: Path) -> None:
+    """Site mode with staging.where = "transfer": the stage-in and stage-out jobs' scripts come
+    with job.sh, both or neither (bridge.jobscript.parts)."""
+    files = json.loads(FILES)
+    parts = {"job-stage-in.sh": "#!/bin/sh\n: in\n", "job-stage-out.sh": "#!/bin/sh\n: out\n"}
+    argv = ["adopt", "--work-dir", str(work), "--task-dir", f"{work}/t4"]
+    adopted = job(*argv, stdin=json.dumps({**files, **parts}))
+    assert adopted.returncode == 0, adopted.stderr
+    assert (work / "t4" / "job-stage-in.sh").read_text() == parts["job-stage-in.sh"]
+    assert (work / "t4" / "job-stage-out.sh").stat().st_mode & 0o777 == 0o700
+    half = {**files, "job-stage-in.sh": parts["job-stage-in.sh"]}
+    refused = job(*argv, stdin=json.dumps(half))
+    assert refused.returncode != 0 and "expected exactly the files" in refused.stderr

@@ -1940,8 +1940,8 @@ def test_site_mode_waits_for_the_owners_records_before_deciding_an_ended_job(
     readable = [False]
 
     class Owners:
-        def read_records(self, tasks):
-            return {t.id: failed for t in tasks} if readable[0] else {}
+        def read_jobs(self, jobs):
+            return {(t.id, job_id): failed for t, job_id in jobs} if readable[0] else {}
 
     poller.follower.watch.owners = Owners()  # type: ignore[assignment]
     tasks = []

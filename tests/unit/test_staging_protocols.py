@@ -3,6 +3,7 @@ HTTP (GET/PUT), S3 (rclone serve s3) and FTP (pyftpdlib)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,7 +15,14 @@ import pytest
 from bridge.job.layout import TaskLayout
 from bridge.job.records import read_records
 from bridge.job.settings import JobSettings
-from bridge.job.stage import STAGE_FAILED, STAGE_MISSING_OUTPUTS, STAGE_OK, stage_in, stage_out
+from bridge.job.stage import (
+    STAGE_FAILED,
+    STAGE_MISSING_OUTPUTS,
+    STAGE_OK,
+    _no_connection,
+    stage_in,
+    stage_out,
+)
 from bridge.job.staging import (
     StagingBackend,
     StagingContext,
@@ -136,6 +144,9 @@ def test_unreachable_server_fails_quickly_and_clearly(storage_servers, tmp_path,
         backend_for(urls[protocol]).download(urls[protocol], tmp_path / "x", "FILE", ctx)
     message = str(caught.value).lower()
     assert "connect" in message or "refused" in message
+    # What a compute node without outbound network meets: told apart from a refusal of the
+    # server's (a 404, access denied), for the line that names staging.where.
+    assert _no_connection(caught.value)
 
 
 def test_bad_s3_credentials_are_refused_without_echoing_them(storage_servers, tmp_path):
@@ -366,7 +377,7 @@ def test_stage_in_failure_names_the_url_and_leaks_no_secret(storage_servers, tmp
     )
     assert stage_in(task.layout.task_dir, task.records) == STAGE_FAILED
     records = task.read()
-    assert len(records.system_logs) == 1
+    assert len(records.system_logs) == 1  # a missing file is no network trouble: no hint
     assert url in records.system_logs[0] and "/in/missing.txt" in records.system_logs[0]
     assert task.host("/in/ok.txt").read_text() == "fine\n"
     everything = records.system_logs[0] + task.layout.job_config.read_text()
@@ -393,3 +404,45 @@ def test_stage_in_directory_inputs_from_every_listing_protocol(storage_servers, 
     assert stage_in(task.layout.task_dir, task.records) == STAGE_OK, task.read().system_logs
     for protocol in LISTING:
         assert task.host(f"/in/{protocol}/s/f.txt").read_text() == protocol
+
+
+@pytest.mark.parametrize("check_runtime", [True, False])
+def test_an_input_no_connection_reaches_names_the_transfer_setting(
+    storage_servers, tmp_path, check_runtime
+):
+    """Staging in the task's own job (staging.where = "job") on a node that cannot connect: the
+    task's system_logs name the setting that moves staging to nodes with network; a stage-in
+    job on the transfer partition (check_runtime off) has nothing to suggest."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    task = TaskDir(
+        tmp_path,
+        storage_servers,
+        {"inputs": [{"path": "/in/x", "url": f"http://127.0.0.1:{port}/x"}]},
+    )
+    settings = JobSettings.from_json(task.layout.job_config.read_text())
+    staging = {**settings.staging, "retries": 0, "timeout": 5.0}
+    settings = dataclasses.replace(settings, check_runtime=check_runtime, staging=staging)
+    task.layout.job_config.write_text(settings.to_json())
+    assert stage_in(task.layout.task_dir, task.records) == STAGE_FAILED
+    lines = task.read().system_logs
+    hint = [line for line in lines if 'staging.where = "transfer"' in line]
+    assert len(hint) == (1 if check_runtime else 0), lines
+    # An upload alike (its records follow stage-in's in the same job).
+    task.layout.task_json.write_text(
+        json.dumps(
+            {
+                "id": "t1",
+                "executors": [{"image": "x", "command": ["true"]}],
+                "outputs": [{"path": "/out/y", "url": f"http://127.0.0.1:{port}/y"}],
+            }
+        )
+    )
+    task.host("/out/y").parent.mkdir(parents=True, exist_ok=True)
+    task.host("/out/y").write_text("y\n")
+    assert stage_out(task.layout.task_dir, task.records) == STAGE_FAILED
+    lines = task.read().system_logs
+    assert [line for line in lines if 'staging.where = "transfer"' in line] == hint * 2, lines

@@ -835,6 +835,19 @@ function streamPart(task, attempt, number, stream, documented) {
   return [label, text];
 }
 
+// A task staged on a transfer partition: one of its transfer jobs (part: "stage_in" or
+// "stage_out"), its id, state, exit code and partition from the attempt's metadata
+// (bridge/poller/chain.py); "" for a task of one job.
+function transferJob(meta, part) {
+  const id = meta[`slurm_${part}_job_id`];
+  if (!id) return "";
+  const code = meta[`slurm_${part}_exit_code`];
+  const partition = meta[`slurm_${part}_partition`];
+  return el("span", { class: `job-${part.replace("_", "-")}` },
+    [id, meta[`slurm_${part}_state`] || "submitted", code ? `exit code ${code}` : "",
+     partition ? `partition ${partition}` : ""].filter(Boolean).join(", "));
+}
+
 // The --time the attempt's job got and where it came from (bridge/poller/submit/record.py).
 function timeLimit(meta) {
   if (meta.slurm_time_limit) return meta.slurm_time_limit;
@@ -847,6 +860,7 @@ function attemptPart(task, log, index) {
   const card = el("div", { class: "card attempt", "data-attempt": String(index + 1) },
     el("h4", {}, `Attempt ${index + 1}`),
     definitions([
+      ["Stage-in job", transferJob(meta, "stage_in")],
       ["Slurm job", meta.slurm_job_id], ["Node", meta.slurm_node],
       ["Partition", meta.slurm_partition],
       ["Time limit", timeLimit(meta) ? el("span", { class: "time-limit" }, timeLimit(meta)) : ""],
@@ -861,6 +875,7 @@ function attemptPart(task, log, index) {
         `${percent(used.cpuEfficiency)} (CPU time of ${used.cores} × ${duration(used.elapsed)})`)],
       ["Memory efficiency", used.memoryEfficiency === null ? "" : el("span", { class: "memory-efficiency" },
         `${percent(used.memoryEfficiency)} (peak of ${bytes(used.requested)} requested)`)],
+      ["Stage-out job", transferJob(meta, "stage_out")],
     ]));
   for (const [number, executor] of (log.logs || []).entries()) {
     card.append(el("h5", {}, `Executor ${number}: exit code ${executor.exit_code}`),

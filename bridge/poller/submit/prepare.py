@@ -13,8 +13,9 @@ from bridge.config import Config
 from bridge.core import backend_params
 from bridge.core.reasons import IMAGE_PULL_FAILED
 from bridge.images.ref import ImagePullError
+from bridge.jobscript.parts import staged_apart
 from bridge.jobscript.render import prepare_task_dir
-from bridge.jobscript.task import RenderError
+from bridge.jobscript.task import RenderError, parse_task
 from bridge.poller.arrays import PreparedJob, Ready
 from bridge.poller.attempt import Condition, ConditionKind, TaskLogs
 from bridge.poller.context import CycleStats, ImageSource, PollerContext, short
@@ -34,7 +35,7 @@ TRANSIENT_ERRNOS = frozenset(
 )  # fmt: skip
 
 
-def _time_limit(document: dict[str, Any], config: Config) -> backend_params.TimeLimit | None:
+def time_limit(document: dict[str, Any], config: Config) -> backend_params.TimeLimit | None:
     """The --time the render gave the job (it refuses a task whose limit raises here)."""
     params = (document.get("resources") or {}).get("backend_parameters")
     try:
@@ -131,7 +132,8 @@ class Preparer:
         script = self._write(
             document, owner, image_paths, self._nodes(disk, document, stats), task_owner
         )
-        return PreparedJob(script, _time_limit(document, self.ctx.config), disk)
+        staged = staged_apart(parse_task(document), self.ctx.config)
+        return PreparedJob(script, time_limit(document, self.ctx.config), disk, staged)
 
     def _nodes(self, disk: float, document: dict[str, Any], stats: CycleStats) -> NodeSizes | None:
         """What the task's directives need of the nodes, read when it asks for disk

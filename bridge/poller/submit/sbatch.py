@@ -12,6 +12,7 @@ from bridge.poller.arrays import ArrayPlanner, Ready, marked_logs
 from bridge.poller.attempt import Condition, ConditionKind
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerRunner
+from bridge.poller.submit.chain import ChainSbatch
 from bridge.poller.submit.failures import SbatchFailures
 from bridge.poller.submit.outcome import Backoff, Outcomes
 from bridge.poller.submit.record import Recorder
@@ -47,6 +48,8 @@ class Sbatch:
         self.outcomes = outcomes
         self.failures = failures
         self.recorder = recorder
+        #: Tasks staged on the transfer partition: three jobs each.
+        self.chain = ChainSbatch(ctx, owners, backoff, outcomes, failures, recorder)
 
     def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
@@ -60,10 +63,14 @@ class Sbatch:
                 waiting = [r.task for later in units[index:] for r in later]
                 self.outcomes.tell_waiting(waiting, self.backoff.reason)
                 break
-            if self._budget_spent(until):
+            # A staged task's chain is three sbatches (submit.chain).
+            sbatches = 3 if len(unit) == 1 and unit[0].prepared.staged else 1
+            if self._budget_spent(until, sbatches):
                 break  # the Slurm call budget is spent for now: the rest go next cycle
             try:
-                if len(unit) == 1:
+                if len(unit) == 1 and unit[0].prepared.staged:
+                    stats.submitted += self.chain.submit(unit[0], stats)
+                elif len(unit) == 1:
                     stats.submitted += self.submit_one(unit[0], stats)
                 else:
                     stats.submitted += self.submit_array(unit, stats)
@@ -71,11 +78,12 @@ class Sbatch:
                 if self.outcomes.unexpected(exc, [r.task for r in unit]):
                     break
 
-    def _budget_spent(self, until: float) -> bool:
-        """Whether this round stops for the call budget: it would leave fewer than
-        BUDGET_RESERVE tokens, or it has used its time (counted as a wait either way)."""
+    def _budget_spent(self, until: float, sbatches: int = 1) -> bool:
+        """Whether this round stops for the call budget: the unit's `sbatches` would leave
+        fewer than BUDGET_RESERVE tokens, or it has used its time (counted as a wait either
+        way)."""
         budget = self.ctx.slurm.budget
-        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch"):
+        if not budget.allows(keep=BUDGET_RESERVE, command="sbatch", cost=sbatches):
             return True
         if budget.rate and self.ctx.clock() > until:
             budget.note_wait("sbatch")

@@ -1,0 +1,478 @@
+"""Staging on the transfer partition (staging.where = "transfer"): the configuration, the three
+job scripts, and the poller's chain of three jobs with the fake Slurm (submission, the one TES
+state machine, cancel, a failed stage-in, a lost job, a crash between the sbatches).
+
+The same chain runs against the real cluster in tests/cluster/test_transfer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Config, ConfigError, load_config
+from bridge.core.naming import STAGE_IN_EXIT_CODE
+from bridge.job.records import read_records
+from bridge.jobscript.parts import remote_urls, staged_apart
+from bridge.jobscript.render import prepare_task_dir, task_files
+from bridge.jobscript.task import parse_task
+from bridge.poller import Poller, job_name
+from bridge.store import Store
+from tests.fakes.slurm import FakeSlurm
+
+REMOTE = {
+    "name": "fetch",
+    "executors": [{"image": "alpine", "command": ["wc", "-c", "/in/a"]}],
+    "inputs": [{"url": "https://example.org/a", "path": "/in/a"}],
+    "outputs": [{"url": "s3://bucket/out", "path": "/out/x"}],
+}
+LOCAL = {
+    "executors": [{"image": "alpine", "command": ["true"]}],
+    "inputs": [{"content": "hi", "path": "/in/a"}],
+}
+TRANSFER = {"staging.where": "transfer", "staging.transfer_partition": "xfer"}
+
+
+class FakeImages:
+    def resolve(self, images) -> dict[str, str]:
+        return {image: f"/cache/{image}.sif" for image in images}
+
+    def problem(self, image: str) -> str | None:
+        return None
+
+    def prune(self, oldest_unfinished: float | None) -> None:
+        pass
+
+
+@pytest.fixture
+def env(tmp_path: Path, sqlite_store: Store):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.array_gather_seconds": 0, **TRANSFER},
+    )
+    slurm = FakeSlurm()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    return poller, sqlite_store, slurm
+
+
+def metadata(store: Store, task_id: str) -> dict[str, str]:
+    record = store.get_task(task_id)
+    assert record is not None and record.logs
+    return record.logs[-1]["metadata"]
+
+
+def set_job(slurm: FakeSlurm, job_id: str, state: str, **fields) -> None:
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state=state, reason=None, **fields)
+
+
+def write_records(poller: Poller, task_id: str, job_id: str, **files: str) -> None:
+    records = poller.task_dir(task_id) / "records" / job_id
+    records.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (records / name).write_text(text + "\n")
+
+
+def state(store: Store, task_id: str) -> str:
+    record = store.get_task(task_id)
+    assert record is not None
+    return record.state
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_transfer_needs_a_partition_or_qos_and_says_which_setting(tmp_path):
+    with pytest.raises(ConfigError, match="transfer_partition or transfer_qos"):
+        load_config(
+            environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+            overrides={"staging.where": "transfer"},
+        )
+    with pytest.raises(ConfigError, match="transfer_partition"):
+        load_config(
+            environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+            overrides={**TRANSFER, "staging.transfer_partition": "x y\n"},
+        )
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={"staging.where": "transfer", "staging.transfer_qos": "dtn"},
+    )
+    assert config.staging.transfer_qos == "dtn"
+    # The job side's settings carry none of it.
+    assert "where" not in config.staging.job_options()
+
+
+# ----------------------------------------------------------------------------- the scripts
+
+
+def test_only_tasks_with_remote_inputs_or_outputs_are_staged_apart(tmp_path):
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)}, overrides=TRANSFER)
+    remote = parse_task({**REMOTE, "id": "t1"})
+    assert remote_urls(remote) == ["inputs[0].url", "outputs[0].url"]
+    assert staged_apart(remote, config)
+    shared = {**LOCAL, "outputs": [{"url": f"file://{tmp_path}/o", "path": "/o"}], "id": "t2"}
+    assert not staged_apart(parse_task(shared), config)
+    job_mode = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)})
+    assert not staged_apart(remote, job_mode)
+
+
+def test_a_staged_task_has_three_scripts_its_transfer_jobs_on_the_transfer_partition(tmp_path):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={**TRANSFER, "staging.transfer_time_limit": "30:00"},
+    )
+    document = {
+        **REMOTE,
+        "id": "t1",
+        "resources": {"cpu_cores": 4, "backend_parameters": {"account": "lab"}},
+    }
+    files = task_files(document, config=config, image_paths={"alpine": "/cache/a.sif"})
+    scripts = {n: t for n, t in files.items() if n.endswith(".sh")}
+    assert sorted(scripts) == ["job-stage-in.sh", "job-stage-out.sh", "job.sh"]
+    for name, text in scripts.items():
+        path = tmp_path / name
+        path.write_text(text)
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, name
+    stage_in = [x for x in scripts["job-stage-in.sh"].splitlines() if x.startswith("#SBATCH")]
+    assert "#SBATCH --partition=xfer" in stage_in
+    assert "#SBATCH --cpus-per-task=1" in stage_in and "#SBATCH --time=30:00" in stage_in
+    assert "#SBATCH --account=lab" in stage_in
+    assert "#SBATCH --job-name=fetch-tes-t1-stage-in" in stage_in
+    # The task's own job keeps its resources and runs no stage-in of its own.
+    assert "#SBATCH --cpus-per-task=4" in scripts["job.sh"]
+    assert "--partition=xfer" not in scripts["job.sh"]
+    assert "-m bridge.job stage-in" in scripts["job-stage-in.sh"]
+    assert "-m bridge.job stage-in" not in scripts["job.sh"]
+    assert "-m bridge.job stage-out" in scripts["job-stage-out.sh"]
+    # Runtime and images are checked by the task's job, not on the transfer node.
+    assert json.loads(files["job-config.json"])["check_runtime"] is False
+
+
+# ----------------------------------------------------------------------------- the poller
+
+
+def test_a_staged_task_is_three_jobs_chained_by_dependency(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 3
+    stage_in, run, stage_out = "100", "101", "102"
+    name = job_name(task.id, "fetch")
+    assert [slurm.jobs[j].name for j in (stage_in, run, stage_out)] == [
+        f"{name}-stage-in",
+        name,
+        f"{name}-stage-out",
+    ]
+    assert slurm.extra_args[0] == []
+    assert slurm.extra_args[1] == [f"--dependency=afterok:{stage_in}", "--kill-on-invalid-dep=yes"]
+    assert slurm.extra_args[2] == [f"--dependency=afterok:{run}", "--kill-on-invalid-dep=yes"]
+    assert f"after={stage_in}" in slurm.script_args[1]
+    assert f"after={run}" in slurm.script_args[2]
+    record = store.get_task(task.id)
+    assert record.job_id == run
+    meta = metadata(store, task.id)
+    assert meta["slurm_job_id"] == run and meta["slurm_staging"] == "transfer"
+    assert meta["slurm_stage_in_job_id"] == stage_in
+    assert meta["slurm_stage_out_job_id"] == stage_out
+
+
+def test_a_task_with_only_shared_files_stays_one_job(env):
+    poller, store, slurm = env
+    store.create_task(LOCAL)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+    assert slurm.extra_args == [[]]
+
+
+def test_the_chain_is_one_tes_state_machine(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    stage_in, run, stage_out = "100", "101", "102"
+    assert state(store, task.id) == "QUEUED"
+    set_job(slurm, stage_in, "RUNNING", partition="xfer", node="dtn1")
+    write_records(poller, task.id, stage_in, phase="staging", start_time="2026-01-01T00:00:00Z")
+    poller.cycle()
+    assert state(store, task.id) == "INITIALIZING"
+    # Inputs staged, the task's job waits for its nodes: still initializing, saying why.
+    set_job(slurm, stage_in, "COMPLETED", exit_code=0, partition="xfer", node="dtn1")
+    slurm.jobs[run] = replace(slurm.jobs[run], reason="Resources")
+    poller.cycle()
+    assert state(store, task.id) == "INITIALIZING"
+    lines = store.get_task(task.id).logs[0]["system_logs"]
+    assert f"Slurm job {run} is pending (Resources)" in lines
+    meta = metadata(store, task.id)
+    assert meta["slurm_stage_in_state"] == "COMPLETED"
+    assert meta["slurm_stage_in_partition"] == "xfer" and meta["slurm_stage_in_node"] == "dtn1"
+    assert meta["slurm_job_id"] == run and "slurm_state" not in meta
+    set_job(slurm, run, "RUNNING", node="n1")
+    write_records(poller, task.id, run, phase="running 0")
+    poller.cycle()
+    assert state(store, task.id) == "RUNNING"
+    assert metadata(store, task.id)["slurm_state"] == "RUNNING"
+    # The executors ended; the stage-out job waits for a transfer node: still running.
+    set_job(slurm, run, "COMPLETED", exit_code=0, node="n1")
+    write_records(poller, task.id, run, phase="ran", executors_failed="0")
+    poller.cycle()
+    assert state(store, task.id) == "RUNNING"
+    set_job(slurm, stage_out, "RUNNING", partition="xfer", node="dtn1")
+    write_records(poller, task.id, run, phase="uploading")
+    poller.cycle()
+    assert state(store, task.id) == "RUNNING"
+    set_job(slurm, stage_out, "COMPLETED", exit_code=0, partition="xfer", node="dtn1")
+    write_records(poller, task.id, run, phase="done", outcome="complete")
+    poller.cycle()
+    assert state(store, task.id) == "COMPLETE"
+    meta = metadata(store, task.id)
+    assert meta["slurm_state"] == "COMPLETED" and meta["slurm_node"] == "n1"
+    assert meta["slurm_stage_out_state"] == "COMPLETED"
+    assert meta["slurm_stage_out_partition"] == "xfer"
+    assert "scancel" not in slurm.calls
+
+
+def test_a_failed_stage_in_ends_the_task_and_its_later_jobs_never_run(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    stage_in, run, stage_out = "100", "101", "102"
+    set_job(slurm, stage_in, "FAILED", exit_code=STAGE_IN_EXIT_CODE)
+    write_records(
+        poller,
+        task.id,
+        stage_in,
+        phase="done",
+        outcome="system_error",
+        **{"system_logs.jsonl": json.dumps({"time": "t", "message": "input 0: 404 Not Found"})},
+    )
+    poller.cycle()
+    record = store.get_task(task.id)
+    assert record.state == "SYSTEM_ERROR"
+    assert "input 0: 404 Not Found" in record.logs[0]["system_logs"]
+    assert metadata(store, task.id)["slurm_stage_in_exit_code"] == str(STAGE_IN_EXIT_CODE)
+    # Slurm would cancel them for their dependency; the poller does at once.
+    assert slurm.calls.count("scancel") == 1
+    assert slurm.jobs[run].state == slurm.jobs[stage_out].state == "CANCELLED"
+
+
+def test_cancel_during_stage_in_cancels_every_job_of_the_chain(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    set_job(slurm, "100", "RUNNING")
+    poller.cycle()
+    store.cancel_task(task.id)
+    poller.cycle()
+    assert {slurm.jobs[j].state for j in ("100", "101", "102")} == {"CANCELLED"}
+    assert state(store, task.id) == "CANCELED"
+
+
+def test_a_lost_stage_in_job_submits_the_whole_chain_again(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    set_job(slurm, "100", "NODE_FAIL", exit_code=0)
+    poller.cycle()
+    assert state(store, task.id) == "QUEUED"
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 6
+    meta = metadata(store, task.id)
+    assert meta["slurm_lost_job_ids"] == "100,101,102"
+    assert meta["slurm_stage_in_job_id"] == "103" and meta["slurm_job_id"] == "104"
+    # The lost chain's later jobs were canceled, as Slurm would for their dependency.
+    assert slurm.jobs["101"].state == "CANCELLED"
+
+
+def test_a_crash_between_the_sbatches_submits_only_the_missing_jobs(env):
+    """What a poller killed after the stage-in job's sbatch leaves: that job, its id stored,
+    and no other. Recovery finds it by name, fences the task, and submits the other two."""
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    real_submit = slurm.submit
+    submitted = []
+
+    def crash_after_first(*args, **kwargs):
+        if submitted:
+            raise KeyboardInterrupt  # the poller dies here
+        submitted.append(real_submit(*args, **kwargs))
+        return submitted[-1]
+
+    slurm.submit = crash_after_first
+    with pytest.raises(KeyboardInterrupt):
+        poller.cycle()
+    slurm.submit = real_submit
+    slurm.calls.clear()
+    record = store.get_task(task.id)
+    assert record.job_id is None and record.submit_started_at is not None
+    assert metadata(store, task.id)["slurm_stage_in_job_id"] == "100"
+    poller.clock = lambda: record.submit_started_at + 1000  # the sbatch has settled
+    poller.cycle()  # the task's job not found: that part alone is fenced
+    assert slurm.calls.count("sbatch") == 0
+    task_dir = poller.task_dir(task.id)
+    assert (task_dir / "lease-fence-run").is_file() and not (task_dir / "lease-fence").exists()
+    poller.cycle()  # still none: the two missing jobs are submitted, the stage-in kept
+    assert slurm.calls.count("sbatch") == 2
+    record = store.get_task(task.id)
+    meta = metadata(store, task.id)
+    assert meta["slurm_stage_in_job_id"] == "100"
+    assert record.job_id == meta["slurm_job_id"] == "101"
+    assert meta["slurm_stage_out_job_id"] == "102"
+    assert slurm.extra_args[-2] == ["--dependency=afterok:100", "--kill-on-invalid-dep=yes"]
+
+
+def test_a_crash_after_the_last_sbatch_adopts_the_chain(env):
+    poller, store, slurm = env
+    task = store.create_task(REMOTE)
+    poller.cycle()
+    # As if the job id had never been stored: the chain is found whole by name.
+    store.update_task(task.id, job_id=None, submit_started_at=1.0)
+    calls = len(slurm.calls)
+    poller.cycle()
+    assert "sbatch" not in slurm.calls[calls:]
+    assert store.get_task(task.id).job_id == "101"
+
+
+# ----------------------------------------------------------------------------- task logs
+
+
+def test_task_logs_names_the_three_jobs_of_a_staged_task():
+    import io
+
+    from bridge.client.watch import LogPrinter
+
+    metadata = {
+        "slurm_stage_in_job_id": "41",
+        "slurm_stage_in_state": "COMPLETED",
+        "slurm_stage_in_exit_code": "0",
+        "slurm_stage_in_partition": "xfer",
+        "slurm_job_id": "42",
+        "slurm_state": "RUNNING",
+        "slurm_partition": "offline",
+        "slurm_stage_out_job_id": "43",
+    }
+    out, err = io.StringIO(), io.StringIO()
+    printer = LogPrinter(out, err)
+    printer.show({"id": "t", "executors": [{}], "logs": [{"logs": [], "metadata": metadata}]})
+    assert err.getvalue().splitlines() == [
+        "job: stage-in job 41: COMPLETED, exit code 0, partition xfer",
+        "job: task job 42: RUNNING, partition offline",
+        "job: stage-out job 43: submitted",
+    ]
+    # Printed again only when it changes; a task of one job has no such lines.
+    printer.show({"id": "t", "executors": [{}], "logs": [{"logs": [], "metadata": metadata}]})
+    assert len(err.getvalue().splitlines()) == 3
+    plain = io.StringIO()
+    LogPrinter(io.StringIO(), plain).show({"logs": [{"metadata": {"slurm_job_id": "7"}}]})
+    assert plain.getvalue() == ""
+
+
+# ----------------------------------------------------------------------------- the parts run
+
+
+def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
+    """The three scripts run one after another (as Slurm's afterok chain runs them), with the
+    job side's real staging against loopback servers and a stand-in runtime: the stage-in
+    downloads, the task's job runs the executor and ends 0 though it failed, the stage-out
+    uploads all the same and ends as the task did, and the records are one job's."""
+    from tests.unit.test_job_side import FAKE_RUNTIME, REPO
+
+    storage_servers.put("http", "parts/in.txt", b"hello\n")
+    runtime = tmp_path / "apptainer"
+    runtime.write_text(FAKE_RUNTIME)
+    runtime.chmod(0o755)
+    image = tmp_path / "img.sif"
+    image.write_text("")
+    config = Config.model_validate(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "container": {"runtime": str(runtime), "allow_root": True},
+            "job": {"python": sys.executable},
+            "staging": {
+                **storage_servers.staging_options(),
+                "where": "transfer",
+                "transfer_partition": "xfer",
+            },
+        }
+    )
+    out_url = storage_servers.url_for("http", "parts/out.txt")
+    # The stand-in runtime runs the executor on the host: it is given the host paths of its
+    # container's /in/a and /out/b.
+    root = config.work_dir / "job-1" / "root"
+    upper = f"tr a-z A-Z <{root}/in/a >{root}/out/b;"
+    task = {
+        "id": "job-1",
+        "inputs": [{"url": storage_servers.url_for("http", "parts/in.txt"), "path": "/in/a"}],
+        "outputs": [{"url": out_url, "path": "/out/b"}],
+        "executors": [{"image": "img", "command": ["sh", "-c", f"{upper} exit 3"]}],
+    }
+    task_dir = prepare_task_dir(task, config=config, image_paths={"img": str(image)}).parent
+
+    def run(name: str, job_id: str, *args: str) -> int:
+        env = dict(os.environ, SLURM_JOB_ID=job_id, PYTHONPATH=str(REPO))
+        result = subprocess.run(
+            ["bash", str(task_dir / name), *args], env=env, capture_output=True, timeout=60
+        )
+        return result.returncode
+
+    assert run("job-stage-in.sh", "7") == 0
+    assert read_records(task_dir, "7", keep_bytes=1024).phase == "staged"
+    assert run("job.sh", "8", "after=7") == 0  # the executor's failure is the stage-out's to tell
+    middle = read_records(task_dir, "8", keep_bytes=1024)
+    assert middle.phase == "ran" and middle.outcome is None
+    assert [e.exit_code for e in middle.executors] == [3]
+    assert run("job-stage-out.sh", "9", "after=8") == 3  # as the task ended: sacct shows it
+    records = read_records(task_dir, "8", keep_bytes=1024)
+    assert records.outcome == "executor_error" and records.phase == "done"
+    assert [o["url"] for o in records.outputs] == [out_url]
+    assert storage_servers.server_path("http", "parts/out.txt").read_bytes() == b"HELLO\n"
+    # The stage-in's start is the attempt's; a part run again after its end does nothing.
+    assert records.start_time == read_records(task_dir, "7", keep_bytes=1024).start_time
+    assert run("job-stage-out.sh", "9", "after=8") == 0
+
+
+def test_a_chain_goes_only_when_the_budget_holds_its_three_sbatches(env):
+    """The call budget keeps BUDGET_RESERVE tokens for the cycle's squeue, sacct and scancel:
+    a staged task needs three sbatches' worth above them, a task of one job one."""
+    from bridge.system.budget import CallBudget
+
+    poller, store, slurm = env
+    staged = store.create_task(REMOTE)
+    now = [1000.0]
+    slurm.budget = CallBudget(
+        0.001, 6, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s)
+    )
+    poller.cycle()
+    assert "sbatch" not in slurm.calls
+    assert state(store, staged.id) == "QUEUED" and store.get_task(staged.id).job_id is None
+    store.cancel_task(staged.id)
+    store.create_task(LOCAL)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 1
+
+
+def test_a_fenced_part_stands_down_and_the_others_go_on(tmp_path):
+    """Recovery fences the first job of a chain it did not find (lease-fence-<part>): a late job
+    of that part, submitted under an older token, stands down; the chain's jobs it found, of the
+    same older token, do not."""
+    from bridge.core.naming import SUPERSEDED_EXIT_CODE
+    from bridge.job.layout import write_lease_fence
+
+    config = load_config(environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)}, overrides=TRANSFER)
+    task = {**REMOTE, "id": "t1"}
+    script = prepare_task_dir(task, config=config, image_paths={"alpine": "/nonexistent.sif"})
+    write_lease_fence(script.parent, 5, "run")
+
+    def run(name: str, *args: str) -> int:
+        env = dict(os.environ, SLURM_JOB_ID="9")
+        result = subprocess.run(
+            ["bash", str(script.parent / name), *args], env=env, capture_output=True, timeout=60
+        )
+        return result.returncode
+
+    assert run("job.sh", "lease-epoch=4", "after=8") == SUPERSEDED_EXIT_CODE
+    assert run("job.sh", "lease-epoch=5", "after=8") != SUPERSEDED_EXIT_CODE
+    assert run("job-stage-out.sh", "lease-epoch=4", "after=9") != SUPERSEDED_EXIT_CODE
