@@ -1035,28 +1035,34 @@ offline_network_up() {
   node_side_rules | ip netns exec "$ns" nft -f -
 }
 
+# What network-less nodes have here, by name: namespaces, host-side links, nftables tables.
+offline_names() {
+  local names
+  names=$({
+    ls /run/netns || true
+    ip -o link show type veth | awk -F': ' '{sub(/@.*/, "", $2); print $2}' || true
+    nft list tables inet | awk '{print $3}' | tr _ - || true
+  } 2>/dev/null)
+  grep "^$NETNS_PREFIX" <<<"$names" | sort -u || true
+}
+
 # Removes the network-less nodes' namespaces, links and rules: the one named $1, or all.
 offline_network_remove() {
   local only=${1:-} ns
-  for ns in $( (ls /run/netns 2>/dev/null; ip -o link show type veth 2>/dev/null |
-    awk -F': ' '{sub(/@.*/, "", $2); print $2}') | grep "^$NETNS_PREFIX" | sort -u); do
+  for ns in $(offline_names); do
     [[ -z $only || $ns == "$only" ]] || continue
     # The link goes with either end, even while a process keeps the namespace alive.
     ip link del "$ns" 2>/dev/null || true
-    [[ -e /run/netns/$ns ]] && ip netns del "$ns"
+    [[ ! -e /run/netns/$ns ]] || ip netns del "$ns"
+    nft delete table inet "${ns//-/_}" 2>/dev/null || true
     log "removed network namespace $ns, its link and rules"
   done
-  for ns in $(nft list tables inet 2>/dev/null | awk '{print $3}' | grep "^${NETNS_PREFIX//-/_}"); do
-    [[ -z $only || $ns == "${only//-/_}" ]] && nft delete table inet "$ns"
-  done
-  return 0
 }
 
 # Only the configured network-less node's network exists.
 offline_networks() {
   local ns
-  for ns in $( (ls /run/netns 2>/dev/null; nft list tables inet 2>/dev/null | awk '{print $3}' |
-    tr _ -) | grep "^$NETNS_PREFIX" | sort -u); do
+  for ns in $(offline_names); do
     [[ $ns == "$NETNS_PREFIX$OFFLINE_NODE" ]] || offline_network_remove "$ns"
   done
   [[ -z $OFFLINE_NODE ]] || offline_network_up

@@ -5,6 +5,7 @@ that reaches the network."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -164,3 +165,28 @@ def test_offline_tasks_run_containers_but_cannot_stage_from_the_network(
     assert ran["logs"][-1]["logs"][0]["stdout"] == "none\n"
     node = local_cluster.env["LOCAL_CLUSTER_OFFLINE_NODE"]
     assert ran["logs"][-1]["metadata"]["slurm_node"] == node, ran["logs"][-1]["metadata"]
+
+
+def net_namespace(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def test_up_makes_a_lost_link_anew_and_moves_the_nodes_slurmd_into_it(
+    local_cluster: LocalCluster, offline: str
+) -> None:
+    node = local_cluster.env["LOCAL_CLUSTER_OFFLINE_NODE"]
+    netns = Path("/run/netns") / f"tesb-{node}"
+    pid_file = local_cluster.state_dir / "run" / f"slurmd-{node}.pid"
+    old = int(pid_file.read_text())
+    assert net_namespace(f"/proc/{old}/ns/net") == net_namespace(str(netns))
+    # The link gone (as after a host's network restart): the node is cut off from slurmctld.
+    subprocess.run(["ip", "link", "del", netns.name], check=True)
+    local_cluster.up()
+    new = int(pid_file.read_text())
+    assert new != old
+    assert net_namespace(f"/proc/{new}/ns/net") == net_namespace(str(netns))
+    assert net_namespace(f"/proc/{new}/ns/net") != net_namespace("/proc/self/ns/net")
+    state = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert state and set(state) <= {"idle", "mixed", "allocated"}, state
