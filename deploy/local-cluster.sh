@@ -30,6 +30,15 @@
 # the tests keep the bridge's database and config) are not visible there. Slurm jobs inherit the
 # namespace of their node's slurmd.
 #
+# With N >= 2 there is one more node, node<N+1> (node3 with --nodes 2), network-less as a site's
+# compute nodes that reach only the shared filesystem: its slurmd (and so every job on it) also
+# runs in a network namespace of its own (tesb-<node>), linked to this machine by a veth pair
+# (<net>.1 here, <net>.2 on the node) over which it reaches slurmctld's port and nothing else
+# (nftables on this side rejects the rest: the registry, servers on this machine's loopback, any
+# other host). Inside, its 127.0.0.1:<slurmctld port> is translated to <net>.1, so every node
+# reads the same slurm.conf. Partition 'offline' is that node alone; 'xfer' (transfer: node1)
+# holds nodes that reach the network; 'main' and 'scavenger' keep node1..nodeN.
+#
 # Run as root on Debian 12. Daemons are started directly (no systemd) and tracked by the pid files
 # in one state directory, so `down` stops exactly what `up` started. Settings (environment):
 #   LOCAL_CLUSTER_SLURM      Slurm release: 22.05, 24.11 or 26.05 (as last time, else 22.05)
@@ -51,6 +60,10 @@
 #                            sampler; no OUT_OF_MEMORY state)                            (auto)
 #   LOCAL_CLUSTER_GPUS       fake GPUs per node, type "fake" (device nodes under the state
 #                            directory, so Slurm schedules them and sets CUDA_VISIBLE_DEVICES)  (2)
+#   LOCAL_CLUSTER_OFFLINE    1: with N >= 2 nodes, the network-less node<N+1>; 0: none
+#                            (as last time, else 1)
+#   LOCAL_CLUSTER_OFFLINE_NET  the network-less node's link, a /30: <net>.1 on this machine,
+#                            <net>.2 on the node                                   (10.250.17)
 set -Eeuo pipefail
 
 STATE_DIR=${LOCAL_CLUSTER_DIR:-/var/lib/tes-bridge/local-cluster}
@@ -74,6 +87,17 @@ IMAGES_SRC=$REPO/deploy/images
 NODE_READONLY=${LOCAL_CLUSTER_NODE_READONLY:-/usr /opt $REPO}
 CGROUP_WANTED=${LOCAL_CLUSTER_CGROUP:-auto}
 FAKE_GPUS=${LOCAL_CLUSTER_GPUS:-2}
+OFFLINE_WANTED=${LOCAL_CLUSTER_OFFLINE:-}
+OFFLINE_NET=${LOCAL_CLUSTER_OFFLINE_NET:-10.250.17}
+OFFLINE_HOST_ADDR=$OFFLINE_NET.1
+OFFLINE_NODE_ADDR=$OFFLINE_NET.2
+# Partitions of the network-less node, and of nodes that reach the network (where a site runs
+# stage-in and stage-out as jobs of their own).
+OFFLINE_PARTITION=offline
+TRANSFER_PARTITION=xfer
+# The network-less node's namespace and host-side veth are <prefix><node>; its nftables table
+# here is tesb_<node>. Whatever carries the prefix is this script's (down removes it all).
+NETNS_PREFIX=tesb-
 # The Slurm releases this script can run, and the Debian suite whose binary packages have each
 # (22.05: this machine's own Debian 12).
 declare -A SLURM_SUITE=([22.05]=bookworm [24.11]=trixie [26.05]=sid)
@@ -106,6 +130,7 @@ MYSQL_SOCKET=$RUN/mysqld/mysqld.sock
 SHARED=$STATE_DIR/shared
 NODES_DIR=$STATE_DIR/nodes
 NODE_COUNT_FILE=$STATE_DIR/nodes.count
+NODE_OFFLINE_FILE=$STATE_DIR/nodes.offline
 SLURM_RELEASE_FILE=$STATE_DIR/slurm.release
 # The daemons live in sbin, which a non-login root shell (CI, cron) may lack on its PATH.
 export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
@@ -114,7 +139,7 @@ export APPTAINER_CACHEDIR=$CACHE/apptainer
 APT_GET=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3 -y -q)
 
 PACKAGES=(munge slurm-wlm slurmdbd slurm-client mariadb-server docker-registry skopeo umoci
-  mmdebstrap patchelf squashfs-tools squashfuse fuse2fs uidmap curl ca-certificates)
+  mmdebstrap patchelf squashfs-tools squashfuse fuse2fs uidmap curl ca-certificates iproute2 nftables)
 
 # Slurm enforces associations, limits and QOS here, as at a site: a user needs an association
 # (account ACCOUNT) to submit; QOS LIMITED_QOS (at most 2 jobs in the queue per user) lets tests
@@ -139,18 +164,29 @@ QUIET=0
 WANT_NODES=""
 T0=$SECONDS
 NODE_COUNT=1
+# Every compute node (the network-less one last), and those of the partition PARTITION.
 NODES=()
+MAIN_NODES=()
+OFFLINE_NODE=""
 
 # Several compute nodes: one slurmd daemon entry per node, in place of the single slurmd.
 use_nodes() {
   NODE_COUNT=$1
-  NODES=()
-  ((NODE_COUNT >= 2)) || { NODES=("$(hostname -s)"); return 0; }
+  NODES=() MAIN_NODES=()
+  OFFLINE_NODE=""
+  if ((NODE_COUNT < 2)); then
+    NODES=("$(hostname -s)")
+    MAIN_NODES=("${NODES[@]}")
+    return 0
+  fi
+  [[ $OFFLINE_WANTED == [01] ]] || die "LOCAL_CLUSTER_OFFLINE must be 0 or 1 (not '$OFFLINE_WANTED')"
+  ((OFFLINE_WANTED)) && OFFLINE_NODE=node$((NODE_COUNT + 1))
   local i name
   DAEMONS=()
-  for ((i = 1; i <= NODE_COUNT; i++)); do
+  for ((i = 1; i <= NODE_COUNT + OFFLINE_WANTED; i++)); do
     name=node$i
     NODES+=("$name")
+    ((i <= NODE_COUNT)) && MAIN_NODES+=("$name")
     DAEMONS+=("slurmd-$name")
     PIDFILE[slurmd-$name]=$RUN/slurmd-$name.pid
     EXE[slurmd-$name]=slurmd
@@ -165,6 +201,14 @@ configured_nodes() {
   [[ -s $NODE_COUNT_FILE ]] && n=$(<"$NODE_COUNT_FILE")
   [[ $n =~ ^[0-9]+$ ]] && ((n >= 1)) || n=1
   echo "$n"
+}
+
+# Whether the running configuration has a network-less node (0 or 1; 1 when none was chosen yet).
+configured_offline() {
+  local want=1
+  [[ -s $NODE_OFFLINE_FILE ]] && want=$(<"$NODE_OFFLINE_FILE")
+  [[ $want == [01] ]] || want=1
+  echo "$want"
 }
 
 # The Slurm release of the running configuration (22.05 when none was chosen yet).
@@ -483,10 +527,36 @@ node_lines() {
     echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
     return
   fi
-  # Every node declares the machine's CPUs and memory (over-committed: they share one machine).
-  for ((i = 1; i <= NODE_COUNT; i++)); do
-    echo "NodeName=node$i NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + 20 + i)) CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
+  # Every node declares the machine's CPUs and memory (over-committed: they share one machine);
+  # the network-less one is reached at its own address.
+  local addr
+  for ((i = 1; i <= ${#NODES[@]}; i++)); do
+    addr=127.0.0.1
+    [[ node$i == "$OFFLINE_NODE" ]] && addr=$OFFLINE_NODE_ADDR
+    echo "NodeName=node$i NodeHostname=$NODE NodeAddr=$addr Port=$((SLURMD_PORT + 20 + i)) CPUs=$CPUS$topo RealMemory=$REAL_MEMORY TmpDisk=$TMP_DISK State=UNKNOWN"
   done
+}
+
+# The nodes of PARTITION and PREEMPTIBLE_PARTITION: all but the network-less one.
+main_partition_nodes() {
+  if [[ -n $OFFLINE_NODE ]]; then
+    (IFS=,; echo "${MAIN_NODES[*]}")
+  else
+    echo ALL
+  fi
+}
+
+# The partitions of the network-less node and of the transfer nodes.
+partition_lines() {
+  [[ -n $OFFLINE_NODE ]] || return 0
+  # As $PARTITION's: the same tier (a job of $PARTITION never preempts them), cores shared.
+  local same="MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=REQUEUE"
+  cat <<EOF
+# $OFFLINE_NODE reaches slurmctld and nothing else (a network namespace of its own); ${MAIN_NODES[0]} reaches
+# the network, as a site's transfer nodes do.
+PartitionName=$OFFLINE_PARTITION Nodes=$OFFLINE_NODE $same
+PartitionName=$TRANSFER_PARTITION Nodes=${MAIN_NODES[0]} $same
+EOF
 }
 
 slurm_conf() {
@@ -549,8 +619,9 @@ $(node_lines "$topo")
 # never preempted (no partition has a higher tier), yet its PreemptMode must not be OFF: Slurm
 # 22.05's select/cons_tres then takes the cores of its running jobs away from every other job of
 # it, and no core is ever shared (4 jobs at once on the two nodes instead of 16).
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=REQUEUE
-PartitionName=$PREEMPTIBLE_PARTITION Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
+PartitionName=$PARTITION Nodes=$(main_partition_nodes) Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:$OVERSUBSCRIBE PriorityTier=2 PreemptMode=REQUEUE
+PartitionName=$PREEMPTIBLE_PARTITION Nodes=$(main_partition_nodes) MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
+$(partition_lines)
 EOF
 }
 
@@ -877,10 +948,132 @@ share_shared_dir() {
 # propagation: mounts on the login node under the shared directory reach the node, nothing the
 # node mounts reaches the login node (the root filesystem here is private anyway).
 start_node() {
-  local node=$1
+  local node=$1 net=()
   share_shared_dir
-  unshare --mount --propagation slave -- "$SCRIPT" _node "$node" \
+  # The network-less node joins its network namespace first (nsenter, not `ip netns exec`,
+  # which would mount a new /sys and hide the cgroup hierarchies slurmd confines jobs with).
+  [[ $node == "$OFFLINE_NODE" ]] && net=(nsenter --net="/run/netns/$NETNS_PREFIX$node" --)
+  "${net[@]}" unshare --mount --propagation slave -- "$SCRIPT" _node "$node" \
     </dev/null >>"$LOGS/slurmd-$node.out" 2>&1 || daemon_failed "slurmd-$node" "exited at start"
+}
+
+# --- the network-less node ----------------------------------------------------------------------
+
+# The rules on this side of the network-less node's link (device $1): what comes in from the node
+# reaches slurmctld's port and nothing else; replies to what slurmctld (or srun) sent it pass.
+# Rejected rather than dropped, so that a job's connection fails at once ("No route to host").
+host_side_rules() {
+  local dev=$1 table=${1//-/_}
+  cat <<EOF
+table inet $table
+delete table inet $table
+table inet $table {
+  chain input {
+    type filter hook input priority filter; policy accept;
+    iifname "$dev" ct state established,related accept
+    iifname "$dev" ip daddr $OFFLINE_HOST_ADDR tcp dport $SLURMCTLD_PORT accept
+    iifname "$dev" reject with icmpx type admin-prohibited
+  }
+  chain forward {
+    type filter hook forward priority filter; policy accept;
+    iifname "$dev" reject with icmpx type admin-prohibited
+    oifname "$dev" reject with icmpx type admin-prohibited
+  }
+}
+EOF
+}
+
+# Inside the node's namespace: its 127.0.0.1:SLURMCTLD_PORT (slurm.conf's SlurmctldHost address,
+# the same on every node) goes to slurmctld over the link, from the node's own address.
+node_side_rules() {
+  cat <<EOF
+table ip tesb_node
+delete table ip tesb_node
+table ip tesb_node {
+  chain output {
+    type nat hook output priority -100; policy accept;
+    ip daddr 127.0.0.1 tcp dport $SLURMCTLD_PORT dnat to $OFFLINE_HOST_ADDR:$SLURMCTLD_PORT
+  }
+  chain postrouting {
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname "eth0" ip saddr 127.0.0.0/8 snat to $OFFLINE_NODE_ADDR
+  }
+}
+EOF
+}
+
+offline_link_ready() {
+  local ns=$1
+  [[ -e /run/netns/$ns ]] &&
+    [[ $(ip -o -4 addr show dev "$ns" 2>/dev/null) == *" $OFFLINE_HOST_ADDR/30 "* ]] &&
+    [[ $(ip -n "$ns" -o -4 addr show dev eth0 2>/dev/null) == *" $OFFLINE_NODE_ADDR/30 "* ]]
+}
+
+# The network-less node's namespace, link and rules (made once; the rules are loaded again on
+# every `up`, each set replacing itself whole).
+offline_network_up() {
+  local ns=$NETNS_PREFIX$OFFLINE_NODE
+  if ! offline_link_ready "$ns"; then
+    offline_network_remove "$ns"
+    log "$OFFLINE_NODE: network namespace $ns, $OFFLINE_NODE_ADDR, linked to $OFFLINE_HOST_ADDR here"
+    ip netns add "$ns"
+    ip link add "$ns" type veth peer name eth0 netns "$ns"
+    ip addr add "$OFFLINE_HOST_ADDR/30" dev "$ns"
+    ip -n "$ns" addr add "$OFFLINE_NODE_ADDR/30" dev eth0
+    ip link set "$ns" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+  fi
+  # No IPv6 on the link (its link-local addresses would be a way around the rules' addresses);
+  # route_localnet lets the node's loopback-addressed packets to slurmctld leave through eth0.
+  if [[ -d /proc/sys/net/ipv6 ]]; then
+    sysctl -qw "net.ipv6.conf.$ns.disable_ipv6=1"
+    ip netns exec "$ns" sysctl -qw net.ipv6.conf.eth0.disable_ipv6=1
+  fi
+  ip netns exec "$ns" sysctl -qw net.ipv4.conf.all.route_localnet=1
+  host_side_rules "$ns" | nft -f -
+  node_side_rules | ip netns exec "$ns" nft -f -
+}
+
+# What network-less nodes have here, by name: namespaces, host-side links, nftables tables.
+offline_names() {
+  local names
+  names=$({
+    ls /run/netns || true
+    ip -o link show type veth | awk -F': ' '{sub(/@.*/, "", $2); print $2}' || true
+    nft list tables inet | awk '{print $3}' | tr _ - || true
+  } 2>/dev/null)
+  grep "^$NETNS_PREFIX" <<<"$names" | sort -u || true
+}
+
+# Removes the network-less nodes' namespaces, links and rules: the one named $1, or all.
+offline_network_remove() {
+  local only=${1:-} ns
+  for ns in $(offline_names); do
+    [[ -z $only || $ns == "$only" ]] || continue
+    # The link goes with either end, even while a process keeps the namespace alive.
+    ip link del "$ns" 2>/dev/null || true
+    [[ ! -e /run/netns/$ns ]] || ip netns del "$ns"
+    nft delete table inet "${ns//-/_}" 2>/dev/null || true
+    log "removed network namespace $ns, its link and rules"
+  done
+}
+
+# Only the configured network-less node's network exists.
+offline_networks() {
+  local ns
+  for ns in $(offline_names); do
+    [[ $ns == "$NETNS_PREFIX$OFFLINE_NODE" ]] || offline_network_remove "$ns"
+  done
+  [[ -z $OFFLINE_NODE ]] || offline_network_up
+}
+
+# Whether the running slurmd of the network-less node is in its namespace (one made anew since
+# it started is not).
+node_in_its_network() {
+  local pid
+  pid=$(daemon_pid "slurmd-$1") || return 1
+  [[ $(stat -L -c %i "/proc/$pid/ns/net") == $(stat -L -c %i "/run/netns/$NETNS_PREFIX$1" 2>/dev/null) ]]
 }
 
 # Inside the new mount namespace of compute node $1: give it its own /tmp and /var/tmp, make
@@ -969,6 +1162,9 @@ start_daemons() {
     if running "$name"; then
       if [[ $name == slurmd-* ]] && ! node_sees_checkout "$name"; then
         log "$name was started from another checkout and does not see this one; restarting it"
+        stop_daemon "$name"
+      elif [[ $name == "slurmd-$OFFLINE_NODE" ]] && ! node_in_its_network "$OFFLINE_NODE"; then
+        log "$name is not in the network namespace $NETNS_PREFIX$OFFLINE_NODE; restarting it"
         stop_daemon "$name"
       else
         continue
@@ -1230,7 +1426,10 @@ LOCAL_CLUSTER_SLURM_VERSION=$(sinfo -V | awk '{print $2}')
 LOCAL_CLUSTER_PARTITION=$PARTITION
 LOCAL_CLUSTER_PREEMPTIBLE_PARTITION=$PREEMPTIBLE_PARTITION
 LOCAL_CLUSTER_NODE=${NODES[0]}
-LOCAL_CLUSTER_NODES=$(IFS=,; echo "${NODES[*]}")
+LOCAL_CLUSTER_NODES=$(IFS=,; echo "${MAIN_NODES[*]}")
+LOCAL_CLUSTER_OFFLINE_PARTITION=${OFFLINE_NODE:+$OFFLINE_PARTITION}
+LOCAL_CLUSTER_OFFLINE_NODE=$OFFLINE_NODE
+LOCAL_CLUSTER_TRANSFER_PARTITION=${OFFLINE_NODE:+$TRANSFER_PARTITION}
 LOCAL_CLUSTER_SHARED_DIR=$SHARED
 LOCAL_CLUSTER_REGISTRY=$REGISTRY
 LOCAL_CLUSTER_APPTAINER=$APPTAINER
@@ -1253,11 +1452,13 @@ cmd_up() {
   mkdir -p "$STATE_DIR"
   take_lock
   mkdir -p "$LOGS"
+  OFFLINE_WANTED=${OFFLINE_WANTED:-$(configured_offline)}
   use_nodes "${WANT_NODES:-$(configured_nodes)}"
   install_packages
   install_slurm_release
   prepare_dirs
   write_configs
+  offline_networks
   # From here on the daemons are this release's: `down` and `status` use its commands.
   echo "$SLURM_RELEASE" >"$SLURM_RELEASE_FILE"
   link_client_commands
@@ -1270,6 +1471,7 @@ cmd_up() {
   verify_apptainer
   wait_for_nodes
   echo "$NODE_COUNT" >"$NODE_COUNT_FILE"
+  echo "$OFFLINE_WANTED" >"$NODE_OFFLINE_FILE"
   write_env_file
   local extra=""
   [[ $SLURM_CONF_FILE == /etc/slurm/slurm.conf ]] || extra="   export SLURM_CONF=$SLURM_CONF_FILE"
@@ -1277,7 +1479,7 @@ cmd_up() {
   cat <<EOF
 [$(printf '%3d' $((SECONDS - T0)))s] local cluster is up ($STATE_DIR; logs in $LOGS)
   Slurm:     $(sinfo -V) ($SLURM_RELEASE): $(describe_nodes) ($CPUS CPUs, ${REAL_MEMORY} MB each), partition '$PARTITION' (preemptible: '$PREEMPTIBLE_PARTITION')$extra
-             memory confined by cgroups: $CGROUP; fake GPUs per node: $FAKE_GPUS (gpu:fake)
+             memory confined by cgroups: $CGROUP; fake GPUs per node: $FAKE_GPUS (gpu:fake)$(describe_offline)
   Apptainer: $APPTAINER; exec flags needed here: '${APPTAINER_FLAGS:-none}'
              e.g. $APPTAINER exec ${APPTAINER_FLAGS:+$APPTAINER_FLAGS }IMAGE.sif CMD
   Registry:  $REGISTRY (plain HTTP: apptainer pull --no-https, or APPTAINER_NOHTTPS=1)
@@ -1290,8 +1492,15 @@ describe_nodes() {
   if ((NODE_COUNT == 1)); then
     echo "node $NODE (this machine)"
   else
-    echo "nodes ${NODES[*]} (own mount namespaces; shared filesystem $SHARED)"
+    echo "nodes ${MAIN_NODES[*]} (own mount namespaces; shared filesystem $SHARED)"
   fi
+}
+
+describe_offline() {
+  [[ -n $OFFLINE_NODE ]] || return 0
+  printf '\n             %s' \
+    "network-less: partition '$OFFLINE_PARTITION' ($OFFLINE_NODE, network namespace $NETNS_PREFIX$OFFLINE_NODE, $OFFLINE_NODE_ADDR: reaches only slurmctld at $OFFLINE_HOST_ADDR:$SLURMCTLD_PORT)" \
+    "transfer: partition '$TRANSFER_PARTITION' (${MAIN_NODES[0]}, reaches the network)"
 }
 
 no_running_jobs() { [[ -z $(squeue -h -t running,completing -o %A 2>/dev/null) ]]; }
@@ -1300,6 +1509,7 @@ cmd_down() {
   [[ $(id -u) == 0 ]] || die "run as root"
   [[ -d $STATE_DIR ]] || { log "nothing to stop: $STATE_DIR does not exist"; return 0; }
   take_lock
+  OFFLINE_WANTED=$(configured_offline)
   use_nodes "$(configured_nodes)"
   local names=("$@") name
   find_other_slurmds
@@ -1330,10 +1540,13 @@ cmd_down() {
     [[ " ${names[*]} " == *" $name "* ]] && stop_daemon "$name"
   done
   log "stopped: ${names[*]}"
+  # All of it: the network-less node's network too (a slurmd stopped alone comes back into it).
+  (($#)) || offline_network_remove
 }
 
 cmd_status() {
   local name pid all=0
+  OFFLINE_WANTED=$(configured_offline)
   use_nodes "$(configured_nodes)"
   echo "state directory: $STATE_DIR"
   for name in "${DAEMONS[@]}"; do
@@ -1347,7 +1560,18 @@ cmd_status() {
   if running slurmctld; then
     echo "nodes:"
     sinfo -h -N -o '  %N %T cpus=%c mem=%mMB' 2>/dev/null || true
+    echo "partitions:"
+    sinfo -h -o '  %P %N' 2>/dev/null || true
     echo "jobs in queue: $(squeue -h 2>/dev/null | wc -l)"
+  fi
+  if [[ -n $OFFLINE_NODE ]]; then
+    local ns=$NETNS_PREFIX$OFFLINE_NODE
+    if offline_link_ready "$ns"; then
+      echo "network-less node $OFFLINE_NODE: namespace $ns, $OFFLINE_NODE_ADDR; reaches only slurmctld at $OFFLINE_HOST_ADDR:$SLURMCTLD_PORT"
+    else
+      echo "network-less node $OFFLINE_NODE: no network namespace $ns (run 'up')"
+      all=3
+    fi
   fi
   [[ -f $STATE_DIR/cluster.env ]] && { echo "settings ($STATE_DIR/cluster.env):"; sed 's/^/  /' "$STATE_DIR/cluster.env"; }
   return $all
