@@ -160,6 +160,8 @@ def test_offline_tasks_run_containers_but_cannot_stage_from_the_network(
     logs = system_logs(failed)
     assert f"input 0 {url} -> /in/in.txt: GET {url} failed: cannot connect: " in logs, logs
     assert "refused" in logs, logs
+    # ... and the line that tells the site what to set.
+    assert 'staging.where = "transfer"' in logs, logs
     # The image comes from the shared cache the login node pulled it into: no network needed.
     bridge_service.wait(plain)
     ran = bridge_service.with_final_facts(plain)
