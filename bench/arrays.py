@@ -384,7 +384,8 @@ def main() -> dict[str, object]:
     data["sides_run"] = SIDES
     # Another size, or some sides only, are kept beside the default run's figures.
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
-    write_result("arrays" if whole else f"arrays-{TASKS}-{'+'.join(SIDES)}", data)
+    name = f"arrays-{TASKS}-{'+'.join(SIDES)}" if SIDES else f"arrays-burst-{BURST}"
+    write_result("arrays" if whole else name, data)
     if os.environ.get("BENCH_KEEP") == "1":
         print(f"kept: {root}")
     else:
