@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from bridge import config as config_module
 from bridge.config import ENV_CONFIG, Config, ConfigError, load_config
-from bridge.slurm.client import on_path
 from bridge.system.proc import CommandError, run
 
 if TYPE_CHECKING:
@@ -753,6 +752,10 @@ class SiteChecks(CheckGroup):
                 "(job.python and job.work_dir must be the rule's paths)",
                 fix,
             )
+        # Here, not at the top: bridge.slurm imports prometheus_client, which must wait for the
+        # metrics directory (bridge.system.metrics).
+        from bridge.slurm.client import on_path
+
         for program in (on_path(self.config.slurm.sbatch), on_path(self.config.slurm.scancel)):
             if not _names_program(plain, program):
                 raise Failed(
