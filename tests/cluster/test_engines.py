@@ -4,7 +4,9 @@ Each engine runs as a client of the quickstart's service with its default resour
 client-side workaround, its files in the quickstart's data directory. The client runs as the
 service account, which owns that directory: the quickstart's jobs run as that account too, so
 it is the user whose files the workflow's tasks read and write. Engines and their images come
-from tests/fixtures/engines.py (built once, then cached).
+from tests/fixtures/engines.py (built once, then cached). One cwl-tes run goes to a service of
+its own instead, whose tasks run on the network-less partition with their files on an FTP
+server, staged on the transfer partition.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import pwd
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,8 @@ import pytest
 
 from tests.fixtures.engines import Engine, build_engine
 from tests.fixtures.quickstart import ACCOUNT, Quickstart
-from tests.fixtures.service import TesClient
+from tests.fixtures.service import BridgeService, TesClient, start_bridge_service
+from tests.fixtures.storage import FtpsServer
 
 pytestmark = pytest.mark.cluster
 
@@ -349,6 +353,97 @@ def test_cwltes_two_steps(
     assert len(tasks) == 2, result.stderr[-4000:]
     for task_id in tasks:
         assert quickstart.get(task_id, view="MINIMAL")["state"] == "COMPLETE"
+
+
+@pytest.fixture
+def offline_service(
+    local_cluster: Any, cluster_ftps_server: FtpsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeService]:
+    """A service whose tasks go to the network-less partition, their remote inputs and outputs
+    staged by jobs of their own on the transfer partition, with the FTP server's login."""
+    env = local_cluster.env
+    toml = (
+        f'[staging]\nnetrc_file = "{cluster_ftps_server.netrc}"\nwhere = "transfer"\n'
+        f'transfer_partition = "{env["LOCAL_CLUSTER_TRANSFER_PARTITION"]}"\n'
+        'transfer_time_limit = "10:00"\ntransfer_memory_mb = 256\n'
+    )
+    with start_bridge_service(
+        local_cluster,
+        tmp_path_factory.mktemp("cwlremote"),
+        extra_toml=toml,
+        slurm_toml=f'default_partition = "{env["LOCAL_CLUSTER_OFFLINE_PARTITION"]}"',
+    ) as service:
+        yield service
+
+
+def test_cwltes_with_remote_storage_on_the_network_less_partition(
+    offline_service: BridgeService,
+    cluster_ftps_server: FtpsServer,
+    cwltes: Engine,
+    local_cluster: Any,
+    tmp_path: Path,
+) -> None:
+    """The two steps again, with --remote-storage-url: cwl-tes uploads the input over FTPS and
+    hands the tasks ftp:// URLs only. Each task runs on the network-less partition, its files
+    moved by its stage-in and stage-out jobs on the transfer partition; the second step reads
+    the first's output back from the FTP server."""
+    ftps, service = cluster_ftps_server, offline_service
+    image = f"{local_cluster.registry}/library/alpine:latest"
+    (tmp_path / "workflow.cwl").write_text(CWL_WORKFLOW.replace("IMAGE", image))
+    (tmp_path / "message.txt").write_text("hello\nworld\n")
+    (tmp_path / "job.yml").write_text("message: {class: File, path: message.txt}\n")
+    # cwl-tes logs in with the netrc of its HOME, by host name.
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".netrc").write_text(ftps.netrc.read_text())
+    (tmp_path / "home" / ".netrc").chmod(0o600)
+    result = run_as_account(
+        [
+            "cwl-tes", "--tes", service.url, "--remote-storage-url", ftps.url("cwl"),
+            "--outdir", str(tmp_path / "out"), "workflow.cwl", "job.yml",
+        ],
+        tmp_path,
+        cwltes,
+        timeout=300,
+        account=None,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result, service)
+    counted = (tmp_path / "out" / "counted.txt").read_text().splitlines()
+    assert counted[:3] == ["HELLO", "WORLD", "2"], counted
+    assert [p.name for p in ftps.root.glob("cwl/*/message.txt")] == ["message.txt"]
+    tasks = [line.split()[-1] for line in result.stderr.splitlines() if "task id:" in line]
+    assert len(tasks) == 2, result.stderr[-4000:]
+    env = local_cluster.env
+    parts = {
+        "slurm_stage_in_partition": env["LOCAL_CLUSTER_TRANSFER_PARTITION"],
+        "slurm_partition": env["LOCAL_CLUSTER_OFFLINE_PARTITION"],
+        "slurm_node": env["LOCAL_CLUSTER_OFFLINE_NODE"],
+        "slurm_stage_out_partition": env["LOCAL_CLUSTER_TRANSFER_PARTITION"],
+    }
+    upper, count = (staged_task(service, task_id, list(parts)) for task_id in tasks)
+    for task in (upper, count):
+        assert task["state"] == "COMPLETE", task
+        metadata = task["logs"][-1]["metadata"]
+        assert metadata["slurm_staging"] == "transfer"
+        assert {key: metadata[key] for key in parts} == parts, metadata
+        urls = [i["url"] for i in task["inputs"]] + [o["url"] for o in task["outputs"]]
+        assert all(url.startswith(ftps.url("cwl/")) for url in urls), urls
+    # The first step's output went up to the FTP server and came back down as the second's input.
+    (stdout,) = [o["url"] for o in upper["outputs"] if o["name"] == "stdout"]
+    assert [i["url"] for i in count["inputs"]] == [stdout]
+    uploaded = ftps.root / stdout.removeprefix(ftps.url(""))
+    assert uploaded.read_text() == "HELLO\nWORLD\n"
+
+
+def staged_task(service: BridgeService, task_id: str, keys: list[str]) -> dict[str, Any]:
+    """The task once its attempt's metadata has `keys` (what sacct said of its three jobs,
+    a cycle or two after the task ended)."""
+    deadline = time.monotonic() + 30
+    while True:
+        task = service.get(task_id, view="FULL")
+        metadata = (task.get("logs") or [{}])[-1].get("metadata", {})
+        if all(key in metadata for key in keys) or time.monotonic() > deadline:
+            return task
+        time.sleep(0.5)
 
 
 PULSAR_CLIENT = """
