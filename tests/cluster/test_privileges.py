@@ -91,12 +91,6 @@ def _sacct(job_id: str, fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line.strip()]
 
 
-def _bytes(rss: str) -> int:
-    match = re.fullmatch(r"([\d.]+)([KMGT]?)", rss)
-    assert match, rss
-    return int(float(match[1]) * 1024 ** " KMGT".index(match[2] or " "))
-
-
 def _scratch_dirs(local_cluster: Any, task_id: str) -> list[str]:
     # Slurm gives jobs TMPDIR=/tmp here (their node's); the job makes
     # tes-tmp-<task id>-<job id>.XXXXXX in it.
@@ -185,7 +179,9 @@ def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
         "echo size=$(stat -c %s /tmp/big); cat /var/tmp/marker; "
         "echo fs=$(stat -f -c %T /var/tmp); ls /var/tmp; sleep 20"
     )
-    task_id = quickstart.create({"executors": [writer, reader]})
+    # A memory limit below what it writes: a /tmp in memory (tmpfs) would be the job's memory
+    # and the limit would kill it; on disk, the page cache is given back instead.
+    task_id = quickstart.create({"executors": [writer, reader], "resources": {"ram_gb": 1}})
     # While it runs: one directory of the account, 0700, holding the 2 GiB on disk.
     found = _wait_for(
         lambda: [
@@ -216,15 +212,9 @@ def test_tmp_is_on_disk_shared_by_the_tasks_executors_and_private_to_the_task(
     _wait_for(
         lambda: not _scratch_dirs(local_cluster, task_id), 30, "the scratch directory's removal"
     )
-    # The 2 GiB never were the job's memory.
-    job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
-    rss = _wait_for(
-        lambda: [_bytes(r[1]) for r in _sacct(job_id, "JobID,MaxRSS") if r[1]],
-        60,
-        "MaxRSS in sacct",
-    )
-    print(f"job {job_id}: sacct MaxRSS {max(rss) / 2**20:.0f} MiB after writing 2 GiB to /tmp")
-    assert max(rss) < 512 * 2**20, rss
+    # The 2 GiB never were the job's memory: it completed under its 1 GiB limit (above). sacct's
+    # MaxRSS is no measure of it: 26.05 counts the page cache of what the job wrote (2.2 GB
+    # here), 22.05 did not.
 
 
 def test_tmp_stays_on_disk_under_the_tasks_own_inputs_and_outputs_there(
@@ -247,6 +237,8 @@ def test_tmp_stays_on_disk_under_the_tasks_own_inputs_and_outputs_there(
         quickstart.create(
             {
                 "executors": [writer, reader],
+                # Under what it writes to /tmp: only a /tmp on disk lets it complete (above).
+                "resources": {"ram_gb": 0.5},
                 "inputs": [{"path": "/tmp/in/data.txt", "url": f"file://{data}/data.txt"}],
                 "outputs": [{"path": "/tmp/out", "url": f"file://{data}/out", "type": "DIRECTORY"}],
             }
@@ -259,14 +251,6 @@ def test_tmp_stays_on_disk_under_the_tasks_own_inputs_and_outputs_there(
         assert f"size={GIB}" in second, second
         assert (data / "out" / "result.txt").read_text() == "HELLO\n"
         assert not (data / "out" / "big").exists()
-        job_id = task["logs"][-1]["metadata"]["slurm_job_id"]
-        rss = _wait_for(
-            lambda: [_bytes(r[1]) for r in _sacct(job_id, "JobID,MaxRSS") if r[1]],
-            60,
-            "MaxRSS in sacct",
-        )
-        print(f"job {job_id}: sacct MaxRSS {max(rss) / 2**20:.0f} MiB after 1 GiB to /tmp")
-        assert max(rss) < 512 * 2**20, rss
     finally:
         shutil.rmtree(data, ignore_errors=True)
 
