@@ -852,6 +852,16 @@ exec "$@"
 """
 
 
+def stand_in_runtime(tmp_path: Path) -> tuple[Path, Path]:
+    """FAKE_RUNTIME as `tmp_path/apptainer`, and an empty image `tmp_path/img.sif` for it."""
+    runtime = tmp_path / "apptainer"
+    runtime.write_text(FAKE_RUNTIME)
+    runtime.chmod(0o755)
+    image = tmp_path / "img.sif"
+    image.write_text("")
+    return runtime, image
+
+
 def run_job(
     tmp_path: Path,
     task: dict[str, Any],
@@ -866,11 +876,7 @@ def run_job(
     """Render the task and run its job script with `args` (the task directory fenced at lease
     epoch `fence` first; `python` the job side's interpreter); its exit code and records."""
     tmp_path.mkdir(exist_ok=True)
-    runtime = tmp_path / "apptainer"
-    runtime.write_text(FAKE_RUNTIME)
-    runtime.chmod(0o755)
-    image = tmp_path / "img.sif"
-    image.write_text("")
+    runtime, image = stand_in_runtime(tmp_path)
     config = Config.model_validate(
         {
             "state_dir": str(tmp_path / "state"),

@@ -378,14 +378,10 @@ def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
     job side's real staging against loopback servers and a stand-in runtime: the stage-in
     downloads, the task's job runs the executor and ends 0 though it failed, the stage-out
     uploads all the same and ends as the task did, and the records are one job's."""
-    from tests.unit.test_job_side import FAKE_RUNTIME, REPO
+    from tests.unit.test_job_side import REPO, stand_in_runtime
 
     storage_servers.put("http", "parts/in.txt", b"hello\n")
-    runtime = tmp_path / "apptainer"
-    runtime.write_text(FAKE_RUNTIME)
-    runtime.chmod(0o755)
-    image = tmp_path / "img.sif"
-    image.write_text("")
+    runtime, image = stand_in_runtime(tmp_path)
     config = Config.model_validate(
         {
             "state_dir": str(tmp_path / "state"),
