@@ -100,14 +100,33 @@ def ran_to_its_end(job: dict[str, str]) -> bool:
     return job["state"] == "FAILED" and signal in ("", "0") and code not in own
 
 
+def never_began(job: dict[str, str], task_dir: Path) -> bool:
+    """Slurm ended the job COMPLETED 0:0 though its script never began: it left no
+    records/<id>/start_time, the job script's first record. Slurm does so when the launch of a
+    batch job fails on its node (slurmstepd cannot start the script, as when a slurmctld back
+    from an older state gives out an id its node still holds; the node drains "batch job
+    complete failure") and the job may not be requeued: the job's own exit status is then 0."""
+    return (
+        job["state"] == "COMPLETED"
+        and job["exit"] == "0:0"
+        and not (task_dir / "records" / job["id"] / "start_time").exists()
+    )
+
+
 def ran_twice(
-    task: dict[str, Any], jobs: list[dict[str, str]], node_kills: Sequence[tuple[str, str]] = ()
+    task: dict[str, Any],
+    jobs: list[dict[str, str]],
+    node_kills: Sequence[tuple[str, str]] = (),
+    task_dir: Path | None = None,
 ) -> str | None:
     """Why the task ran more than once, or None: more than one run to its end, a job its logs
     do not name, a run that ended before another one started, or two runs at once
-    (a job's run ends at the latest when the nemesis killed its node's processes)."""
+    (a job's run ends at the latest when the nemesis killed its node's processes). With the
+    task's directory, a job whose script never began (:func:`never_began`) is no run."""
     # A job slurmctld forgot before it started stays PENDING in sacct for ever: not a run.
     jobs = [j for j in jobs if j["start"] not in ("", "None", "Unknown")]
+    if task_dir is not None:
+        jobs = [j for j in jobs if not never_began(j, task_dir)]
     ended = [j for j in jobs if ran_to_its_end(j)]
     if len(ended) > 1:
         return f"{len(ended)} runs to their end: {jobs}"
@@ -190,6 +209,7 @@ def _judge(
     retries: int,
     node_kills: Sequence[tuple[str, str]],
     found: dict[str, list[Any]],
+    task_dir: Path,
 ) -> None:
     """One listed task's faults, each added to its list in `found`."""
     expected = plan.expected if plan else "COMPLETE"
@@ -197,7 +217,7 @@ def _judge(
     if task["state"] not in TERMINAL:
         found["not_final"].append(summary)
         return
-    why = ran_twice(task, mine, node_kills)
+    why = ran_twice(task, mine, node_kills, task_dir)
     if why:
         found["twice"].append({**summary, "why": why})
     if task["state"] != expected and not failure_explained(task, mine, retries):
@@ -238,7 +258,8 @@ def check(
         plan = planned.get(task.get("name", ""))
         kind = plan.kind if plan else ("warm-up" if task.get("name") == "warm-up" else "workflow")
         by_kind[kind] = by_kind.get(kind, 0) + 1
-        _judge(task, jobs.get(job_names[task["id"]], []), plan, retries, node_kills, found)
+        mine = jobs.get(job_names[task["id"]], [])
+        _judge(task, mine, plan, retries, node_kills, found, work_dir / task["id"])
     names = [t.get("name") for t in tasks if t.get("name", "").startswith("nemesis-")]
     return {
         "tasks": len(tasks),

@@ -56,19 +56,25 @@ def test_missing_command_is_an_executor_error(bridge_service):
     assert entry["exit_code"] != 0
 
 
-def sacct_default(job_id: str) -> dict[str, str]:
+def sacct_default(job_id: str, timeout: float = 30) -> dict[str, str]:
     """The job's line of `sacct -X -j ID` as a Slurm user reads it: of its default columns
     (JobID JobName Partition Account AllocCPUS State ExitCode) those that are never blank, at
-    their default widths (JobName cut at 10 characters)."""
-    out = subprocess.run(
-        ["sacct", "-X", "-j", job_id, "--format=JobID,JobName,State,ExitCode"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    header = out[0].split()
-    (line,) = [line for line in out[2:] if line.split()[0] == job_id]
-    return dict(zip(header, line.split(), strict=True))
+    their default widths (JobName cut at 10 characters). slurmdbd may hold only its placeholder
+    record ("allocation") a while after the job ended (bridge/slurm/sacct.py): read again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            ["sacct", "-X", "-j", job_id, "--format=JobID,JobName,State,ExitCode"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        header = out[0].split()
+        (line,) = [line for line in out[2:] if line.split()[0] == job_id]
+        facts = dict(zip(header, line.split(), strict=True))
+        if facts["JobName"] != "allocation" or time.monotonic() > deadline:
+            return facts
+        time.sleep(1)
 
 
 @pytest.mark.parametrize(("ignore_error", "executor_logs"), [(False, 1), (True, 2)])

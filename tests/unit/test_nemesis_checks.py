@@ -45,6 +45,28 @@ def test_two_completed_runs_are_twice_whatever_the_kills():
     assert ran_twice(TASK, nothing, kill) is None
 
 
+def test_a_job_slurm_completed_without_its_script_beginning_is_no_run(tmp_path):
+    """A CI run on 22.05, seed 742452: a slurmctld back from an older state gave out ids its
+    nodes still held; element 6317_6 could not be launched on node2 (drained "batch job
+    complete failure") and Slurm ended it COMPLETED 0:0 in the second it started. The task,
+    without that job's records, was submitted again (6349) and ran."""
+    task = {"logs": [{"metadata": {"slurm_job_id": "6349", "slurm_lost_job_ids": "6317_6"}}]}
+    jobs = [
+        {"id": "6317_6", "state": "COMPLETED", "exit": "0:0", "node": "node2",
+         "start": "2026-11-29T08:56:19", "end": "2026-11-29T08:56:19"},
+        {"id": "6349", "state": "COMPLETED", "exit": "0:0", "node": "node1",
+         "start": "2026-11-29T08:56:22", "end": "2026-11-29T08:56:24"},
+    ]  # fmt: skip
+    for job in jobs:
+        (tmp_path / "records" / job["id"]).mkdir(parents=True)
+    (tmp_path / "records" / "6349" / "start_time").write_text("2026-11-29T08:56:22.101Z\n")
+    assert ran_twice(task, jobs, task_dir=tmp_path) is None
+    # Sacct's word alone, or a script that began (its first record written), is two runs.
+    assert "2 runs to their end" in (ran_twice(task, jobs) or "")
+    (tmp_path / "records" / "6317_6" / "start_time").write_text("2026-11-29T08:56:19.020Z\n")
+    assert "2 runs to their end" in (ran_twice(task, jobs, task_dir=tmp_path) or "")
+
+
 def test_array_elements_count_as_their_tasks_jobs(monkeypatch):
     """A task submitted as an array's element is found under its own job name: its runs are
     judged (run twice, falsely failed) as a job of its own is."""
