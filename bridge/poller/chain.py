@@ -30,6 +30,9 @@ from bridge.poller.decisions import Decision, in_queue
 from bridge.slurm import JobInfo
 from bridge.store import TaskRecord
 
+#: The jobs of a chain: stage-in, the task's job, stage-out.
+CHAIN_JOBS = 3
+
 #: The metadata key of each transfer part's facts.
 PART_KEYS = {STAGE_IN_PART: STAGE_IN_KEY, STAGE_OUT_PART: STAGE_OUT_KEY}
 
@@ -111,6 +114,19 @@ def position(chain: Chain, job: dict[str, JobInfo | None], stage_in_done: bool) 
     if not ended_well(run):
         return Position(RUN_PART, chain.run, chain.run)
     return Position(STAGE_OUT_PART, chain.stage_out, chain.run)
+
+
+def jobs_held(chain: Chain, job: dict[str, JobInfo | None], at: Position) -> int:
+    """How many of the chain's jobs Slurm may still hold (admission control counts them all):
+    from the part it is at on, each not known to have ended. A stage-out job pending on its
+    dependency counts against a QOS's MaxSubmitJobs as a running job does."""
+    parts = chain.parts()
+    start = [part for part, _ in parts].index(at.part)
+    return sum(
+        1
+        for _, job_id in parts[start:]
+        if job_id and not ((found := job.get(job_id)) is not None and found.ended)
+    )
 
 
 def adjust(decision: Decision, at: Position) -> Decision:

@@ -51,6 +51,10 @@ class PollerContext:
     #: them until squeue lists them neither pending, running nor completing (JobWatch.update):
     #: a task decided from its records frees its slot only once its job has left Slurm.
     jobs_leaving: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    #: The jobs staged tasks' chains hold in Slurm beyond the one the store counts for each
+    #: task (their later parts, pending on their dependency), by owner, at the last follow
+    #: (poller.chain.jobs_held): admission counts a chain's jobs, not one per task.
+    chain_jobs_beyond_one: dict[str | None, int] = field(default_factory=dict)
     _last_token: int = field(default=0, repr=False)
 
     def fence_token(self) -> int:

@@ -19,6 +19,7 @@ from bridge.poller.chain import (
     Position,
     adjust,
     chain_of_task,
+    jobs_held,
     part_facts,
     position,
     stage_in_done,
@@ -108,6 +109,8 @@ class Follower:
         #: failed stage-in's later jobs), by who cancels them (site mode: the task's owner):
         #: canceled at the end of the follow, one scancel each.
         self._leftovers: dict[str | None, list[str]] = {}
+        #: This follow's count of PollerContext.chain_jobs_beyond_one.
+        self._chain_jobs: dict[str | None, int] = {}
 
     def await_canceled(self, task: TaskRecord) -> None:
         """`task` was canceled and its job scanceled: the job's final facts (sacct's state, end
@@ -128,6 +131,7 @@ class Follower:
         if self.watch.unavailable or self.watch.paced:
             return  # the tasks keep their last known states
         batch: list[_Decided] = []
+        self._chain_jobs = {}
         for task in tasks:
             if self.watch.records_unreadable(task) and not in_queue(self.watch.job_of(task)):
                 # Decided from Slurm alone, a job that recorded its outcome could end wrong
@@ -142,6 +146,7 @@ class Follower:
                 batch = []
         if batch:
             stats.updated += self._apply(batch)
+        self.ctx.chain_jobs_beyond_one = self._chain_jobs
         self._refresh_facts(awaited)
         self._finish_canceled(canceled)
         self._cancel_leftovers(stats)
@@ -280,6 +285,8 @@ class Follower:
         }
         done = stage_in_done(attempt_metadata(task))
         at = position(chain, jobs, done)
+        if (beyond_one := jobs_held(chain, jobs, at) - 1) > 0:
+            self._chain_jobs[task.owner] = self._chain_jobs.get(task.owner, 0) + beyond_one
         job = jobs.get(at.job_id)
         if in_queue(job):
             return at, job, JobRecords(job_id=at.records_id)

@@ -472,3 +472,53 @@ def test_a_fenced_part_stands_down_and_the_others_go_on(tmp_path):
     assert run("job.sh", "lease-epoch=4", "after=8") == SUPERSEDED_EXIT_CODE
     assert run("job.sh", "lease-epoch=5", "after=8") != SUPERSEDED_EXIT_CODE
     assert run("job-stage-out.sh", "lease-epoch=4", "after=9") != SUPERSEDED_EXIT_CODE
+
+
+def test_admission_counts_the_jobs_a_chain_holds(tmp_path, sqlite_store):
+    """slurm.max_jobs_in_flight counts jobs: a staged task is three until its stage-in ends,
+    two while its own job runs, one at stage-out; a chain goes only with room for all three
+    (a QOS's MaxSubmitJobs counts the pending ones too)."""
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.array_gather_seconds": 0, "slurm.max_jobs_in_flight": 4, **TRANSFER},
+    )
+    slurm = FakeSlurm()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    store = sqlite_store
+    first, second = store.create_task(REMOTE), store.create_task(REMOTE)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 3  # 3 in flight: a second chain would be 6
+    assert store.get_task(second.id).job_id is None
+    lines = store.get_task(second.id).logs[0]["system_logs"]
+    assert any("this task is 3 jobs" in line and "max_jobs_in_flight = 4" in line for line in lines)
+    # A task of one job fits beside it.
+    one = store.create_task(LOCAL)
+    poller.cycle()
+    assert store.get_task(one.id).job_id is not None and slurm.calls.count("sbatch") == 4
+    set_job(slurm, "100", "COMPLETED", exit_code=0)  # the stage-in ended well: 2 + 1 left
+    poller.cycle()
+    assert store.get_task(second.id).job_id is None
+    set_job(slurm, "101", "COMPLETED", exit_code=0)  # the task's job ended: its stage-out + 1
+    write_records(poller, first.id, "101", phase="ran", executors_failed="0")
+    poller.cycle()
+    assert store.get_task(second.id).job_id is None  # 2 held, a chain of 3 would pass 4
+    set_job(slurm, "103", "COMPLETED", exit_code=0)
+    write_records(poller, one.id, "103", phase="done", outcome="complete")
+    poller.cycle()  # the one-job task ends, leaving the stage-out only
+    poller.cycle()
+    assert state(store, one.id) == "COMPLETE"
+    assert store.get_task(second.id).job_id is not None and slurm.calls.count("sbatch") == 7
+
+
+def test_a_chain_goes_alone_under_a_limit_below_three(tmp_path, sqlite_store):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
+        overrides={"slurm.array_gather_seconds": 0, "slurm.max_jobs_in_flight": 2, **TRANSFER},
+    )
+    slurm = FakeSlurm()
+    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    first, second = sqlite_store.create_task(REMOTE), sqlite_store.create_task(REMOTE)
+    poller.cycle()
+    assert slurm.calls.count("sbatch") == 3
+    assert sqlite_store.get_task(first.id).job_id == "101"
+    assert sqlite_store.get_task(second.id).job_id is None

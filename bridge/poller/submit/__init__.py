@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from bridge.poller.arrays import ArrayPlanner, Ready
 from bridge.poller.cancel import Canceller
+from bridge.poller.chain import CHAIN_JOBS
 from bridge.poller.context import CycleStats, ImageSource, PollerContext
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.submit.admit import Admission
@@ -146,9 +147,15 @@ class Submitter:
                     held += 1
                     continue
                 item = self.prepare.ready(task, stats)
-                if item is not None:
-                    ready.append(item)
-                    admission.add(task.owner)
+                if item is None:
+                    continue
+                jobs = CHAIN_JOBS if item.prepared.staged else 1
+                if jobs > 1 and (waiting := admission.refusal(task.owner, jobs)):
+                    self.outcomes.tell_waiting([task], waiting)  # its chain does not fit yet
+                    held += 1
+                    continue
+                ready.append(item)
+                admission.add(task.owner, jobs)
             except Exception as exc:  # one broken task must not stop the others
                 if self.outcomes.unexpected(exc, [task]):
                     break

@@ -8,11 +8,20 @@ from bridge.poller.context import PollerContext
 from bridge.store import TaskRecord
 
 
+def _over(held: int, jobs: int, limit: int) -> bool:
+    """Whether `jobs` more would pass `limit` (0: none) with `held` in Slurm; a task of more
+    jobs than the limit goes when none are held, rather than never."""
+    return bool(limit) and (held >= limit or (held > 0 and held + jobs > limit))
+
+
 class Admission:
     """Admission control: `slurm.max_jobs_in_flight` jobs of this service in Slurm at most, and
     `slurm.max_jobs_per_owner` of one owner; counted from the store once per submission round,
     with the jobs of decided tasks that squeue still listed (PollerContext.jobs_leaving): a job
-    is counted until the poller has seen it leave Slurm, never less."""
+    is counted until the poller has seen it leave Slurm, never less. A task staged on the
+    transfer partition is the jobs its chain holds (PollerContext.chain_jobs_beyond_one): three
+    to submit, and room for all three, unless none of its kind is in Slurm (a limit below three
+    would hold it for ever)."""
 
     def __init__(self, ctx: PollerContext) -> None:
         self.ctx = ctx
@@ -25,25 +34,30 @@ class Admission:
             # Jobs of tasks already decided that Slurm has not let go yet.
             for owner in ctx.jobs_leaving.values():
                 self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
+            for owner, jobs in ctx.chain_jobs_beyond_one.items():
+                self.by_owner[owner] = self.by_owner.get(owner, 0) + jobs
         self.total = sum(self.by_owner.values())
 
     @property
     def full(self) -> bool:
         return bool(self.max_total) and self.total >= self.max_total
 
-    def refusal(self, owner: str | None) -> Condition | None:
-        """Why a task of `owner` waits, or None when it may be submitted."""
-        if self.full:
+    def refusal(self, owner: str | None, jobs: int = 1) -> Condition | None:
+        """Why a task of `owner` that is `jobs` jobs in Slurm waits, or None when it may be
+        submitted."""
+        chain = f"; staged on the transfer partition, this task is {jobs} jobs" if jobs > 1 else ""
+        if _over(self.total, jobs, self.max_total):
             return Condition(
                 ConditionKind.ADMISSION,
                 f"waiting: {self.total} jobs of this service are in Slurm, the most it submits "
-                f"at once (slurm.max_jobs_in_flight = {self.max_total})",
+                f"at once (slurm.max_jobs_in_flight = {self.max_total}){chain}",
             )
-        if self.max_owner and self.by_owner.get(owner, 0) >= self.max_owner:
+        if _over(self.by_owner.get(owner, 0), jobs, self.max_owner):
             return Condition(
                 ConditionKind.ADMISSION,
                 f"waiting: {self.by_owner.get(owner, 0)} jobs of this task's owner are in Slurm, "
-                f"the most one owner may have (slurm.max_jobs_per_owner = {self.max_owner})",
+                f"the most one owner may have (slurm.max_jobs_per_owner = {self.max_owner})"
+                f"{chain}",
             )
         return None
 
@@ -54,9 +68,9 @@ class Admission:
             return []  # when full, every task is read to be told why it waits
         return [owner for owner, jobs in self.by_owner.items() if jobs >= self.max_owner]
 
-    def add(self, owner: str | None) -> None:
-        self.total += 1
-        self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
+    def add(self, owner: str | None, jobs: int = 1) -> None:
+        self.total += jobs
+        self.by_owner[owner] = self.by_owner.get(owner, 0) + jobs
 
     def round_for_others(
         self, tasks: list[TaskRecord], *, now: float, limit: int

@@ -10,6 +10,7 @@ import secrets
 from bridge.core.naming import LEASE_EPOCH_ARG, array_job_name, job_name
 from bridge.poller.arrays import ArrayPlanner, Ready, marked_logs
 from bridge.poller.attempt import Condition, ConditionKind
+from bridge.poller.chain import CHAIN_JOBS
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.submit.chain import ChainSbatch
@@ -64,7 +65,7 @@ class Sbatch:
                 self.outcomes.tell_waiting(waiting, self.backoff.reason)
                 break
             # A staged task's chain is three sbatches (submit.chain).
-            sbatches = 3 if len(unit) == 1 and unit[0].prepared.staged else 1
+            sbatches = CHAIN_JOBS if len(unit) == 1 and unit[0].prepared.staged else 1
             if self._budget_spent(until, sbatches):
                 break  # the Slurm call budget is spent for now: the rest go next cycle
             try:
