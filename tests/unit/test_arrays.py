@@ -250,6 +250,38 @@ def test_tasks_held_to_gather_are_written_once_unless_their_images_changed(
     assert "/new/alpine.sif" in script
 
 
+def test_tasks_the_budget_did_not_reach_are_written_once(tmp_path, sqlite_store, monkeypatch):
+    """A round prepares up to 500 tasks; under a budget of a few sbatches a cycle the ones it
+    did not reach wait for the next rounds as they were written, not written again each round
+    (800 tasks at 20 sbatches a second rewrote tens of thousands of directories, and starved
+    the follow of its squeue under load)."""
+    from bridge.system.budget import CallBudget
+
+    writes: Counter[str] = Counter()
+    real = prepare.prepare_task_dir
+
+    def counted(document: dict[str, Any], **kwargs: Any) -> Path:
+        writes[document["id"]] += 1
+        return real(document, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare_task_dir", counted)
+    poller, fake = make_poller(tmp_path, sqlite_store, arrays="never")
+    now = [1000.0]
+    fake.budget = CallBudget(
+        2.0, 6, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s)
+    )
+    tasks = [sqlite_store.create_task(ECHO) for _ in range(12)]
+    submitted = poller.cycle().submitted
+    assert 0 < submitted < 12 and len(writes) == 12
+    rounds = 1
+    while not all(sqlite_store.get_task(t.id).job_id for t in tasks):
+        now[0] += 5.0  # the budget fills again
+        poller.cycle()
+        rounds += 1
+        assert rounds < 30
+    assert set(writes.values()) == {1}
+
+
 def test_a_held_shape_that_grows_goes_as_an_array(tmp_path, sqlite_store):
     poller, fake, now = clocked_poller(tmp_path, sqlite_store)
     _, few = burst(sqlite_store)

@@ -112,7 +112,10 @@ class Submitter:
         ready, held = self._admit_and_prepare(tasks, admission, stats)
         self.held_by_admission = held
         gathering = 0
-        held_to_gather: list[Ready] = []
+        # Prepared and left QUEUED: held to gather into an array, or not reached by the round
+        # (the call budget spent): the next round takes them as they are, not written again
+        # (a round of 500 tasks under a budget of a few sbatches a cycle rewrote them all).
+        kept: list[Ready] = []
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one; those
             # held back to gather into an array stay QUEUED, untouched, for a later round.
@@ -121,9 +124,8 @@ class Submitter:
             may_gather = not held and len(tasks) < MAX_SUBMISSIONS_PER_CYCLE
             plan = self.arrays.plan(ready, stats, gather=may_gather)
             gathering = len(plan.held)
-            held_to_gather = plan.held
-            self.sbatch.submit_round(plan.units, stats)
-        self.prepare.keep(held_to_gather)
+            kept = plan.held + self.sbatch.submit_round(plan.units, stats)
+        self.prepare.keep(kept)
         metrics.observe_submission_round(held, self.waiting_for_images, gathering)
 
     def _admit_and_prepare(

@@ -76,9 +76,11 @@ class Preparer:
         self.nodes = NodeSizesCache(ctx)
         #: Tasks of this submission round waiting for an image pull (a gauge).
         self.waiting_for_images = 0
-        #: Tasks held back to gather into an array (`keep`), as prepared, with their images:
-        #: the next round submits them without writing their directories again (a burst's
-        #: tasks are held for several rounds while more of their shape arrive).
+        #: Tasks left QUEUED by the last round (`keep`: held back to gather into an array, or
+        #: not reached before the call budget was spent), as prepared, with their images: the
+        #: next round submits them without writing their directories again (a burst's tasks
+        #: are held for several rounds while more of their shape arrive, or wait for the
+        #: budget a few sbatches a cycle).
         self._kept: dict[str, tuple[int, dict[str, str], Ready]] = {}
         #: The images each task of this round was prepared with.
         self._round_images: dict[str, dict[str, str]] = {}

@@ -52,9 +52,10 @@ class Sbatch:
         #: Tasks staged on the transfer partition: three jobs each.
         self.chain = ChainSbatch(ctx, owners, backoff, outcomes, failures, recorder)
 
-    def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> None:
+    def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> list[Ready]:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
-        stops the round (the back-off it starts)."""
+        stops the round (the back-off it starts). Returns the tasks the round did not reach
+        (the call budget spent, a back-off): still prepared, for the next round."""
         paused_until = self.backoff.paused_until
         # While the budget sets the pace, a round lasts one poll interval at most: the follow
         # and the cancels of this cycle come in between.
@@ -63,11 +64,11 @@ class Sbatch:
             if self.backoff.paused_until > paused_until and self.backoff.paused:
                 waiting = [r.task for later in units[index:] for r in later]
                 self.outcomes.tell_waiting(waiting, self.backoff.reason)
-                break
+                return _unreached(units[index:])
             # A staged task's chain is three sbatches (submit.chain).
             sbatches = CHAIN_JOBS if len(unit) == 1 and unit[0].prepared.staged else 1
             if self._budget_spent(until, sbatches):
-                break  # the Slurm call budget is spent for now: the rest go next cycle
+                return _unreached(units[index:])  # the budget is spent: the rest go next cycle
             try:
                 if len(unit) == 1 and unit[0].prepared.staged:
                     stats.submitted += self.chain.submit(unit[0], stats)
@@ -77,7 +78,8 @@ class Sbatch:
                     stats.submitted += self.submit_array(unit, stats)
             except Exception as exc:  # one broken submission must not stop the others
                 if self.outcomes.unexpected(exc, [r.task for r in unit]):
-                    break
+                    return _unreached(units[index + 1 :])
+        return []
 
     def _budget_spent(self, until: float, sbatches: int = 1) -> bool:
         """Whether this round stops for the call budget: the unit's `sbatches` would leave
@@ -204,3 +206,7 @@ class Sbatch:
         except SlurmError as exc:
             self.failures.wait_for_slurm(task, attempt, exc)
         return None
+
+
+def _unreached(units: list[list[Ready]]) -> list[Ready]:
+    return [ready for unit in units for ready in unit]
