@@ -217,12 +217,8 @@ def test_a_burst_that_goes_on_is_submitted_after_the_longest_gathering(tmp_path,
     assert not any(sqlite_store.get_task(t.id).job_id for t in later)
 
 
-def test_tasks_held_to_gather_are_written_once_unless_their_images_changed(
-    tmp_path, sqlite_store, monkeypatch
-):
-    """A task held for several rounds keeps the directory and script its first round wrote
-    (a burst's tasks are held while more arrive: writing them each round cost the poller most
-    of its time); one whose image resolves to another SIF meanwhile is written again."""
+def count_task_dir_writes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each task's directory and job script are written (by task id)."""
     writes: Counter[str] = Counter()
     real = prepare.prepare_task_dir
 
@@ -231,6 +227,16 @@ def test_tasks_held_to_gather_are_written_once_unless_their_images_changed(
         return real(document, **kwargs)
 
     monkeypatch.setattr(prepare, "prepare_task_dir", counted)
+    return writes
+
+
+def test_tasks_held_to_gather_are_written_once_unless_their_images_changed(
+    tmp_path, sqlite_store, monkeypatch
+):
+    """A task held for several rounds keeps the directory and script its first round wrote
+    (a burst's tasks are held while more arrive: writing them each round cost the poller most
+    of its time); one whose image resolves to another SIF meanwhile is written again."""
+    writes = count_task_dir_writes(monkeypatch)
     poller, _, now = clocked_poller(tmp_path, sqlite_store)
     many, _ = burst(sqlite_store)
     assert poller.cycle().submitted == 0
@@ -257,14 +263,7 @@ def test_tasks_the_budget_did_not_reach_are_written_once(tmp_path, sqlite_store,
     the follow of its squeue under load)."""
     from bridge.system.budget import CallBudget
 
-    writes: Counter[str] = Counter()
-    real = prepare.prepare_task_dir
-
-    def counted(document: dict[str, Any], **kwargs: Any) -> Path:
-        writes[document["id"]] += 1
-        return real(document, **kwargs)
-
-    monkeypatch.setattr(prepare, "prepare_task_dir", counted)
+    writes = count_task_dir_writes(monkeypatch)
     poller, fake = make_poller(tmp_path, sqlite_store, arrays="never")
     now = [1000.0]
     fake.budget = CallBudget(
