@@ -84,12 +84,15 @@ def chain_ids(task: dict[str, Any]) -> list[str]:
 
 
 def final_records(job_ids: list[str], timeout: float = 30) -> dict[str, dict[str, str]]:
-    """sacct's records once every job has ended (slurmdbd may be a moment behind)."""
+    """sacct's records once every job has ended (slurmdbd may be a moment behind, and hold
+    only a placeholder, "allocation" with no partition, for a job that just ended)."""
     deadline = time.monotonic() + timeout
     while True:
         rows = sacct(job_ids)
         ended = all(
-            rows.get(j, {}).get("State", "") not in ("", "PENDING", "RUNNING") for j in job_ids
+            rows.get(j, {}).get("State", "") not in ("", "PENDING", "RUNNING")
+            and rows[j]["JobName"] != "allocation"
+            for j in job_ids
         )
         if ended or time.monotonic() > deadline:
             return rows
