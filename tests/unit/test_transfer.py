@@ -13,6 +13,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,14 +51,19 @@ class FakeImages:
         pass
 
 
-@pytest.fixture
-def env(tmp_path: Path, sqlite_store: Store):
+def make_poller(tmp_path: Path, store: Store, **overrides: Any) -> tuple[Poller, FakeSlurm]:
+    """A poller of a site that stages on the transfer partition, on the fake Slurm."""
     config = load_config(
         environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
-        overrides={"slurm.array_gather_seconds": 0, **TRANSFER},
+        overrides={"slurm.array_gather_seconds": 0, **TRANSFER, **overrides},
     )
     slurm = FakeSlurm()
-    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    return Poller(config, store, slurm_client=slurm, images=FakeImages()), slurm
+
+
+@pytest.fixture
+def env(tmp_path: Path, sqlite_store: Store):
+    poller, slurm = make_poller(tmp_path, sqlite_store)
     return poller, sqlite_store, slurm
 
 
@@ -474,16 +480,15 @@ def test_a_fenced_part_stands_down_and_the_others_go_on(tmp_path):
     assert run("job-stage-out.sh", "lease-epoch=4", "after=9") != SUPERSEDED_EXIT_CODE
 
 
-def test_admission_counts_the_jobs_a_chain_holds(tmp_path, sqlite_store):
+def test_admission_counts_the_jobs_a_chain_holds(tmp_path, sqlite_store, monkeypatch):
     """slurm.max_jobs_in_flight counts jobs: a staged task is three until its stage-in ends,
     two while its own job runs, one at stage-out; a chain goes only with room for all three
-    (a QOS's MaxSubmitJobs counts the pending ones too)."""
-    config = load_config(
-        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
-        overrides={"slurm.array_gather_seconds": 0, "slurm.max_jobs_in_flight": 4, **TRANSFER},
-    )
-    slurm = FakeSlurm()
-    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    (a QOS's MaxSubmitJobs counts the pending ones too). A chain waiting for room keeps what
+    its first round wrote."""
+    from tests.unit.test_arrays import count_task_dir_writes
+
+    writes = count_task_dir_writes(monkeypatch)
+    poller, slurm = make_poller(tmp_path, sqlite_store, **{"slurm.max_jobs_in_flight": 4})
     store = sqlite_store
     first, second = store.create_task(REMOTE), store.create_task(REMOTE)
     poller.cycle()
@@ -508,15 +513,11 @@ def test_admission_counts_the_jobs_a_chain_holds(tmp_path, sqlite_store):
     poller.cycle()
     assert state(store, one.id) == "COMPLETE"
     assert store.get_task(second.id).job_id is not None and slurm.calls.count("sbatch") == 7
+    assert writes[second.id] == 1
 
 
 def test_a_chain_goes_alone_under_a_limit_below_three(tmp_path, sqlite_store):
-    config = load_config(
-        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path / "state")},
-        overrides={"slurm.array_gather_seconds": 0, "slurm.max_jobs_in_flight": 2, **TRANSFER},
-    )
-    slurm = FakeSlurm()
-    poller = Poller(config, sqlite_store, slurm_client=slurm, images=FakeImages())
+    poller, slurm = make_poller(tmp_path, sqlite_store, **{"slurm.max_jobs_in_flight": 2})
     first, second = sqlite_store.create_task(REMOTE), sqlite_store.create_task(REMOTE)
     poller.cycle()
     assert slurm.calls.count("sbatch") == 3

@@ -109,13 +109,14 @@ class Submitter:
         # A full round may hold tasks of owners with no room left, and others' tasks may wait
         # behind it: it is read again without them.
         tasks = admission.round_for_others(tasks, now=now, limit=MAX_SUBMISSIONS_PER_CYCLE)
-        ready, held = self._admit_and_prepare(tasks, admission, stats)
+        ready, held, no_room = self._admit_and_prepare(tasks, admission, stats)
         self.held_by_admission = held
         gathering = 0
-        # Prepared and left QUEUED: held to gather into an array, or not reached by the round
-        # (the call budget spent): the next round takes them as they are, not written again
-        # (a round of 500 tasks under a budget of a few sbatches a cycle rewrote them all).
-        kept: list[Ready] = []
+        # Prepared and left QUEUED: staged tasks whose chain found no room, held to gather into
+        # an array, or not reached by the round (the call budget spent): the next round takes
+        # them as they are, not written again (a round of 500 tasks under a budget of a few
+        # sbatches a cycle rewrote them all).
+        kept = no_room
         if ready:
             # The tasks prepared before one had to wait go on, as they would one by one; those
             # held back to gather into an array stay QUEUED, untouched, for a later round.
@@ -124,17 +125,19 @@ class Submitter:
             may_gather = not held and len(tasks) < MAX_SUBMISSIONS_PER_CYCLE
             plan = self.arrays.plan(ready, stats, gather=may_gather)
             gathering = len(plan.held)
-            kept = plan.held + self.sbatch.submit_round(plan.units, stats)
-        self.prepare.keep(kept)
+            kept += plan.held + self.sbatch.submit_round(plan.units, stats)
+        self.prepare.keep(kept, read=[task.id for task in tasks])
         metrics.observe_submission_round(held, self.waiting_for_images, gathering)
 
     def _admit_and_prepare(
         self, tasks: list[TaskRecord], admission: Admission, stats: CycleStats
-    ) -> tuple[list[Ready], int]:
+    ) -> tuple[list[Ready], int, list[Ready]]:
         """The round's tasks that admission lets go, their directories and job scripts written
-        (counted in `admission` as they come), and how many tasks admission held back; the
+        (counted in `admission` as they come), how many tasks admission held back, and those of
+        them it held once prepared (a staged task's chain with no room for its three jobs); the
         others wait or failed."""
         ready: list[Ready] = []
+        no_room: list[Ready] = []
         held = 0
         for index, task in enumerate(tasks):
             try:
@@ -154,6 +157,7 @@ class Submitter:
                 jobs = CHAIN_JOBS if item.prepared.staged else 1
                 if jobs > 1 and (waiting := admission.refusal(task.owner, jobs)):
                     self.outcomes.tell_waiting([task], waiting)  # its chain does not fit yet
+                    no_room.append(item)
                     held += 1
                     continue
                 ready.append(item)
@@ -165,4 +169,4 @@ class Submitter:
                 # The tasks that wait behind it wait for the same reason: say so.
                 self.outcomes.tell_waiting(tasks[index + 1 :], self.backoff.reason)
                 break
-        return ready, held
+        return ready, held, no_room

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -85,12 +86,18 @@ class Preparer:
         #: The images each task of this round was prepared with.
         self._round_images: dict[str, dict[str, str]] = {}
 
-    def keep(self, held: list[Ready]) -> None:
-        """The round is over: remember `held` as prepared, for the next round only."""
+    def keep(self, held: list[Ready], read: Collection[str] = ()) -> None:
+        """The round is over: remember `held` as prepared, for the next round; and what was
+        kept of the tasks the round `read` (by id) but told to wait before preparing them (a
+        round full for admission): they are taken as they are once their turn comes."""
         images = self._round_images
-        self._kept = {
+        kept = {
             r.task.id: (r.task.attempt, images[r.task.id], r) for r in held if r.task.id in images
         }
+        for task_id in read:
+            if task_id not in images and task_id in self._kept:
+                kept.setdefault(task_id, self._kept[task_id])
+        self._kept = kept
         self._round_images = {}
 
     def ready(self, task: TaskRecord, stats: CycleStats) -> Ready | None:
