@@ -15,7 +15,9 @@ machine, decided by `decisions.decide` from the part the chain is at:
 
 The attempt's metadata names the chain (attempt.STAGING_KEY) before the first sbatch, then
 each part's job id as it is submitted; `slurm_job_id` (the task's `job_id`) is the task's
-own job, as for any task.
+own job, as for any task. Staged tasks submitted as three job arrays (submit.staged) are each
+such a chain of their elements (`aftercorr:` in place of `afterok:`), named by the arrays'
+names (`name`: the tasks' array's).
 """
 
 from __future__ import annotations
