@@ -88,8 +88,11 @@ def ended_well(job: JobInfo | None) -> bool:
 
 
 def _never_started(job: JobInfo | None) -> bool:
-    """Pending still, or ended without starting (e.g. cancelled for its dependency)."""
+    """Pending still, or ended without starting (e.g. cancelled for its dependency: Slurm gives
+    a job it cancels for `--kill-on-invalid-dep` a start time, but no node)."""
     if job is None or in_queue(job):
+        return True
+    if job.state == "CANCELLED" and not job.node:
         return True
     return job.ended and job.start_time is None and not job.node
 

@@ -181,6 +181,14 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
             ": the job could not write its records in the work directory (a full or "
             f"read-only work filesystem?), so {ran}"
         )
+    if job.state == "CANCELLED" and not job.node and job.reason == "DependencyNeverSatisfied":
+        # A staged task's later job, decided here only after the job before it ended well
+        # (poller.chain): Slurm judged an array element's `aftercorr` by its whole array, the
+        # corresponding element purged (docs/staging.md).
+        return (
+            ": Slurm cancelled it for its dependency, though the job before it had ended well "
+            "(an array element judged by its whole array)"
+        )
     if job.state == "FAILED" and job.signal and records.outcome is None:
         # The job script itself was killed (each executor runs in a subshell whose end the
         # script records): only something outside the task does that, such as a node's

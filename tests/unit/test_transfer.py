@@ -68,7 +68,7 @@ def metadata(store: Store, task_id: str) -> dict[str, str]:
 
 
 def set_job(slurm: FakeSlurm, job_id: str, state: str, **fields) -> None:
-    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state=state, reason=None, **fields)
+    slurm.jobs[job_id] = replace(slurm.jobs[job_id], state=state, **{"reason": None, **fields})
 
 
 def write_records(poller: Poller, task_id: str, job_id: str, **files: str) -> None:
@@ -874,3 +874,70 @@ def test_a_first_array_whose_sbatch_got_no_answer_is_found_and_the_rest_submitte
     assert len(slurm.array_elements) == 2 and len(slurm.jobs) == 6
     for index, task in enumerate(tasks):
         assert chain_ids(store, task.id) == (f"100_{index}", f"101_{index}", f"102_{index}")
+
+
+def test_an_element_slurm_cancelled_for_its_dependency_after_a_good_stage_in_runs_again(
+    arrays_env,
+):
+    """Slurm judges an element whose corresponding element was purged by its whole array
+    (docs/staging.md): with another task's stage-in failed, it cancels the later element of a
+    task whose own stage-in ended well. That task is submitted again, not failed."""
+    from datetime import UTC, datetime
+
+    poller, store, slurm = arrays_env
+    tasks = [store.create_task(REMOTE) for _ in range(2)]
+    poller.cycle()
+    (in0, run0, _), (in1, _, _) = chain_ids(store, tasks[0].id), chain_ids(store, tasks[1].id)
+    set_job(slurm, in0, "COMPLETED", exit_code=0, partition="xfer")
+    write_records(poller, tasks[0].id, in0, phase="staged")
+    poller.cycle()
+    assert state(store, tasks[0].id) == "INITIALIZING"
+    set_job(slurm, in1, "FAILED", exit_code=STAGE_IN_EXIT_CODE)
+    write_records(poller, tasks[1].id, in1, phase="done", outcome="system_error")
+    now = datetime.now(UTC)
+    set_job(
+        slurm, run0, "CANCELLED", exit_code=0, canceled_by="", node=None,
+        reason="DependencyNeverSatisfied", start_time=now, end_time=now,
+    )  # fmt: skip
+    poller.cycle()
+    assert state(store, tasks[1].id) == "SYSTEM_ERROR"
+    assert state(store, tasks[0].id) == "QUEUED"
+    poller.cycle()
+    assert chain_ids(store, tasks[0].id) == ("103", "104", "105")
+    lines = store.get_task(tasks[0].id).logs[0]["system_logs"]
+    assert any(
+        f"Slurm job {run0} ended in state CANCELLED" in line and "for its dependency" in line
+        for line in lines
+    ), lines
+
+
+def test_a_failed_stage_in_element_whose_later_ones_slurm_cancelled_ends_its_task(arrays_env):
+    """Slurm cancels the later elements of a failed stage-in element at once
+    (--kill-on-invalid-dep), giving them a start time but no node: they never started, and the
+    task ends as its stage-in recorded, not submitted again."""
+    from datetime import UTC, datetime
+
+    poller, store, slurm = arrays_env
+    tasks = [store.create_task(REMOTE) for _ in range(2)]
+    poller.cycle()
+    stage_in, run, stage_out = chain_ids(store, tasks[0].id)
+    set_job(slurm, stage_in, "FAILED", exit_code=STAGE_IN_EXIT_CODE, partition="xfer")
+    write_records(
+        poller,
+        tasks[0].id,
+        stage_in,
+        phase="done",
+        outcome="system_error",
+        **{"system_logs.jsonl": json.dumps({"time": "t", "message": "input 0: 404 Not Found"})},
+    )
+    now = datetime.now(UTC)
+    for job_id in (run, stage_out):
+        set_job(
+            slurm, job_id, "CANCELLED", exit_code=0, canceled_by="", node=None,
+            reason="DependencyNeverSatisfied", start_time=now, end_time=now,
+        )  # fmt: skip
+    poller.cycle()
+    record = store.get_task(tasks[0].id)
+    assert record.state == "SYSTEM_ERROR", record.logs
+    assert "input 0: 404 Not Found" in record.logs[0]["system_logs"]
+    assert slurm.calls.count("sbatch") == 3
