@@ -941,3 +941,63 @@ def test_a_failed_stage_in_element_whose_later_ones_slurm_cancelled_ends_its_tas
     assert record.state == "SYSTEM_ERROR", record.logs
     assert "input 0: 404 Not Found" in record.logs[0]["system_logs"]
     assert slurm.calls.count("sbatch") == 3
+
+
+def test_the_three_parts_run_as_elements_of_their_arrays(storage_servers, tmp_path):
+    """The three parts of a task run as element 3 of their arrays' scripts (as Slurm's
+    aftercorr runs them): the stage-in element keeps its records as `IN_3`, the task's element
+    continues them as `RUN_3` (after=IN_3), the stage-out element completes `RUN_3`'s."""
+    from bridge.jobscript.array import render_array_script
+    from bridge.jobscript.parts import PART_SCRIPTS
+    from tests.unit.test_job_side import REPO, stand_in_runtime
+
+    storage_servers.put("http", "elements/in.txt", b"hello\n")
+    runtime, image = stand_in_runtime(tmp_path)
+    config = Config.model_validate(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "container": {"runtime": str(runtime), "allow_root": True},
+            "job": {"python": sys.executable},
+            "staging": {
+                **storage_servers.staging_options(),
+                "where": "transfer",
+                "transfer_partition": "xfer",
+            },
+        }
+    )
+    out_url = storage_servers.url_for("http", "elements/out.txt")
+    root = config.work_dir / "job-1" / "root"
+    task = {
+        "id": "job-1",
+        "inputs": [{"url": storage_servers.url_for("http", "elements/in.txt"), "path": "/in/a"}],
+        "outputs": [{"url": out_url, "path": "/out/b"}],
+        "executors": [{"image": "img", "command": ["sh", "-c", f"cp {root}/in/a {root}/out/b"]}],
+    }
+    task_dir = prepare_task_dir(task, config=config, image_paths={"img": str(image)}).parent
+
+    def element(part: str, array: str, *args: str) -> int:
+        script = tmp_path / f"{part}.sh"
+        text = render_array_script(
+            config=config,
+            shared=[],
+            task_dirs=[task_dir],
+            indexes=[3],
+            script=PART_SCRIPTS.get(part, "job.sh"),
+        )
+        script.write_text(text)
+        env = dict(
+            os.environ, SLURM_ARRAY_JOB_ID=array, SLURM_ARRAY_TASK_ID="3", PYTHONPATH=str(REPO)
+        )
+        result = subprocess.run(["bash", str(script), *args], env=env, timeout=60)
+        return result.returncode
+
+    assert element("stage-in", "7", "lease-epoch=1") == 0
+    assert read_records(task_dir, "7_3", keep_bytes=1024).phase == "staged"
+    assert element("run", "8", "lease-epoch=1", "after=7") == 0
+    assert read_records(task_dir, "8_3", keep_bytes=1024).phase == "ran"
+    assert element("stage-out", "9", "lease-epoch=1", "after=8") == 0
+    records = read_records(task_dir, "8_3", keep_bytes=1024)
+    assert records.outcome == "complete" and records.phase == "done"
+    assert records.start_time == read_records(task_dir, "7_3", keep_bytes=1024).start_time
+    assert storage_servers.server_path("http", "elements/out.txt").read_bytes() == b"hello\n"
+    assert (task_dir / "slurm-8_3.out").exists()
