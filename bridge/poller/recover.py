@@ -119,9 +119,10 @@ class Recovery:
     ) -> list[tuple[TaskRecord, str | None]]:
         """A staged task's interrupted chain (poller.chain): its jobs found by name are
         adopted, in order; a chain found whole is the task's; the missing jobs are submitted
-        (`resume_chain`) once their sbatch has settled and the first of them was fenced alone
-        (the jobs found were submitted under the same token and go on), none twice. A chain
-        without its stage-in job is forgotten like any job not found."""
+        (`resume_chain`; in arrays, with the tasks of the same arrays: `resume_arrays`) once
+        their sbatch has settled and the first of them was fenced alone (the jobs found were
+        submitted under the same token and go on), none twice. A chain without its stage-in job
+        is forgotten like any job not found."""
         now = _chain_found(task, chain, found)
         if now != chain:
             task.logs = _with_chain(task, now)
