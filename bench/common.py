@@ -347,14 +347,21 @@ def fill_store(url: str, count: int, *, active_job_ids: Sequence[str] = ()) -> f
 
 # ------------------------------------------------------------------------------ Slurm's record
 def array_manifests(work_dir: Path) -> dict[str, list[str]]:
-    """Each job array's name and its elements' task ids in order, from the array scripts
-    (`<work_dir>/<first task>/[<name>-]tes-array-*.sh`, written before their sbatch)."""
+    """Each job array's name and its elements' task ids by index ("" where it has none: an
+    array resumed after a crash keeps its tasks' indexes), from the array scripts
+    (`<work_dir>/<first task>/[<name>-]tes-array-*.sh`, written before their sbatch; their
+    manifest is `declare -A TASK_DIRS=(` with one `[I]='task dir'` line per element)."""
     manifests: dict[str, list[str]] = {}
     for script in work_dir.glob("*/*tes-array-*.sh"):
         lines = script.read_text().splitlines()
-        start = lines.index("TASK_DIRS=(") + 1
+        start = lines.index("declare -A TASK_DIRS=(") + 1
         end = lines.index(")", start)
-        manifests[script.stem] = [Path(shlex.split(line)[0]).name for line in lines[start:end]]
+        elements: dict[int, str] = {}
+        for line in lines[start:end]:
+            index, _, task_dir = line.strip().partition("]=")
+            elements[int(index.removeprefix("["))] = Path(shlex.split(task_dir)[0]).name
+        last = max(elements, default=-1)
+        manifests[script.stem] = [elements.get(i, "") for i in range(last + 1)]
     return manifests
 
 

@@ -1,8 +1,9 @@
 """The script of a job array: tasks whose job scripts ask Slurm for the same go to Slurm as one
 `sbatch --array=0-N`. Each task keeps its own directory and job script (bridge.jobscript.render);
 the array's script holds only their shared `#SBATCH` options and the manifest, the task
-directories in element order, and runs element I's job script as the job `ARRAY_I`
-(templates/array.sh.j2)."""
+directories by element, and runs element I's job script as the job `ARRAY_I`
+(templates/array.sh.j2). Staged tasks (bridge.jobscript.parts) go as three arrays, one per
+part, each element running its task's script of that part."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bridge.config import Config
-from bridge.core.naming import NO_RECORDS_EXIT_CODE
-from bridge.job.layout import SLURM_OUTPUT
+from bridge.core.naming import AFTER_ARG, NO_RECORDS_EXIT_CODE
+from bridge.job.layout import SCRIPT, SLURM_OUTPUT
 from bridge.jobscript.render import environment
 from bridge.jobscript.task import RenderError
 
@@ -42,16 +43,31 @@ def shape(directives: Sequence[str]) -> tuple[str, ...]:
     return tuple(d for d in directives if not d.startswith(PER_TASK_OPTIONS))
 
 
-def render_array_script(*, config: Config, shared: Sequence[str], task_dirs: Sequence[Path]) -> str:
-    """The array's script for these task directories (element I runs the I-th)."""
+def render_array_script(
+    *,
+    config: Config,
+    shared: Sequence[str],
+    task_dirs: Sequence[Path],
+    indexes: Sequence[int] | None = None,
+    script: str = SCRIPT,
+) -> str:
+    """The array's script for these task directories: element I runs the I-th's `script` (a
+    staged task's part: bridge.jobscript.parts.PART_SCRIPTS), or with `indexes`, element
+    `indexes[n]` the n-th's (the later arrays of staged tasks submitted again after a crash
+    keep their elements' indexes, which `aftercorr` pairs with the first array's)."""
     if not task_dirs:
         raise RenderError("an array needs at least one task")
+    numbers = list(range(len(task_dirs)) if indexes is None else indexes)
+    if len(numbers) != len(task_dirs) or len(set(numbers)) != len(numbers):
+        raise RenderError("an array needs one distinct index per task")
     prefix, _, suffix = SLURM_OUTPUT.partition("%j")
     directives = [*shared, "--output=/dev/null"]
     template = environment(config).get_template(ARRAY_TEMPLATE)
     return template.render(
         directives=directives,
-        task_dirs=[str(d) for d in task_dirs],
+        task_dirs=[(n, str(d)) for n, d in zip(numbers, task_dirs, strict=True)],
+        script=script,
+        after_arg=AFTER_ARG,
         output_prefix=prefix,
         output_suffix=suffix,
         no_records_exit_code=NO_RECORDS_EXIT_CODE,

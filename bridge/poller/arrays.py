@@ -15,6 +15,12 @@ written with `store.mark_submitting`): after a crash, recovery finds the array b
 gives each task its own element `ID_I`, exactly once. From then on an element is a job like any
 other: followed, canceled (`scancel ID_I`) and submitted again (alone or in a later array) one
 task at a time.
+
+Staged tasks (poller.chain) of one shape, the same for each of their three parts, go as three
+arrays (submit.staged): stage-in, the tasks' jobs (`aftercorr:` the stage-in array) and
+stage-out (`aftercorr:` the tasks' array), element I of each task I's part. The array marks are
+the tasks' array's (`ARRAY_NAME_KEY`: the transfer arrays' names add their part, as a chain's
+jobs do), with the chain's (`STAGING_KEY`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from bridge.core import backend_params
-from bridge.core.naming import job_name
-from bridge.job.layout import write_atomically
+from bridge.core.naming import RUN_PART, STAGE_IN_PART, STAGE_OUT_PART, job_name, part_job_name
+from bridge.job.layout import SCRIPT, write_atomically
 from bridge.jobscript.array import read_directives, render_array_script, shape
+from bridge.jobscript.parts import PART_SCRIPTS
 from bridge.poller.attempt import STAGE_IN_KEY, STAGE_OUT_KEY, STAGING_KEY, TRANSFER, TaskLogs
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.slurm import SlurmError
@@ -50,6 +57,8 @@ _MARKS = (
     ARRAY_NAME_KEY, ARRAY_INDEX_KEY, ARRAY_JOB_KEY, JOB_NAME_KEY, STAGING_KEY,
     STAGE_IN_KEY + "_job_id", STAGE_OUT_KEY + "_job_id",
 )  # fmt: skip
+#: The parts of a staged task, in the order of their arrays.
+STAGED_PARTS = (STAGE_IN_PART, RUN_PART, STAGE_OUT_PART)
 #: Slurm's own ceiling of MaxArraySize.
 MAX_ANY = 4_000_001
 
@@ -64,7 +73,7 @@ class PreparedJob:
     #: resources.disk_gb (0: none), which sbatch --tmp asks for per slurm.disk_request.
     disk_gb: float
     #: Staged on the transfer partition: stage-in, this job and stage-out (poller.chain),
-    #: never in an array.
+    #: alone or in three arrays (submit.staged).
     staged: bool = False
 
 
@@ -125,8 +134,8 @@ def marked_logs(
 ) -> Any:
     """The task's logs with attempt `attempt` marked with the name its job is given, and the
     element `mark[1]` of the array `mark[0]` (None: a job of its own, named `mark[0]`), the marks
-    of an earlier submission removed; `staged`: the job is the middle of a chain of three
-    (poller.chain). None when nothing changes."""
+    of an earlier submission removed; `staged`: the job (or element) is the middle of a chain of
+    three (poller.chain). None when nothing changes."""
     logs = TaskLogs(task.logs)
     metadata = logs.attempt(attempt).ensure_metadata()
     before = {key: metadata.get(key) for key in _MARKS}
@@ -135,11 +144,11 @@ def marked_logs(
     name, element = mark
     if element is None:
         metadata[JOB_NAME_KEY] = name
-        if staged:
-            metadata[STAGING_KEY] = TRANSFER
     else:
         metadata[ARRAY_NAME_KEY] = name
         metadata[ARRAY_INDEX_KEY] = str(element)
+    if staged:
+        metadata[STAGING_KEY] = TRANSFER
     if {key: metadata.get(key) for key in _MARKS} == before:
         return None
     return logs.to_json()
@@ -234,12 +243,13 @@ class ArrayPlanner:
             self._cap *= 2
 
     def _key(self, item: Ready) -> tuple[Any, ...]:
-        if item.prepared.staged:
-            return (_ALONE, item.task.id)  # a chain of three jobs (poller.chain)
+        # A staged task's three parts each ask the same as the others' (submit.staged).
+        parts = STAGED_PARTS if item.prepared.staged else (RUN_PART,)
         try:
-            return (item.task.owner, item.owner, shape(read_directives(item.prepared.script)))
+            shapes = tuple(shape(read_directives(part_script(item, p))) for p in parts)
         except (OSError, UnicodeDecodeError):
             return (_ALONE, item.task.id)  # unreadable here: submitted as a job of its own
+        return (item.task.owner, item.owner, item.prepared.staged, shapes)
 
     def _array_size(self, stats: CycleStats) -> int:
         """MaxArraySize (1: arrays are off until scontrol answers)."""
@@ -253,17 +263,35 @@ class ArrayPlanner:
                 return 1
         return self._max_size
 
-    def write_script(self, members: Sequence[Ready], name: str) -> Path:
-        """The array's script, in its first task's directory (sbatch reads it once)."""
-        shared = [*shape(read_directives(members[0].prepared.script)), f"--job-name={name}"]
+    def write_script(
+        self,
+        members: Sequence[Ready],
+        name: str,
+        part: str = RUN_PART,
+        indexes: Sequence[int] | None = None,
+    ) -> Path:
+        """The array's script (of staged tasks: of their `part`, named `name` and the part, as
+        a chain's jobs are), in its first task's directory (sbatch reads it once); `indexes`:
+        each member's element (default: its place)."""
+        job = part_job_name(name, part)
+        shared = [*shape(read_directives(part_script(members[0], part))), f"--job-name={job}"]
         text = render_array_script(
             config=self.ctx.config,
             shared=shared,
             task_dirs=[self.ctx.task_dir(m.task.id) for m in members],
+            indexes=indexes,
+            script=PART_SCRIPTS.get(part, SCRIPT),
         )
-        path = self.ctx.task_dir(members[0].task.id) / f"{name}.sh"
+        path = self.ctx.task_dir(members[0].task.id) / f"{job}.sh"
         write_atomically(path, text, 0o700)
         return path
+
+
+def part_script(item: Ready, part: str) -> Path:
+    """The task's job script of `part` (a staged task's transfer parts have theirs beside it)."""
+    if part not in PART_SCRIPTS:
+        return item.prepared.script
+    return item.prepared.script.parent / PART_SCRIPTS[part]
 
 
 def _units(group: list[Ready], size: int, minimum: int) -> list[list[Ready]]:

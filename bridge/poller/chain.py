@@ -15,7 +15,9 @@ machine, decided by `decisions.decide` from the part the chain is at:
 
 The attempt's metadata names the chain (attempt.STAGING_KEY) before the first sbatch, then
 each part's job id as it is submitted; `slurm_job_id` (the task's `job_id`) is the task's
-own job, as for any task.
+own job, as for any task. Staged tasks submitted as three job arrays (submit.staged) are each
+such a chain of their elements (`aftercorr:` in place of `afterok:`), named by the arrays'
+names (`name`: the tasks' array's).
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def ended_well(job: JobInfo | None) -> bool:
 
 
 def _never_started(job: JobInfo | None) -> bool:
-    """Pending still, or ended without starting (e.g. cancelled for its dependency)."""
+    """Pending still, or ended without starting (e.g. cancelled for its dependency: Slurm gives
+    a job it cancels for `--kill-on-invalid-dep` a start time, but no node)."""
     if job is None or in_queue(job):
+        return True
+    if job.state == "CANCELLED" and not job.node:
         return True
     return job.ended and job.start_time is None and not job.node
 

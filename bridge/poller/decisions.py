@@ -181,6 +181,19 @@ def _lost_because(job: JobInfo, records: JobRecords) -> str | None:
             ": the job could not write its records in the work directory (a full or "
             f"read-only work filesystem?), so {ran}"
         )
+    if (
+        job.state == "CANCELLED"
+        and not job.node
+        and (job.canceled_by == "" or job.reason == "DependencyNeverSatisfied")
+    ):
+        # Cancelled by Slurm before it started (sacct: plain "CANCELLED", no node): a staged
+        # task's later job (the only jobs with a dependency), decided here only once the job
+        # before it ended well (poller.chain), when Slurm judged an array element's `aftercorr`
+        # by the whole array, the corresponding element purged (docs/staging.md).
+        return (
+            ": Slurm cancelled it before it started, no one asked (for its dependency, though "
+            "the job before it had ended well: an array element judged by its whole array?)"
+        )
     if job.state == "FAILED" and job.signal and records.outcome is None:
         # The job script itself was killed (each executor runs in a subshell whose end the
         # script records): only something outside the task does that, such as a node's

@@ -76,6 +76,7 @@ class Poller:
         self.canceller = Canceller(self.ctx, self.follower.await_canceled)
         self.submitter = Submitter(self.ctx, images, self.owners, self.canceller)
         self.recovery.resume_chain = self.submitter.sbatch.chain.resume
+        self.recovery.resume_arrays = self.submitter.sbatch.staged.resume
         self.capabilities = CapabilitiesReader(self.ctx)
         self.cleaner = Cleaner(self.ctx, images, self.owners)
         #: The newest task seen by a cycle or a quick check.

@@ -1,7 +1,7 @@
 """Finding again the jobs of interrupted submissions (a crash between sbatch and the database
 write, or an sbatch that failed without an answer), by job name (an array's element by the
-array's name and the element stored with the task before sbatch): a task is never submitted
-twice.
+array's name and the element stored with the task before sbatch; a staged task's chain in
+arrays, its element of each part's array): a task is never submitted twice.
 
 An sbatch may create its job later than the poller looks for it: with two login nodes, a leader
 frozen between its lease check and its sbatch for longer than the lease; with one, an sbatch that
@@ -42,6 +42,13 @@ class Recovery:
         self._fenced: dict[tuple[str, str | None], int] = {}
         #: Submits the jobs a staged task's chain lacks (ChainSbatch.resume; set by the loop).
         self.resume_chain: Callable[[TaskRecord, Chain, CycleStats], int] | None = None
+        #: Submits the arrays staged tasks of the same arrays lack (StagedArraySbatch.resume;
+        #: set by the loop).
+        self.resume_arrays: Callable[[list[tuple[TaskRecord, Chain]], CycleStats], int] | None = (
+            None
+        )
+        #: This look's staged tasks in arrays to resume, by their arrays (name, ids found).
+        self._to_resume: dict[tuple[str | None, ...], list[tuple[TaskRecord, Chain]]] = {}
         #: Until then (this poller's clock) no interrupted submission is forgotten: set on a
         #: takeover, when the old leader's sbatch may still be under way on another host
         #: (see `hold_after_takeover`).
@@ -98,6 +105,7 @@ class Recovery:
                     to_fence += self._no_job(task, settled_before, fenced)
         for task, chain in chains:
             to_fence += self._recover_chain(task, chain, found, settled_before, fenced, stats)
+        self._resume_arrays(stats)
         self._fence(to_fence)
 
     def _recover_chain(
@@ -111,17 +119,11 @@ class Recovery:
     ) -> list[tuple[TaskRecord, str | None]]:
         """A staged task's interrupted chain (poller.chain): its jobs found by name are
         adopted, in order; a chain found whole is the task's; the missing jobs are submitted
-        (`resume_chain`) once their sbatch has settled and the first of them was fenced alone
-        (the jobs found were submitted under the same token and go on), none twice. A chain
-        without its stage-in job is forgotten like any job not found."""
-        ids = dict(chain.parts())
-        for part, job_id in chain.parts():
-            if job_id is None:
-                job = _newest_job_of_this_attempt(task, found.get(chain.name_of(part), []))
-                if job is None:
-                    break
-                ids[part] = job.job_id
-        now = Chain(chain.name, ids[STAGE_IN_PART], ids[RUN_PART], ids[STAGE_OUT_PART])
+        (`resume_chain`; in arrays, with the tasks of the same arrays: `resume_arrays`) once
+        their sbatch has settled and the first of them was fenced alone (the jobs found were
+        submitted under the same token and go on), none twice. A chain without its stage-in job
+        is forgotten like any job not found."""
+        now = _chain_found(task, chain, found)
         if now != chain:
             task.logs = _with_chain(task, now)
             log.info("found jobs %s of the interrupted chain of task %s", now.ids(), task.id)
@@ -135,12 +137,30 @@ class Recovery:
             self.ctx.store.record_job(task.id, now.run, logs=task.logs)
         elif (task.submit_started_at or 0.0) > settled_before or self._holding():
             log.info("interrupted chain of task %s: looking again for its later jobs", task.id)
-        elif (task.id, missing) in fenced and self.resume_chain is not None:
+        elif (task.id, missing) in fenced:
             # Fenced alone: a late job of that part stands down; the jobs found go on.
-            self.resume_chain(task, now, stats)
+            self._resume(task, now, stats)
         else:
             return [(task, missing)]
         return []
+
+    def _resume(self, task: TaskRecord, chain: Chain, stats: CycleStats) -> None:
+        """Submit the jobs the chain lacks: at once for a chain of its own; for a staged task
+        in arrays, with the others of its arrays that lack the same (`_resume_arrays`)."""
+        if array_mark(task) is None:
+            if self.resume_chain is not None:
+                self.resume_chain(task, chain, stats)
+            return
+        arrays = tuple(job_id.partition("_")[0] if job_id else None for _, job_id in chain.parts())
+        self._to_resume.setdefault((chain.name, *arrays), []).append((task, chain))
+
+    def _resume_arrays(self, stats: CycleStats) -> None:
+        """The missing arrays of this look's staged tasks in arrays, one sbatch per array."""
+        groups, self._to_resume = self._to_resume, {}
+        if self.resume_arrays is None:
+            return
+        for chains in groups.values():
+            self.resume_arrays(chains, stats)
 
     def _adopted(self, task: TaskRecord, index: str | None, jobs: list[JobInfo]) -> bool:
         """Whether the task's job is among `jobs` (an array's: the array is, its element may not
@@ -220,6 +240,23 @@ class Recovery:
         return self.ctx.clock() < self.hold_until
 
 
+def _chain_found(task: TaskRecord, chain: Chain, found: dict[str, list[JobInfo]]) -> Chain:
+    """The chain with its jobs `found` by name, in order, up to the first not found; a staged
+    task in arrays (submit.staged) has its element of each part's array, by its index."""
+    ids = dict(chain.parts())
+    mark = array_mark(task)
+    for part, job_id in chain.parts():
+        if job_id is None:
+            jobs = found.get(chain.name_of(part), [])
+            if mark is not None:
+                jobs = [j for j in jobs if element_index(j.job_id) == mark[1]]
+            job = _newest_job_of_this_attempt(task, jobs)
+            if job is None:
+                break
+            ids[part] = job.job_id
+    return Chain(chain.name, ids[STAGE_IN_PART], ids[RUN_PART], ids[STAGE_OUT_PART])
+
+
 def _with_chain(task: TaskRecord, chain: Chain) -> list[dict[str, Any]]:
     """The task's logs with the chain's job ids in its attempt's metadata."""
     logs = TaskLogs(task.logs)
@@ -227,6 +264,8 @@ def _with_chain(task: TaskRecord, chain: Chain) -> list[dict[str, Any]]:
     for part, job_id in chain.parts():
         if job_id:
             metadata[PART_KEYS[part] + "_job_id" if part in PART_KEYS else "slurm_job_id"] = job_id
+    if chain.run and element_index(chain.run) is not None:  # staged tasks in arrays
+        metadata[ARRAY_JOB_KEY] = chain.run.partition("_")[0]
     return logs.to_json()
 
 

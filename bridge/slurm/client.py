@@ -105,6 +105,20 @@ def _check_ids(job_ids: Iterable[str]) -> list[str]:
     return ids
 
 
+def array_spec(indexes: Iterable[int]) -> str:
+    """sbatch's `--array` for these element indexes, runs as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    numbers = sorted(set(indexes))
+    if not numbers or numbers[0] < 0:
+        raise ValueError(f"an array needs element indexes of 0 or more: {numbers}")
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _check_text(what: str, value: str) -> None:
     # "|" would break the parsers (the name is not the last field), newlines any line format.
     if not value or "\n" in value or "\r" in value or (what == "job name" and "|" in value):
@@ -130,6 +144,7 @@ class SlurmBackend(Protocol):
         as_user: str | None = None,
         array_size: int | None = None,
         script_args: Sequence[str] = (),
+        array_indexes: Sequence[int] | None = None,
     ) -> str: ...
 
     def test_only(
@@ -262,10 +277,12 @@ class SlurmClient:
         as_user: str | None = None,
         array_size: int | None = None,
         script_args: Sequence[str] = (),
+        array_indexes: Sequence[int] | None = None,
     ) -> str:
         """Submit a batch script; returns the job id. `array_size`: an array of that many
-        elements (``--array=0-N``), whose element I is the job ``ID_I``; `script_args`: the
-        script's own arguments (after it on sbatch's command line).
+        elements (``--array=0-N``), whose element I is the job ``ID_I``; `array_indexes`: an
+        array of these elements (``--array=0-2,5``); `script_args`: the script's own arguments
+        (after it on sbatch's command line).
 
         On :class:`SlurmUnavailable` after a time-out the job may have been queued all the same:
         look for it with :meth:`find_by_names` before submitting again.
@@ -280,6 +297,8 @@ class SlurmClient:
             if array_size < 1:
                 raise ValueError(f"an array needs at least one element: {array_size}")
             argv.append(f"--array=0-{array_size - 1}")
+        elif array_indexes is not None:
+            argv.append(f"--array={array_spec(array_indexes)}")
         for arg in script_args:
             _check_text("script argument", arg)
         argv += [*extra_args, str(script), *script_args]

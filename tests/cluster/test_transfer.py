@@ -1,7 +1,8 @@
 """Staging on the transfer partition (staging.where = "transfer") on the real cluster: a task with
 remote inputs (HTTP, S3, DRS) and an S3 output runs as three Slurm jobs, its stage-in and
 stage-out on the transfer partition, its own job between them, chained with
---dependency=afterok.
+--dependency=afterok; staged tasks of one shape ready together go as three job arrays chained
+with --dependency=aftercorr.
 
 The local cluster names its network-less partition and its transfer partition in cluster.env
 (LOCAL_CLUSTER_OFFLINE_PARTITION, LOCAL_CLUSTER_TRANSFER_PARTITION); where it has neither, the
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bridge.slurm import expand_array_range
 from tests.fixtures.drs import DrsServer
 from tests.fixtures.service import BridgeService, start_bridge_service
 from tests.fixtures.storage import BUCKET, StorageServers
@@ -55,8 +57,13 @@ def service(
         'transfer_time_limit = "10:00"\ntransfer_memory_mb = 256\n'
         f'ca_bundle = "{drs.ca}"\ndrs_tokens_file = "{drs.root / "drs-tokens.toml"}"\n'
     )
+    # Three staged tasks of one shape ready in one round go as three arrays (a lone task, as
+    # the other tests create, as a chain).
     with start_bridge_service(
-        local_cluster, tmp_path_factory.mktemp("transfer"), extra_toml=toml
+        local_cluster,
+        tmp_path_factory.mktemp("transfer"),
+        extra_toml=toml,
+        slurm_toml="array_min_tasks = 3\n",
     ) as service:
         yield service
 
@@ -97,6 +104,19 @@ def final_records(job_ids: list[str], timeout: float = 30) -> dict[str, dict[str
         if ended or time.monotonic() > deadline:
             return rows
         time.sleep(0.5)
+
+
+def element_records(array_ids: list[str]) -> dict[str, dict[str, str]]:
+    """sacct's job lines of these arrays by element id. Slurm 22.05 keeps an element cancelled
+    while still pending in its array's own record: `sacct -j ID_I` has no line of it, `sacct -j
+    ID` shows it within the array's range (`ID_[0-2]`), under the lines of the elements split
+    from it."""
+    rows = sacct(array_ids)
+    by_element: dict[str, dict[str, str]] = {}
+    for job_id in sorted(rows, key=lambda j: "[" not in j):  # ranges first, elements over them
+        for element in expand_array_range(job_id):
+            by_element[element] = rows[job_id]
+    return by_element
 
 
 def system_logs(task: dict[str, Any]) -> str:
@@ -210,3 +230,55 @@ def test_cancel_during_stage_in_leaves_no_job_behind(service, servers, partition
         assert time.monotonic() < deadline, queued
         time.sleep(0.5)
     assert service.get(task_id)["state"] == "CANCELED"
+
+
+def test_staged_tasks_of_one_shape_go_as_three_arrays(service, servers, partitions):
+    """Three staged tasks ready in one round (created while no poller runs): three arrays,
+    element I of each task I's part; the one whose input is missing (404) ends SYSTEM_ERROR and
+    its later elements never run, while the others complete."""
+    task_partition, transfer_partition = partitions
+    servers.put("http", "xfer/arrays/in.txt", b"in\n")
+    urls = [servers.url_for("http", f"xfer/arrays/{n}") for n in ("in.txt", "in.txt", "gone")]
+    documents = [
+        {
+            "name": "staged-array",
+            "resources": {"backend_parameters": {"partition": task_partition}},
+            "inputs": [{"path": "/in/x", "url": url}],
+            "outputs": [{"path": "/out/y", "url": f"s3://{BUCKET}/xfer/arrays/out-{i}"}],
+            "executors": [{"image": "alpine", "command": ["cp", "/in/x", "/out/y"]}],
+        }
+        for i, url in enumerate(urls)
+    ]
+    service.kill_poller()
+    ids = [service.create(document) for document in documents]
+    service.start_poller()
+    tasks = [service.wait(task_id) for task_id in ids]
+    assert [t["state"] for t in tasks] == ["COMPLETE", "COMPLETE", "SYSTEM_ERROR"], [
+        system_logs(t) for t in tasks
+    ]
+    assert "xfer/arrays/gone" in system_logs(tasks[2])
+    for i in (0, 1):
+        assert servers.server_path("s3", f"xfer/arrays/out-{i}").read_bytes() == b"in\n"
+    assert not servers.server_path("s3", "xfer/arrays/out-2").exists()
+    # One array per part, each task its element of each by the index it was marked with.
+    marks = [t["logs"][-1]["metadata"] for t in tasks]
+    assert len({m["slurm_array_name"] for m in marks}) == 1
+    chains = [chain_ids(t) for t in tasks]
+    arrays = {tuple(job_id.partition("_")[0] for job_id in chain) for chain in chains}
+    assert len(arrays) == 1 and len(set(next(iter(arrays)))) == 3
+    for mark, chain in zip(marks, chains, strict=True):
+        assert {job_id.partition("_")[2] for job_id in chain} == {mark["slurm_array_index"]}
+    final_records([j for i in (0, 1) for j in chains[i]])  # the completed tasks' elements
+    rows = element_records(list(next(iter(arrays))))
+    for task, (stage_in, run, stage_out) in zip(tasks, chains, strict=True):
+        assert rows[stage_in]["Partition"] == rows[stage_out]["Partition"] == transfer_partition
+        assert rows[run]["Partition"] == task_partition
+        if task["state"] == "COMPLETE":
+            assert {rows[j]["State"] for j in (stage_in, run, stage_out)} == {"COMPLETED"}
+            assert rows[stage_in]["End"] <= rows[run]["Start"] <= rows[run]["End"]
+            assert rows[run]["End"] <= rows[stage_out]["Start"]
+            continue
+        assert rows[stage_in]["State"] == "FAILED"
+        for job_id in (run, stage_out):
+            assert rows[job_id]["State"].startswith("CANCELLED"), rows
+            assert not (service.shared / "work" / task["id"] / "records" / job_id).exists()

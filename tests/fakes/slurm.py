@@ -110,6 +110,8 @@ class FakeSlurm:
         #: MaxArraySize, and the size of each array submitted.
         self.array_limit = 1001
         self.arrays: list[int] = []
+        #: The element indexes of each array submitted.
+        self.array_elements: list[list[int]] = []
         #: The script's own arguments of each sbatch (the lease epoch of an elected poller).
         self.script_args: list[list[str]] = []
         #: sbatch's own options of each sbatch (a staged task's --dependency).
@@ -137,11 +139,15 @@ class FakeSlurm:
         as_user: str | None = None,
         array_size: int | None = None,
         script_args: Sequence[str] = (),
+        array_indexes: Sequence[int] | None = None,
     ) -> str:
+        if array_indexes is not None:
+            array_size = None  # the elements given, by index
+        elements = list(range(array_size)) if array_size is not None else array_indexes
         self.script_args.append(list(script_args))
         self.extra_args.append(list(extra_args))
         if self.rate_limited_then_killed:
-            self._queue(job_name, array_size)
+            self._queue(job_name, elements)
             self.calls.append("sbatch")
             raise SlurmUnavailable(
                 "sbatch was slowed by slurmctld's RPC rate limit for longer than "
@@ -150,16 +156,17 @@ class FakeSlurm:
                 argv=["sbatch", str(script)],
             )
         if self.create_then_fail:
-            self._queue(job_name, array_size)
+            self._queue(job_name, elements)
             self.calls.append("sbatch")
             raise failure(["sbatch", str(script)], NO_ANSWER)
         self._check("sbatch")
         if self.sbatch_error is not None:
             raise failure(["sbatch", str(script)], self.sbatch_error)
         self.scripts.append(script.read_text())
-        if array_size is not None:
-            self.arrays.append(array_size)
-        return self._queue(job_name, array_size)
+        if elements is not None:
+            self.arrays.append(len(elements))
+            self.array_elements.append(list(elements))
+        return self._queue(job_name, elements)
 
     def test_only(
         self, script: str, *, extra_args: Sequence[str] = (), as_user: str | None = None
@@ -173,10 +180,10 @@ class FakeSlurm:
             raise SlurmError("sbatch --test-only printed no estimate (fake)", argv=["sbatch"])
         return estimate
 
-    def _queue(self, job_name: str, array_size: int | None = None) -> str:
-        """A pending job, or (`array_size`) the elements `ID_I` of a pending array."""
+    def _queue(self, job_name: str, indexes: Sequence[int] | None = None) -> str:
+        """A pending job, or (`indexes`) the elements `ID_I` of a pending array."""
         job_id = str(next(self.ids))
-        elements = [job_id] if array_size is None else [f"{job_id}_{i}" for i in range(array_size)]
+        elements = [job_id] if indexes is None else [f"{job_id}_{i}" for i in indexes]
         for element in elements:
             self.jobs[element] = job(element, "PENDING", name=job_name, reason="Priority")
         return job_id

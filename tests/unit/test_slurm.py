@@ -325,6 +325,18 @@ def test_submit_gives_the_script_its_own_arguments_after_it(tmp_path: Path) -> N
         client.submit(tmp_path / "a.sh", job_name="n", script_args=["x\ny"])
 
 
+def test_submit_an_array_of_given_elements(tmp_path: Path) -> None:
+    """The later arrays of staged tasks submitted again after a crash keep their elements'
+    indexes: `--array` lists them, runs as ranges."""
+    client = SlurmClient(sbatch=replay(tmp_path, "sbatch", "sbatch-ok.txt"))
+    client.submit(tmp_path / "a.sh", job_name="n", array_indexes=[8, 0, 1, 2, 5, 7])
+    assert calls(tmp_path, "sbatch") == [
+        f"--parsable -v --job-name=n --array=0-2,5,7-8 {tmp_path}/a.sh"
+    ]
+    with pytest.raises(ValueError, match="element indexes"):
+        client.submit(tmp_path / "a.sh", job_name="n", array_indexes=[])
+
+
 def test_node_sizes_are_one_sinfo_call_tmp_disk_smallest_and_largest(tmp_path: Path) -> None:
     client = SlurmClient(sinfo=replay(tmp_path, "sinfo", "sinfo-node-sizes.txt"))
     nodes = client.node_sizes()

@@ -10,7 +10,8 @@ runs in order:
    directory and job script, with the nodes' sizes of `nodes.NodeSizesCache`);
 3. **group** the prepared tasks into arrays by shape (`bridge.poller.arrays.ArrayPlanner`);
 4. **submit** each unit (`sbatch.Sbatch`: the call budget, the submitting mark before sbatch,
-   the fence token given to the job; a failed sbatch read by `failures.SbatchFailures`);
+   the fence token given to the job; a failed sbatch read by `failures.SbatchFailures`; staged
+   tasks as a chain, `chain.ChainSbatch`, or three arrays, `staged.StagedArraySbatch`);
 5. **record** the job ids (`record.Recorder`, which scancels a job whose task was canceled
    meanwhile).
 

@@ -1,4 +1,5 @@
-"""The submission of a task staged on the transfer partition (poller.chain): three sbatches,
+"""The submission of a task staged on the transfer partition (poller.chain) alone (several of
+one shape go as three arrays: submit.staged): three sbatches,
 the stage-in job, the task's job (`--dependency=afterok:<stage-in>`) and the stage-out job
 (`afterok:<task's job>`), each with `--kill-on-invalid-dep=yes`, so a part that did not end
 well cancels the rest before they run.
@@ -29,6 +30,18 @@ from bridge.slurm import SlurmError, SlurmRejected
 from bridge.store import TaskRecord
 
 log = logging.getLogger("bridge.poller")
+
+
+def prepared_again(ctx: PollerContext, task: TaskRecord) -> PreparedJob:
+    """The prepared job of a staged task whose submission was interrupted (its directory and
+    scripts were written before)."""
+    assert task.document is not None
+    return PreparedJob(
+        ctx.task_dir(task.id) / SCRIPT,
+        time_limit(task.document, ctx.config),
+        disk_gb(task.document),
+        staged=True,
+    )
 
 
 class ChainSbatch:
@@ -68,14 +81,7 @@ class ChainSbatch:
     def resume(self, task: TaskRecord, chain: Chain, stats: CycleStats) -> int:
         """Submit the parts an interrupted chain lacks (recovery found the others, and no job
         of the missing ones once their sbatches settled and the task was fenced)."""
-        assert task.document is not None
-        prepared = PreparedJob(
-            self.ctx.task_dir(task.id) / SCRIPT,
-            time_limit(task.document, self.ctx.config),
-            disk_gb(task.document),
-            staged=True,
-        )
-        return self._submit_parts(task, chain, prepared, stats)
+        return self._submit_parts(task, chain, prepared_again(self.ctx, task), stats)
 
     def _submit_parts(
         self, task: TaskRecord, chain: Chain, prepared: PreparedJob, stats: CycleStats

@@ -4,6 +4,7 @@ of the job."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bridge.poller.arrays import ARRAY_JOB_KEY, PreparedJob, Ready
 from bridge.poller.attempt import TaskLogs
@@ -11,6 +12,25 @@ from bridge.poller.cancel import Canceller
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.decisions import TIME_LIMIT_KEY
 from bridge.store import TaskRecord
+
+
+@dataclass(frozen=True)
+class Element:
+    """A task's element of a job array: its attempt, and its index I (the job `ID_I`)."""
+
+    task: TaskRecord
+    attempt: int
+    index: int
+    prepared: PreparedJob
+
+    def job_id(self, array_id: str) -> str:
+        return f"{array_id}_{self.index}"
+
+
+def elements_of(members: Sequence[Ready]) -> list[Element]:
+    """The elements of an array's tasks just marked (submit.marks): member i is element i, of
+    its task's next attempt."""
+    return [Element(r.task, r.task.attempt + 1, i, r.prepared) for i, r in enumerate(members)]
 
 
 class Recorder:
@@ -31,13 +51,19 @@ class Recorder:
     def record_array(self, members: Sequence[Ready], array_id: str, stats: CycleStats) -> None:
         """Store each member's element of array `array_id` (member i is element i), all in one
         transaction; then scancel the elements whose tasks were canceled meanwhile."""
+        self.record_elements(elements_of(members), array_id, stats)
+
+    def record_elements(
+        self, elements: Sequence[Element], array_id: str, stats: CycleStats
+    ) -> None:
+        """Store each task's element `ID_I` of array `array_id`, all in one transaction; then
+        scancel the elements whose tasks were canceled meanwhile."""
         canceled: list[str] = []
         with self.ctx.store.batch():
-            for index, ready in enumerate(members):
-                task = ready.task
-                job_id = f"{array_id}_{index}"
-                if self._store(task, task.attempt + 1, job_id, ready.prepared, array_id):
-                    canceled.append(task.id)
+            for element in elements:
+                job_id = element.job_id(array_id)
+                if self._store(element.task, element.attempt, job_id, element.prepared, array_id):
+                    canceled.append(element.task.id)
         self._cancel_now(canceled, stats)
 
     def _store(

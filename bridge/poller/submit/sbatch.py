@@ -9,14 +9,15 @@ import secrets
 
 from bridge.core.naming import LEASE_EPOCH_ARG, array_job_name, job_name
 from bridge.poller.arrays import ArrayPlanner, Ready, marked_logs
-from bridge.poller.attempt import Condition, ConditionKind
 from bridge.poller.chain import CHAIN_JOBS
 from bridge.poller.context import CycleStats, PollerContext
 from bridge.poller.owners import OwnerRunner
 from bridge.poller.submit.chain import ChainSbatch
 from bridge.poller.submit.failures import SbatchFailures
+from bridge.poller.submit.marks import mark_array, unmark
 from bridge.poller.submit.outcome import Backoff, Outcomes
 from bridge.poller.submit.record import Recorder
+from bridge.poller.submit.staged import StagedArraySbatch
 from bridge.slurm import Outage, SlurmError, SlurmRejected, SlurmUnavailable
 from bridge.store import TaskRecord
 
@@ -51,6 +52,8 @@ class Sbatch:
         self.recorder = recorder
         #: Tasks staged on the transfer partition: three jobs each.
         self.chain = ChainSbatch(ctx, owners, backoff, outcomes, failures, recorder)
+        #: Staged tasks of one shape: three arrays.
+        self.staged = StagedArraySbatch(ctx, backoff, arrays, outcomes, failures, recorder)
 
     def submit_round(self, units: list[list[Ready]], stats: CycleStats) -> list[Ready]:
         """One sbatch per unit: a task of its own, or several as one array; a failed sbatch
@@ -65,13 +68,16 @@ class Sbatch:
                 waiting = [r.task for later in units[index:] for r in later]
                 self.outcomes.tell_waiting(waiting, self.backoff.reason)
                 return _unreached(units[index:])
-            # A staged task's chain is three sbatches (submit.chain).
-            sbatches = CHAIN_JOBS if len(unit) == 1 and unit[0].prepared.staged else 1
-            if self._budget_spent(until, sbatches):
+            # Staged tasks are three sbatches: a chain (submit.chain) or three arrays
+            # (submit.staged).
+            staged = unit[0].prepared.staged
+            if self._budget_spent(until, CHAIN_JOBS if staged else 1):
                 return _unreached(units[index:])  # the budget is spent: the rest go next cycle
             try:
-                if len(unit) == 1 and unit[0].prepared.staged:
+                if staged and len(unit) == 1:
                     stats.submitted += self.chain.submit(unit[0], stats)
+                elif staged:
+                    stats.submitted += self.staged.submit(unit, stats)
                 elif len(unit) == 1:
                     stats.submitted += self.submit_one(unit[0], stats)
                 else:
@@ -117,13 +123,13 @@ class Sbatch:
     def submit_array(self, unit: list[Ready], stats: CycleStats) -> int:
         """One `sbatch --array` for tasks of one shape; how many were submitted."""
         name = array_job_name(secrets.token_hex(6), (r.document.get("name") for r in unit))
-        members = self._mark_array(unit, name)
+        members = mark_array(self.ctx, unit, name)
         if not members:
             return 0
         try:
             script = self.arrays.write_script(members, name)
         except OSError as exc:
-            self._unmark(members, exc)
+            unmark(self.ctx, self.outcomes, members, exc)
             return 0
         try:
             self.ctx.check_lease()  # a poller that lost its lease submits nothing
@@ -150,34 +156,6 @@ class Sbatch:
         self.recorder.record_array(members, array_id, stats)
         log.info("submitted %d tasks as Slurm job array %s (%s)", len(members), array_id, name)
         return len(members)
-
-    def _mark_array(self, unit: list[Ready], name: str) -> list[Ready]:
-        """Each task marked as submitting with its element (its index among the marked ones),
-        before sbatch runs; the tasks canceled meanwhile are left out."""
-        members: list[Ready] = []
-        now = self.ctx.clock()
-        with self.ctx.store.batch():  # one commit: all marked before sbatch, or none
-            for ready in unit:
-                task = ready.task
-                attempt = task.attempt + 1
-                logs = marked_logs(task, attempt, (name, len(members)))
-                if self.ctx.store.mark_submitting(task.id, attempt=attempt, now=now, logs=logs):
-                    if logs is not None:
-                        task.logs = logs
-                    members.append(ready)
-        return members
-
-    def _unmark(self, members: list[Ready], exc: OSError) -> None:
-        """The array's script could not be written: no sbatch ran, the tasks wait."""
-        log.warning("cannot write the script of a job array: %s", exc)
-        reason = Condition(
-            ConditionKind.TASK_DIR_UNWRITABLE,
-            f"waiting: cannot prepare the task directory ({exc})",
-        )
-        delay = None
-        for ready in members:
-            self.ctx.store.forget_submission(ready.task.id, attempt=ready.task.attempt)
-            delay = self.outcomes.wait(ready.task, ready.task.attempt + 1, reason, delay=delay)
 
     def _epoch_args(self) -> list[str]:
         """Each job gets its submission's fence token (PollerContext.fence_token): a job
