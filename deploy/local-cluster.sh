@@ -957,6 +957,17 @@ start_node() {
     </dev/null >>"$LOGS/slurmd-$node.out" 2>&1 || daemon_failed "slurmd-$node" "exited at start"
 }
 
+# A node of the running configuration whose slurmd is away (killed), started again as `up` does:
+# in its mount namespace, the network-less one in its network namespace too.
+start_one_node() {
+  local node=$1
+  OFFLINE_WANTED=$(configured_offline)
+  use_nodes "$(configured_nodes)"
+  [[ " ${NODES[*]} " == *" $node "* ]] || die "no compute node '$node' in this configuration"
+  [[ $node != "$OFFLINE_NODE" ]] || offline_network_up
+  start_node "$node"
+}
+
 # --- the network-less node ----------------------------------------------------------------------
 
 # The rules on this side of the network-less node's link (device $1): what comes in from the node
@@ -1612,6 +1623,8 @@ main() {
   _node) node_namespace "$1" ;;
   # slurmctld alone, of the running release (a fault's undoing: `up` would start the nodes too).
   _slurmctld) start_slurmctld ;;
+  # One compute node's slurmd, started as `up` starts it (a fault's undoing).
+  _slurmd) start_one_node "${1:-}" ;;
   down) cmd_down "$@" ;;
   add-user) cmd_add_user "$@" ;;
   status)

@@ -118,26 +118,16 @@ def start_slurmctld() -> None:
     wait_until(slurmctld_answers, 30)
 
 
-def start_node(node: str, readonly: str) -> None:
-    """As deploy/local-cluster.sh's start_node: slurmd in a mount namespace of its own, with
-    the read-only paths the killed one had."""
-    env = {
-        **slurm_env(),
-        "LOCAL_CLUSTER_DIR": str(STATE_DIR),
-        "LOCAL_CLUSTER_NODE_READONLY": readonly,
-    }
+def start_node(node: str, readonly: str | None) -> None:
+    """deploy/local-cluster.sh's start of one node, as `up` starts it: slurmd in a mount
+    namespace of its own, with the read-only paths the killed one had (`readonly`; None: the
+    script's default, which holds the checkout the tests run from)."""
+    env = {**slurm_env(), "LOCAL_CLUSTER_DIR": str(STATE_DIR)}
+    if readonly is not None:
+        env["LOCAL_CLUSTER_NODE_READONLY"] = readonly
     with open(STATE_DIR / "log" / f"slurmd-{node}.out", "ab") as out:
         subprocess.run(
-            [
-                "unshare",
-                "--mount",
-                "--propagation",
-                "slave",
-                "--",
-                str(CLUSTER_SCRIPT),
-                "_node",
-                node,
-            ],
+            [str(CLUSTER_SCRIPT), "_slurmd", node],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -172,7 +162,7 @@ def resume_nodes(nodes: list[str]) -> list[str]:
     return resumed
 
 
-def restore_cluster(nodes: list[str], readonly: str) -> None:
+def restore_cluster(nodes: list[str], readonly: str | None) -> None:
     """slurmctld, every node's slurmd and the registry running (and not stopped), no node
     drained."""
     registry = daemon_pid("registry")

@@ -81,7 +81,8 @@ class Nemesis:
         self.lock = threading.Lock()
         self.ending = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.node_readonly = "/usr /opt /work/main /work/wt"
+        #: The killed slurmd's LOCAL_CLUSTER_NODE_READONLY (None: it had the default).
+        self.node_readonly: str | None = None
         #: Drained nodes put back (time, which and why).
         self.resumed: list[list[Any]] = []
         #: (node, UTC time as sacct prints it) of each node whose processes were all killed:

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from bench.common import REPO
 from bench.common import kill_node as kill_node_processes
+from bench.nemesis.cluster import start_node
 from tests.fixtures.cluster import LocalCluster
 from tests.fixtures.service import BridgeService, start_bridge_service
 
@@ -75,6 +78,33 @@ def test_up_after_kill_9_of_a_nodes_slurmd_brings_it_back_within_seconds(
     # One line per partition the node is in (main and the preemptible one).
     states = set(state.stdout.split())
     assert states and states <= {"idle", "mixed", "allocated"}, state.stdout
+
+
+def test_a_node_the_nemesis_brings_back_sees_what_up_gave_it(
+    local_cluster: LocalCluster, shared_tmp_path: Path, restore_nodes: None
+) -> None:
+    """The soak's node fault starts a killed slurmd again through the cluster script's `_slurmd`:
+    its jobs see this checkout (the job scripts run its Python), read-only, wherever it lies,
+    a `mktemp -d` clone under the login node's /tmp included."""
+    node = local_cluster.nodes[-1]
+    kill_node(local_cluster, node)
+    start_node(node, None)
+    venv_python = Path(sys.executable).parent / "python"
+    result = shared_tmp_path / "views.txt"
+    body = (
+        f"test -x {venv_python} && echo python || echo no-python\n"
+        f"test -d {REPO}/bridge && echo checkout || echo no-checkout\n"
+        f"test -w {REPO} && echo writable || echo read-only\n"
+    )
+    subprocess.run(
+        ["sbatch", "--wait", f"--nodelist={node}", f"--output={result}"],
+        input=f"#!/bin/bash\n{body}",
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert result.read_text().split() == ["python", "checkout", "read-only"]
 
 
 # --------------------------------------------------------------------------- the nodes' views
