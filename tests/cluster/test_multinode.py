@@ -47,6 +47,18 @@ def sacct_nodes(job_ids: list[str]) -> dict[str, str]:
     return dict(line.split("|", 1) for line in out.splitlines() if line)
 
 
+def sbatch_on(node: str, script: str, *options: str) -> str:
+    """sbatch of `script` on `node`; its job id (with --wait: once the job has ended)."""
+    return subprocess.run(
+        ["sbatch", "--parsable", f"--nodelist={node}", *options],
+        input=script,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+
+
 @pytest.fixture(autouse=True)
 def several_nodes(local_cluster: LocalCluster) -> None:
     assert len(local_cluster.nodes) >= 2, (
@@ -96,14 +108,7 @@ def test_a_node_the_nemesis_brings_back_sees_what_up_gave_it(
         f"test -d {REPO}/bridge && echo checkout || echo no-checkout\n"
         f"test -w {REPO} && echo writable || echo read-only\n"
     )
-    subprocess.run(
-        ["sbatch", "--wait", f"--nodelist={node}", f"--output={result}"],
-        input=f"#!/bin/bash\n{body}",
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
+    sbatch_on(node, f"#!/bin/bash\n{body}", "--wait", f"--output={result}")
     assert result.read_text().split() == ["python", "checkout", "read-only"]
 
 
@@ -125,14 +130,9 @@ def test_each_node_has_its_own_tmp_and_not_the_login_nodes(
             f"touch /usr/probe-{node} 2>/dev/null && echo writable || echo read-only"
             f" > {shared_tmp_path}/usr-{node}.txt\n"
         )
-        ids[node] = subprocess.run(
-            ["sbatch", "--parsable", f"--nodelist={node}", f"--output={shared_tmp_path}/%j.out"],
-            input=f"#!/bin/bash\nset -e\n{body}",
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
+        ids[node] = sbatch_on(
+            node, f"#!/bin/bash\nset -e\n{body}", f"--output={shared_tmp_path}/%j.out"
+        )
     deadline = time.monotonic() + 90
     while not all((shared_tmp_path / f"usr-{n}.txt").exists() for n in ids):
         assert time.monotonic() < deadline, list(shared_tmp_path.iterdir())

@@ -379,14 +379,15 @@ def test_task_logs_names_the_three_jobs_of_a_staged_task():
 # ----------------------------------------------------------------------------- the parts run
 
 
-def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
-    """The three scripts run one after another (as Slurm's afterok chain runs them), with the
-    job side's real staging against loopback servers and a stand-in runtime: the stage-in
-    downloads, the task's job runs the executor and ends 0 though it failed, the stage-out
-    uploads all the same and ends as the task did, and the records are one job's."""
-    from tests.unit.test_job_side import REPO, stand_in_runtime
+def staged_task_dir(
+    storage_servers: Any, tmp_path: Path, name: str, out_url: str, shell: str
+) -> tuple[Config, Path]:
+    """A staged task prepared for the job side: an HTTP input `<name>/in.txt` ("hello") at
+    /in/a, an output /out/b to `out_url`, and an executor running `shell` through a stand-in
+    runtime, which runs it on the host: `{root}` in it is the host path of the task's root."""
+    from tests.unit.test_job_side import stand_in_runtime
 
-    storage_servers.put("http", "parts/in.txt", b"hello\n")
+    storage_servers.put("http", f"{name}/in.txt", b"hello\n")
     runtime, image = stand_in_runtime(tmp_path)
     config = Config.model_validate(
         {
@@ -400,18 +401,28 @@ def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
             },
         }
     )
-    out_url = storage_servers.url_for("http", "parts/out.txt")
-    # The stand-in runtime runs the executor on the host: it is given the host paths of its
-    # container's /in/a and /out/b.
     root = config.work_dir / "job-1" / "root"
-    upper = f"tr a-z A-Z <{root}/in/a >{root}/out/b;"
     task = {
         "id": "job-1",
-        "inputs": [{"url": storage_servers.url_for("http", "parts/in.txt"), "path": "/in/a"}],
+        "inputs": [{"url": storage_servers.url_for("http", f"{name}/in.txt"), "path": "/in/a"}],
         "outputs": [{"url": out_url, "path": "/out/b"}],
-        "executors": [{"image": "img", "command": ["sh", "-c", f"{upper} exit 3"]}],
+        "executors": [{"image": "img", "command": ["sh", "-c", shell.format(root=root)]}],
     }
     task_dir = prepare_task_dir(task, config=config, image_paths={"img": str(image)}).parent
+    return config, task_dir
+
+
+def test_the_three_parts_run_in_turn_as_one_job_does(storage_servers, tmp_path):
+    """The three scripts run one after another (as Slurm's afterok chain runs them), with the
+    job side's real staging against loopback servers and a stand-in runtime: the stage-in
+    downloads, the task's job runs the executor and ends 0 though it failed, the stage-out
+    uploads all the same and ends as the task did, and the records are one job's."""
+    from tests.unit.test_job_side import REPO
+
+    out_url = storage_servers.url_for("http", "parts/out.txt")
+    _, task_dir = staged_task_dir(
+        storage_servers, tmp_path, "parts", out_url, "tr a-z A-Z <{root}/in/a >{root}/out/b; exit 3"
+    )
 
     def run(name: str, job_id: str, *args: str) -> int:
         env = dict(os.environ, SLURM_JOB_ID=job_id, PYTHONPATH=str(REPO))
@@ -951,31 +962,12 @@ def test_the_three_parts_run_as_elements_of_their_arrays(storage_servers, tmp_pa
     continues them as `RUN_3` (after=IN_3), the stage-out element completes `RUN_3`'s."""
     from bridge.jobscript.array import render_array_script
     from bridge.jobscript.parts import PART_SCRIPTS
-    from tests.unit.test_job_side import REPO, stand_in_runtime
+    from tests.unit.test_job_side import REPO
 
-    storage_servers.put("http", "elements/in.txt", b"hello\n")
-    runtime, image = stand_in_runtime(tmp_path)
-    config = Config.model_validate(
-        {
-            "state_dir": str(tmp_path / "state"),
-            "container": {"runtime": str(runtime), "allow_root": True},
-            "job": {"python": sys.executable},
-            "staging": {
-                **storage_servers.staging_options(),
-                "where": "transfer",
-                "transfer_partition": "xfer",
-            },
-        }
-    )
     out_url = storage_servers.url_for("http", "elements/out.txt")
-    root = config.work_dir / "job-1" / "root"
-    task = {
-        "id": "job-1",
-        "inputs": [{"url": storage_servers.url_for("http", "elements/in.txt"), "path": "/in/a"}],
-        "outputs": [{"url": out_url, "path": "/out/b"}],
-        "executors": [{"image": "img", "command": ["sh", "-c", f"cp {root}/in/a {root}/out/b"]}],
-    }
-    task_dir = prepare_task_dir(task, config=config, image_paths={"img": str(image)}).parent
+    config, task_dir = staged_task_dir(
+        storage_servers, tmp_path, "elements", out_url, "cp {root}/in/a {root}/out/b"
+    )
 
     def element(part: str, array: str, *args: str) -> int:
         script = tmp_path / f"{part}.sh"
