@@ -15,6 +15,18 @@ every task had its job, the jobs and submission RPCs it took, and the Slurm call
 with that many jobs queued; then its jobs are scanceled (running them all would take hours on
 the local cluster's 4 CPUs).
 
+Staged tasks, on sides of their own (`BENCH_ARRAYS_SIDES=staged,staged-never`; not in the
+default run, which they would lengthen by about 5 minutes, a fifth, for a question of their
+own: both took 282 s at 200 tasks on the local cluster):
+BENCH_ARRAYS_STAGED (200) same-shape tasks, each with one small HTTP input and one HTTP output
+(PUT) on a loopback server (the tests' `python -m tests.fixtures.storage http`), `alpine sh -c
+'cat /in/x > /out/y'` on the cluster's network-less partition, staged on its transfer partition
+(`staging.where = "transfer"`): a chain of three jobs a task, stage-in, the task's job and
+stage-out. `staged`: `arrays = "auto"`, three job arrays a shape; `staged-never`: `arrays =
+"never"`, three sbatches a task. Each: the makespan, the time from the last POST until every task
+had its three jobs, the sbatch RPCs, the Slurm calls per poll cycle, and how many tasks ended
+COMPLETE with their output right (all must, or the run fails naming the tasks).
+
 For each side: the makespan (first POST or submission to the last job's end), how many sbatch
 ran, the time from the last POST until every task had its Slurm job, slurmctld's RPCs per task
 from `sdiag` before and after (REQUEST_SUBMIT_BATCH_JOB, and every RPC of the user: the
@@ -31,6 +43,7 @@ import json
 import os
 import pwd
 import re
+import secrets
 import shutil
 import sqlite3
 import statistics
@@ -38,7 +51,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +64,7 @@ from bench.common import (
     PYTHON,
     REPO,
     bridge_env,
+    free_port,
     list_tasks,
     log_file,
     scratch,
@@ -67,9 +81,12 @@ TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
 SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
 LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
 BURST = int(os.environ.get("BENCH_ARRAYS_BURST", "10000"))
+STAGED = int(os.environ.get("BENCH_ARRAYS_STAGED", "200"))
 #: The sides to run (all by default): a 10,000-task makespan takes about half an hour a side
 #: on the local cluster, so a run may take only those it compares.
 ALL_SIDES = ("bridge", "shapes", "lone", "raw-array", "raw-loop", "never", "budget")
+#: The staged tasks' sides, run only when named (see the module's docstring), by their labels.
+STAGED_SIDES = {"staged": "staged, 3 arrays", "staged-never": "staged, one chain per task"}
 SIDES = [
     side.strip()
     for side in os.environ.get("BENCH_ARRAYS_SIDES", ",".join(ALL_SIDES)).split(",")
@@ -91,6 +108,11 @@ LOG_LEVEL = os.environ.get("BENCH_ARRAYS_LOG_LEVEL", "WARNING")
 #: which Slurm limits anyway), and of the one under Slurm's.
 UNLIMITED = 'arrays = "auto"' + ("" if USER else "\ncalls_per_second = 0")
 BUDGET = 'arrays = "auto"\ncalls_per_second = 2\ncalls_burst = 30'
+NEVER = 'arrays = "never"\ncalls_per_second = 0'
+#: What a staged task's input holds, and its executor copies to its output.
+STAGED_DATA = b"staged input\n"
+#: The attempt's metadata that names each job of a staged task's chain (bridge.poller.chain).
+CHAIN_KEYS = ("slurm_stage_in_job_id", "slurm_job_id", "slurm_stage_out_job_id")
 
 
 def as_user() -> dict[str, Any]:
@@ -181,6 +203,13 @@ class Bridge:
         """Tasks without their Slurm job."""
         return int(self._store("SELECT COUNT(*) FROM tasks WHERE job_id IS NULL")[0][0])
 
+    def unchained(self) -> int:
+        """Tasks whose attempt does not name each of its chain's three jobs yet."""
+        missing = " OR ".join(
+            f"json_extract(logs, '$[#-1].metadata.{k}') IS NULL" for k in CHAIN_KEYS
+        )
+        return int(self._store(f"SELECT COUNT(*) FROM tasks WHERE {missing}")[0][0])
+
     def job_ids(self) -> set[str]:
         """The Slurm jobs of the tasks (an array's id once for all its elements)."""
         rows = self._store("SELECT job_id FROM tasks WHERE job_id IS NOT NULL")
@@ -202,10 +231,14 @@ class Bridge:
 
 
 @contextmanager
-def bridge(info: dict[str, str], root: Path, name: str, slurm: str) -> Iterator[Bridge]:
+def bridge(
+    info: dict[str, str], root: Path, name: str, slurm: str, sections: str = ""
+) -> Iterator[Bridge]:
+    """A bridge of the local cluster's container settings, these [slurm] keys, and `sections`
+    (whole TOML sections)."""
     home = root / name
     home.mkdir()
-    extra = f"{container_toml(info, root / 'images')}[slurm]\n{slurm}\n"
+    extra = f"{container_toml(info, root / 'images')}[slurm]\n{slurm}\n{sections}"
     config = write_config(home, f"sqlite:///{home}/tasks.db", extra=extra)
     bind = config.read_text().split('bind = "')[1].split('"')[0]
     if USER:  # its state and the image cache are the account's, as on a login node
@@ -237,11 +270,23 @@ def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, floa
     task had its job, how many jobs (arrays or single) carried them, and the bridge's Slurm
     calls per poll cycle meanwhile."""
     run = uuid.uuid4().hex
-    session = requests.Session()
     bodies = [
         json.dumps({"executors": SLEEP, "tags": {"bench": run}, **shape_of(i, shapes)})
         for i in range(count)
     ]
+    figures, tasks = posted_burst(service, bodies, run, service.unsubmitted)
+    assert all(t["state"] == "COMPLETE" for t in tasks), [t["state"] for t in tasks][:5]
+    jobs = {t["logs"][0]["metadata"]["slurm_job_id"].split("_")[0] for t in tasks}
+    return {**figures, "jobs": len(jobs)}
+
+
+def posted_burst(
+    service: Bridge, bodies: list[str], run: str, waiting: Callable[[], int]
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The tasks `bodies` (each tagged `bench: run`) posted at once: the makespan, the seconds
+    from the last POST until `waiting()` (tasks without their jobs) was 0, the bridge's sbatch
+    calls and its Slurm calls per poll cycle meanwhile; and the tasks (FULL) once all ended."""
+    session = requests.Session()
     before = service.counters()
     started = time.perf_counter()
     for body in bodies:
@@ -251,24 +296,22 @@ def bridge_burst(service: Bridge, count: int, shapes: int = 1) -> dict[str, floa
     submitted_at = [0.0]
 
     def watch_submissions() -> None:
-        while service.unsubmitted():
+        while waiting():
             time.sleep(0.05)
         submitted_at[0] = time.perf_counter()
         all_submitted.set()
 
     threading.Thread(target=watch_submissions, daemon=True).start()
-    ended, tasks = wait_final(session, service.api, run, count)
-    elapsed = ended - started
+    ended, tasks = wait_final(session, service.api, run, len(bodies))
     all_submitted.wait(60)
     after = service.counters()
-    assert all(t["state"] == "COMPLETE" for t in tasks), [t["state"] for t in tasks][:5]
-    jobs = {t["logs"][0]["metadata"]["slurm_job_id"].split("_")[0] for t in tasks}
-    return {
-        "makespan_s": elapsed,
-        "jobs": len(jobs),
+    figures = {
+        "makespan_s": ended - started,
         "submitted_after_last_post_s": submitted_at[0] - last_post,
+        "sbatch_calls": after["sbatch"] - before["sbatch"],
         **cycle_figures(before, after),
     }
+    return figures, tasks
 
 
 def cycle_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -371,11 +414,13 @@ def main() -> dict[str, object]:
         unlimited_sides(service, results, lone, raw_script, directives)
     raw_sides(results, raw_script, directives)
     later_bridge_sides(info, root, results, lone, raw_script, directives)
+    staged_sides(info, root, results)
     ratios = makespan_ratios(results)
     report(results, ratios, lone, directives)
     data = {
         "tasks": TASKS,
         "shapes": SHAPES,
+        "staged_tasks": STAGED,
         "directives": directives,
         "sides": results,
         "ratios": ratios,
@@ -384,7 +429,8 @@ def main() -> dict[str, object]:
     data["sides_run"] = SIDES
     # Another size, or some sides only, are kept beside the default run's figures.
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
-    name = f"arrays-{TASKS}-{'+'.join(SIDES)}" if SIDES else f"arrays-burst-{BURST}"
+    size = STAGED if set(SIDES) <= set(STAGED_SIDES) else TASKS
+    name = f"arrays-{size}-{'+'.join(SIDES)}" if SIDES else f"arrays-burst-{BURST}"
     write_result("arrays" if whole else name, data)
     if os.environ.get("BENCH_KEEP") == "1":
         print(f"kept: {root}")
@@ -470,7 +516,7 @@ def later_bridge_sides(
 ) -> None:
     """Each in a bridge of its own: one job per task, the call budget, the submission burst."""
     if "never" in SIDES:
-        with bridge(info, root, "never", 'arrays = "never"\ncalls_per_second = 0') as service:
+        with bridge(info, root, "never", NEVER) as service:
             measured(
                 f"one job per task, {SHAPES} shapes",
                 results,
@@ -505,6 +551,89 @@ def budget_side(
             lone["budget 2/s burst 30"] = lone_latencies(service, raw_script, directives)
 
 
+def staged_sides(info: dict[str, str], root: Path, results: dict[str, dict[str, float]]) -> None:
+    """Staged tasks, each side in a bridge of its own, against one loopback HTTP server."""
+    sides = [side for side in STAGED_SIDES if side in SIDES]
+    if not sides:
+        return
+    task_partition = info.get("LOCAL_CLUSTER_OFFLINE_PARTITION") or info["LOCAL_CLUSTER_PARTITION"]
+    transfer = (
+        info.get("LOCAL_CLUSTER_TRANSFER_PARTITION") or info["LOCAL_CLUSTER_PREEMPTIBLE_PARTITION"]
+    )
+    staging = (
+        f'[staging]\nwhere = "transfer"\ntransfer_partition = "{transfer}"\n'
+        'transfer_time_limit = "10:00"\ntransfer_memory_mb = 256\nhttp_upload = true\n'
+    )
+    with http_server(root / "http") as url:
+        for side in sides:
+            slurm = UNLIMITED if side == "staged" else NEVER
+            with bridge(info, root, side, slurm, staging) as service:
+                measured(
+                    STAGED_SIDES[side], results,
+                    lambda: staged_burst(service, root / "http", url, task_partition), STAGED,
+                )  # fmt: skip
+
+
+@contextmanager
+def http_server(root: Path) -> Iterator[str]:
+    """The tests' loopback HTTP server (GET, and PUT for outputs) serving `root`, holding the
+    staged tasks' input; its URL."""
+    root.mkdir()
+    (root / "in.txt").write_bytes(STAGED_DATA)
+    port = free_port()
+    server = subprocess.Popen(
+        [PYTHON, "-m", "tests.fixtures.storage", "http", str(root), str(port), "bench",
+         secrets.token_hex(8)],
+        stderr=log_file(root.parent / "http.log"), cwd=REPO,
+    )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/in.txt")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(server)
+
+
+def staged_burst(service: Bridge, served: Path, url: str, partition: str) -> dict[str, float]:
+    """STAGED staged tasks posted at once (`posted_burst`, until each had its three jobs), each
+    checked COMPLETE with its output right; how many Slurm jobs (arrays or single) carried
+    their chains."""
+    run = uuid.uuid4().hex
+    bodies = [
+        json.dumps({
+            "executors": [{"image": "alpine", "command": ["sh", "-c", "cat /in/x > /out/y"]}],
+            "inputs": [{"path": "/in/x", "url": f"{url}/in.txt"}],
+            "outputs": [{"path": "/out/y", "url": f"{url}/out/{run}/{i}"}],
+            "resources": {"backend_parameters": {"partition": partition}},
+            "tags": {"bench": run},
+        })
+        for i in range(STAGED)
+    ]  # fmt: skip
+    figures, tasks = posted_burst(service, bodies, run, service.unchained)
+    wrong = [t for t in tasks if t["state"] != "COMPLETE" or not output_right(t, served, url)]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} of {STAGED} staged tasks did not complete with their "
+                           f"output (the bridge's log: {service.root / 'serve.log'}):\n"
+                           + "\n".join(staged_failure(t) for t in wrong[:20]))  # fmt: skip
+    chains = [t["logs"][-1]["metadata"] for t in tasks]
+    jobs = {m[key].split("_")[0] for m in chains for key in CHAIN_KEYS}
+    return {**figures, "jobs": len(jobs), "complete": len(tasks)}
+
+
+def output_right(task: dict[str, Any], served: Path, url: str) -> bool:
+    """The task's output is on the server, a copy of its input."""
+    out = served / str(task["outputs"][0]["url"]).removeprefix(f"{url}/")
+    return out.is_file() and out.read_bytes() == STAGED_DATA
+
+
+def staged_failure(task: dict[str, Any]) -> str:
+    """A staged task that did not complete: its id, state, chain and last system log lines."""
+    log = (task.get("logs") or [{}])[-1]
+    chain = [log.get("metadata", {}).get(key, "-") for key in CHAIN_KEYS]
+    return (
+        f"  {task['id']} {task['state']} jobs {' '.join(chain)}: {log.get('system_logs', [])[-3:]}"
+    )
+
+
 def makespan_ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
     """The makespans compared, of the sides both run."""
     compared = {
@@ -515,6 +644,7 @@ def makespan_ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
             f"bridge, {SHAPES} shapes",
             f"one job per task, {SHAPES} shapes",
         ),
+        "staged_arrays_vs_one_chain_per_task": tuple(STAGED_SIDES.values()),
     }
     return {
         name: results[side]["makespan_s"] / results[base]["makespan_s"]
@@ -530,17 +660,29 @@ def report(
     directives: list[str],
 ) -> None:
     """The sides and ratios as tables, and the lone tasks' medians."""
+    staged = {side: r for side, r in results.items() if side in STAGED_SIDES.values()}
     rows = [
         [side, r.get("makespan_s", "-"), int(r["jobs"]), r.get("submitted_after_last_post_s", "-"),
          r["submit"], r["user"], r.get("calls_per_cycle_without_sbatch", "-")]
-        for side, r in results.items()
+        for side, r in results.items() if side not in staged
     ]  # fmt: skip
-    print(f"{TASKS} one-second tasks (alpine sleep 1; sbatch {' '.join(directives)})")
-    table(
-        ["side", "makespan s", "jobs", "last POST to all submitted s", "submit RPCs/task",
-         "all RPCs/task", "Slurm calls/cycle (no sbatch)"],
-        rows,
-    )  # fmt: skip
+    if rows:
+        print(f"{TASKS} one-second tasks (alpine sleep 1; sbatch {' '.join(directives)})")
+        table(
+            ["side", "makespan s", "jobs", "last POST to all submitted s", "submit RPCs/task",
+             "all RPCs/task", "Slurm calls/cycle (no sbatch)"],
+            rows,
+        )  # fmt: skip
+    if staged:
+        print(f"{STAGED} staged tasks (HTTP in and out on the transfer partition; cat)")
+        table(
+            ["side", "COMPLETE", "makespan s", "jobs", "last POST to all 3 jobs s",
+             "submit RPCs", "all RPCs/task", "Slurm calls/cycle", "(no sbatch)"],
+            [[side, int(r["complete"]), r["makespan_s"], int(r["jobs"]),
+              r["submitted_after_last_post_s"], round(r["submit"] * STAGED), r["user"],
+              r["calls_per_cycle"], r["calls_per_cycle_without_sbatch"]]
+             for side, r in staged.items()],
+        )  # fmt: skip
     table(["ratio", "value"], [[k, v] for k, v in ratios.items()])
     for name, figures in lone.items():
         print(
