@@ -23,8 +23,9 @@ BENCH_ARRAYS_STAGED (200) same-shape tasks, each with one small HTTP input and o
 'cat /in/x > /out/y'` on the cluster's network-less partition, staged on its transfer partition
 (`staging.where = "transfer"`): a chain of three jobs a task, stage-in, the task's job and
 stage-out. `staged`: `arrays = "auto"`, three job arrays a shape; `staged-never`: `arrays =
-"never"`, three sbatches a task. Each: the makespan, the time from the last POST until every task
-had its three jobs, the sbatch RPCs, the Slurm calls per poll cycle, and how many tasks ended
+"never"`, three sbatches a task. Each: the makespan, when the first task and the median task
+ended (from the first POST: whether tasks end as they go), the time from the last POST until
+every task had its three jobs, the sbatch RPCs, the Slurm calls per poll cycle, and how many tasks ended
 COMPLETE with their output right (all must, or the run fails naming the tasks).
 
 For each side: the makespan (first POST or submission to the last job's end), how many sbatch
@@ -54,6 +55,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -608,7 +610,9 @@ def staged_burst(service: Bridge, served: Path, url: str, partition: str) -> dic
         })
         for i in range(STAGED)
     ]  # fmt: skip
+    first_post = time.time()
     figures, tasks = posted_burst(service, bodies, run, service.unchained)
+    ends = sorted(_ended_at(t) - first_post for t in tasks)
     wrong = [t for t in tasks if t["state"] != "COMPLETE" or not output_right(t, served, url)]
     if wrong:
         raise RuntimeError(f"{len(wrong)} of {STAGED} staged tasks did not complete with their "
@@ -616,7 +620,15 @@ def staged_burst(service: Bridge, served: Path, url: str, partition: str) -> dic
                            + "\n".join(staged_failure(t) for t in wrong[:20]))  # fmt: skip
     chains = [t["logs"][-1]["metadata"] for t in tasks]
     jobs = {m[key].split("_")[0] for m in chains for key in CHAIN_KEYS}
-    return {**figures, "jobs": len(jobs), "complete": len(tasks)}
+    return {
+        **figures, "jobs": len(jobs), "complete": len(tasks),
+        "first_task_end_s": ends[0], "median_task_end_s": statistics.median(ends),
+    }  # fmt: skip
+
+
+def _ended_at(task: dict[str, Any]) -> float:
+    """When the task's last attempt ended (its end_time), as a Unix time."""
+    return datetime.fromisoformat(task["logs"][-1]["end_time"]).timestamp()
 
 
 def output_right(task: dict[str, Any], served: Path, url: str) -> bool:
@@ -676,9 +688,11 @@ def report(
     if staged:
         print(f"{STAGED} staged tasks (HTTP in and out on the transfer partition; cat)")
         table(
-            ["side", "COMPLETE", "makespan s", "jobs", "last POST to all 3 jobs s",
-             "submit RPCs", "all RPCs/task", "Slurm calls/cycle", "(no sbatch)"],
-            [[side, int(r["complete"]), r["makespan_s"], int(r["jobs"]),
+            ["side", "COMPLETE", "makespan s", "first / median task end s", "jobs",
+             "last POST to all 3 jobs s", "submit RPCs", "all RPCs/task", "Slurm calls/cycle",
+             "(no sbatch)"],
+            [[side, int(r["complete"]), r["makespan_s"],
+              f"{r['first_task_end_s']:.1f} / {r['median_task_end_s']:.1f}", int(r["jobs"]),
               r["submitted_after_last_post_s"], round(r["submit"] * STAGED), r["user"],
               r["calls_per_cycle"], r["calls_per_cycle_without_sbatch"]]
              for side, r in staged.items()],

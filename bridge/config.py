@@ -409,6 +409,12 @@ class StagingConfig(_Section):
     transfer_time_limit: str = "4:00:00"
     #: Each stage-in and stage-out job's --mem, in MB.
     transfer_memory_mb: int = Field(default=2048, ge=64)
+    #: Each stage-in job's --nice: where stage-ins and stage-outs wait side by side on the
+    #: transfer partition, a stage-out (a task's end) goes first, so a burst's tasks end as they
+    #: go rather than all after its last download (job arrays of one burst would otherwise
+    #: queue every stage-out behind every stage-in), and staged inputs leave the work filesystem
+    #: sooner. 0: none. A positive nice needs no privilege.
+    stage_in_nice: int = Field(default=10, ge=0, le=100000)
 
     @field_validator("transfer_partition", "transfer_qos")
     @classmethod
@@ -475,7 +481,7 @@ class StagingConfig(_Section):
             mode="json",
             exclude={
                 "protocols", "streamable_bind", "where", "transfer_partition", "transfer_qos",
-                "transfer_time_limit", "transfer_memory_mb",
+                "transfer_time_limit", "transfer_memory_mb", "stage_in_nice",
             },
         )  # fmt: skip
         options["enabled"] = list(self.protocols)

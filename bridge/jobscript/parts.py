@@ -39,7 +39,8 @@ def transfer_directives(
 ) -> list[str]:
     """The `#SBATCH` options of the task's stage-in or stage-out job: its own name, the
     transfer partition or QOS, one CPU, `staging.transfer_memory_mb` and
-    `staging.transfer_time_limit`, and the task's account (its job's checks apply)."""
+    `staging.transfer_time_limit`, the task's account (its job's checks apply), and for the
+    stage-in `staging.stage_in_nice`."""
     directives, _ = directives_and_rule(typed, config, layout, None, owner)
     account = [d for d in directives if d.startswith("--account=")]
     staging = config.staging
@@ -60,6 +61,8 @@ def transfer_directives(
         f"--time={staging.transfer_time_limit}",
         *account,
     ]
+    if part == STAGE_IN_PART and staging.stage_in_nice:
+        lines.append(f"--nice={staging.stage_in_nice}")
     return lines
 
 

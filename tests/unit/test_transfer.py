@@ -149,6 +149,9 @@ def test_a_staged_task_has_three_scripts_its_transfer_jobs_on_the_transfer_parti
     assert "#SBATCH --cpus-per-task=1" in stage_in and "#SBATCH --time=30:00" in stage_in
     assert "#SBATCH --account=lab" in stage_in
     assert "#SBATCH --job-name=fetch-tes-t1-stage-in" in stage_in
+    # A stage-out waiting beside stage-ins goes first (staging.stage_in_nice).
+    assert "#SBATCH --nice=10" in stage_in
+    assert "--nice" not in scripts["job-stage-out.sh"] + scripts["job.sh"]
     # The task's own job keeps its resources and runs no stage-in of its own.
     assert "#SBATCH --cpus-per-task=4" in scripts["job.sh"]
     assert "--partition=xfer" not in scripts["job.sh"]
@@ -157,6 +160,20 @@ def test_a_staged_task_has_three_scripts_its_transfer_jobs_on_the_transfer_parti
     assert "-m bridge.job stage-out" in scripts["job-stage-out.sh"]
     # Runtime and images are checked by the task's job, not on the transfer node.
     assert json.loads(files["job-config.json"])["check_runtime"] is False
+
+
+def test_stage_in_nice_zero_gives_the_stage_in_no_nice(tmp_path):
+    config = load_config(
+        environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+        overrides={**TRANSFER, "staging.stage_in_nice": 0},
+    )
+    files = task_files({**REMOTE, "id": "t1"}, config=config, image_paths={"alpine": "/a.sif"})
+    assert "--nice" not in files["job-stage-in.sh"]
+    with pytest.raises(ConfigError, match="stage_in_nice"):
+        load_config(
+            environ={"TES_BRIDGE_STATE_DIR": str(tmp_path)},
+            overrides={**TRANSFER, "staging.stage_in_nice": -1},
+        )
 
 
 # ----------------------------------------------------------------------------- the poller
