@@ -25,8 +25,9 @@ BENCH_ARRAYS_STAGED (200) same-shape tasks, each with one small HTTP input and o
 stage-out. `staged`: `arrays = "auto"`, three job arrays a shape; `staged-never`: `arrays =
 "never"`, three sbatches a task. Each: the makespan, when the first task and the median task
 ended (from the first POST: whether tasks end as they go), the time from the last POST until
-every task had its three jobs, the sbatch RPCs, the Slurm calls per poll cycle, and how many tasks ended
-COMPLETE with their output right (all must, or the run fails naming the tasks).
+every task had its three jobs, the sbatch RPCs, the Slurm calls per poll cycle, and how many
+tasks ended COMPLETE with their output right (all must, or the run fails naming the tasks).
+BENCH_ARRAYS_STAGE_IN_NICE (10): their `staging.stage_in_nice`.
 
 For each side: the makespan (first POST or submission to the last job's end), how many sbatch
 ran, the time from the last POST until every task had its Slurm job, slurmctld's RPCs per task
@@ -84,6 +85,8 @@ SHAPES = int(os.environ.get("BENCH_ARRAYS_SHAPES", "20"))
 LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
 BURST = int(os.environ.get("BENCH_ARRAYS_BURST", "10000"))
 STAGED = int(os.environ.get("BENCH_ARRAYS_STAGED", "200"))
+#: The staged sides' staging.stage_in_nice (the default; 0 shows a burst's order without it).
+STAGE_IN_NICE = int(os.environ.get("BENCH_ARRAYS_STAGE_IN_NICE", "10"))
 #: The sides to run (all by default): a 10,000-task makespan takes about half an hour a side
 #: on the local cluster, so a run may take only those it compares.
 ALL_SIDES = ("bridge", "shapes", "lone", "raw-array", "raw-loop", "never", "budget")
@@ -423,6 +426,7 @@ def main() -> dict[str, object]:
         "tasks": TASKS,
         "shapes": SHAPES,
         "staged_tasks": STAGED,
+        "stage_in_nice": STAGE_IN_NICE,
         "directives": directives,
         "sides": results,
         "ratios": ratios,
@@ -433,6 +437,8 @@ def main() -> dict[str, object]:
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
     size = STAGED if set(SIDES) <= set(STAGED_SIDES) else TASKS
     name = f"arrays-{size}-{'+'.join(SIDES)}" if SIDES else f"arrays-burst-{BURST}"
+    if STAGE_IN_NICE != 10 and set(SIDES) & set(STAGED_SIDES):
+        name += f"-nice{STAGE_IN_NICE}"
     write_result("arrays" if whole else name, data)
     if os.environ.get("BENCH_KEEP") == "1":
         print(f"kept: {root}")
@@ -565,6 +571,7 @@ def staged_sides(info: dict[str, str], root: Path, results: dict[str, dict[str, 
     staging = (
         f'[staging]\nwhere = "transfer"\ntransfer_partition = "{transfer}"\n'
         'transfer_time_limit = "10:00"\ntransfer_memory_mb = 256\nhttp_upload = true\n'
+        f"stage_in_nice = {STAGE_IN_NICE}\n"
     )
     with http_server(root / "http") as url:
         for side in sides:
