@@ -78,6 +78,7 @@ from bench.common import (
     write_result,
 )
 from bench.e2e import cluster, container_toml, slurm, wait_queue_empty
+from bridge.config import StagingConfig
 from bridge.slurm import SlurmClient
 
 TASKS = int(os.environ.get("BENCH_ARRAYS_TASKS", "1000"))
@@ -86,7 +87,8 @@ LONE = int(os.environ.get("BENCH_ARRAYS_LONE", "5"))
 BURST = int(os.environ.get("BENCH_ARRAYS_BURST", "10000"))
 STAGED = int(os.environ.get("BENCH_ARRAYS_STAGED", "200"))
 #: The staged sides' staging.stage_in_nice (the default; 0 shows a burst's order without it).
-STAGE_IN_NICE = int(os.environ.get("BENCH_ARRAYS_STAGE_IN_NICE", "10"))
+DEFAULT_STAGE_IN_NICE = StagingConfig.model_fields["stage_in_nice"].default
+STAGE_IN_NICE = int(os.environ.get("BENCH_ARRAYS_STAGE_IN_NICE", DEFAULT_STAGE_IN_NICE))
 #: The sides to run (all by default): a 10,000-task makespan takes about half an hour a side
 #: on the local cluster, so a run may take only those it compares.
 ALL_SIDES = ("bridge", "shapes", "lone", "raw-array", "raw-loop", "never", "budget")
@@ -437,7 +439,7 @@ def main() -> dict[str, object]:
     whole = TASKS == 1000 and set(SIDES) == set(ALL_SIDES)
     size = STAGED if set(SIDES) <= set(STAGED_SIDES) else TASKS
     name = f"arrays-{size}-{'+'.join(SIDES)}" if SIDES else f"arrays-burst-{BURST}"
-    if STAGE_IN_NICE != 10 and set(SIDES) & set(STAGED_SIDES):
+    if STAGE_IN_NICE != DEFAULT_STAGE_IN_NICE and set(SIDES) & set(STAGED_SIDES):
         name += f"-nice{STAGE_IN_NICE}"
     write_result("arrays" if whole else name, data)
     if os.environ.get("BENCH_KEEP") == "1":
